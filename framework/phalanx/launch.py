@@ -1,0 +1,153 @@
+"""Process start-up: read torchrun's environment, pick device and backend, seed, shut down.
+
+`launch()` works the same under `torchrun` (or `phalanx run`) and as a plain single process: in
+the latter case it creates a one-rank process group, so every plugin runs through the same code
+path whatever the world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What a rank knows about itself after `launch()`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_CONTEXT: DistContext | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+
+
+def choose_device_and_backend(local_rank: int) -> tuple[torch.device, str]:
+    """CUDA with NCCL when a GPU is visible, else CPU with gloo (never a mixed backend string:
+    'cpu:gloo,cuda:nccl' fails on machines without NCCL)."""
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def set_cpu_threads(local_world_size: int, threads: int | None = None) -> int:
+    """Give each rank an equal share of the cores so ranks on one host do not oversubscribe."""
+    if threads is None:
+        threads = _env_int("PHALANX_THREADS", 0) or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def seed_everything(seed: int, rank: int = 0, *, per_rank: bool = False) -> None:
+    """Seed python, numpy and torch. With per_rank=True each rank gets seed + rank (for data
+    augmentation noise); model initialisation uses the same seed everywhere."""
+    s = seed + (rank if per_rank else 0)
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)
+
+
+def launch(
+    seed: int | None = 42,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    threads: int | None = None,
+) -> DistContext:
+    """Initialise the process group from torchrun's environment (or a one-rank group).
+
+    Calling it twice returns the existing context.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}; start ranks with torchrun or `phalanx run`")
+    device, default_backend = choose_device_and_backend(local_rank)
+    backend = backend or default_backend
+    set_cpu_threads(local_world_size, threads)
+    timeout = _dt.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        else:
+            if world_size != 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={world_size} but MASTER_ADDR is not set: start multi-process runs with "
+                    "`phalanx run -n N script.py` or torchrun"
+                )
+            store = dist.HashStore()
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    if seed is not None:
+        seed_everything(seed, rank)
+    _CONTEXT = DistContext(rank, world_size, local_rank, local_world_size, device, backend)
+    return _CONTEXT
+
+
+def context() -> DistContext:
+    """The context of the current process, launching a one-rank group if nothing launched yet."""
+    if _CONTEXT is None or not dist.is_initialized():
+        return launch(seed=None)
+    return _CONTEXT
+
+
+def shutdown() -> None:
+    """Destroy the process group (call at the end of a script; safe to call twice)."""
+    global _CONTEXT
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (most often a timeout because another rank died or diverged)."""
+
+
+@contextlib.contextmanager
+def collective(operation: str):
+    """Wrap collectives so a failure names this rank and the operation that hung or broke."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        hint = ""
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
+            hint = (" (timed out: another rank probably crashed or is stuck before the same collective; "
+                    "check its log, or raise launch(timeout_s=...))")
+        raise CollectiveError(f"rank {rank}: collective '{operation}' failed{hint}: {exc}") from exc
