@@ -1,0 +1,1 @@
+"""Recipe applications, run from the checkout (python -m apps.<app>.<step>)."""

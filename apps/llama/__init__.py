@@ -1,0 +1,1 @@
+"""Colossal-LLaMA-style domain adaptation recipe."""

@@ -1,0 +1,48 @@
+"""Gradient norm and clipping when each rank holds only part of the gradients.
+
+`global_grad_norm` sums the squares of the gradient pieces this rank owns and all-reduces the
+sum over `group`: pass the group over which gradients are *sharded* (ZeRO-2, FSDP), or None for
+replicated gradients (DDP), where each rank already sees every gradient.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None,
+                     sharded: bool = False, norm_type: float = 2.0) -> float:
+    grads = [g for g in grads if g is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        total = local.reshape(1).clone()
+        if sharded and dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return float(total.item())
+    if grads:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.detach().float().pow(norm_type).sum()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    total = local.reshape(1).clone()
+    if sharded and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return float(total.item() ** (1.0 / norm_type))
+
+
+def clip_grads_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most `max_norm`; returns the factor."""
+    if max_norm is None or max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            if g is not None:
+                g.detach().mul_(coef)
+        return coef
+    return 1.0

@@ -1,0 +1,61 @@
+"""Dynamic loss scaling for fp16: grow the scale while steps are finite, halve and skip the
+step on overflow. The overflow decision is agreed across ranks so every rank skips together."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class DynamicLossScaler:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, min_scale: float = 1.0, max_scale: float = 2.0**24,
+                 enabled: bool = True):
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.enabled = enabled
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    @staticmethod
+    def found_inf(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
+        """True if any tensor on any rank of `group` holds inf/nan."""
+        tensors = [t for t in tensors if t is not None]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        for t in tensors:
+            if not torch.isfinite(t).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self.good_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale = min(self.max_scale, self.scale * self.growth_factor)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps,
+                "enabled": self.enabled}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

@@ -1,0 +1,176 @@
+"""The Booster: one object that applies a plugin's parallel layout to a training script.
+
+    booster = Booster(plugin=ZeroPlugin(stage=2, precision="bf16"))
+    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, criterion,
+                                                                          dataloader, lr_scheduler)
+    booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
+    booster.save_model(model, "ckpt/model", shard=True)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.atomic import CheckpointError, atomic_directory, verify_manifest
+from phalanx.checkpoint.hf import check_state_dict_matches, load_hf_state_dict, save_hf_model
+from phalanx.checkpoint.optimizer import FragmentReader, save_fragments
+from phalanx.checkpoint.train_state import TrainState, load_rng_state, save_rng_state
+from phalanx.launch import context
+
+MODEL_DIR, OPTIM_DIR, SCHED_FILE = "model", "optimizer", "lr_scheduler.json"
+
+
+class Booster:
+    def __init__(self, plugin: Plugin | None = None, mixed_precision: str | None = None):
+        from phalanx.booster.plugins.ddp import DDPPlugin
+
+        context()  # launch a one-rank group if the script did not call phalanx.launch()
+        self.plugin = plugin or DDPPlugin()
+        if mixed_precision is not None:
+            from phalanx.amp.precision import check_precision
+            self.plugin.precision = check_precision(mixed_precision)
+        self.plugin.setup()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    # ------------------------------------------------------------------ boosting
+    def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, criterion: Any = None,
+              dataloader: Any = None, lr_scheduler: Any = None, *, seed: int = 0):
+        """Wrap everything for the plugin's layout. Build the LR scheduler on the *original*
+        optimizer before calling this: the wrapper keeps that optimizer's param groups."""
+        if isinstance(model, ModelWrapper):
+            raise ValueError("this model was already boosted; boost the original model once")
+        wrapped = self.plugin.configure_model(model)
+        optim = None
+        if optimizer is not None:
+            optim = self.plugin.configure_optimizer(optimizer, wrapped)
+            object.__setattr__(wrapped, "phalanx_optimizer", optim)
+        if dataloader is not None:
+            dataloader = self.plugin.configure_dataloader(dataloader, seed=seed)
+        return wrapped, optim, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        self.plugin.backward(loss, optimizer)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None, optimizer: Any = None) -> Iterator[None]:
+        """Skip gradient synchronisation for micro-steps of gradient accumulation."""
+        with self.plugin.no_sync(model, optimizer):
+            yield
+
+    def execute_pipeline(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.plugin.name} has no pipeline stages; pipeline parallelism comes with "
+                                  "HybridParallelPlugin(pp_size>1)")
+
+    # ------------------------------------------------------------------ model
+    def save_model(self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size: str | int = "2GB",
+                   tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+        """Write the full model in Hugging Face layout (gathered from every shard)."""
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            self._write_model(model, tmp, shard=shard, max_shard_size=max_shard_size, tokenizer=tokenizer, dtype=dtype)
+        return path
+
+    def _write_model(self, model, directory: Path, **kwargs) -> None:
+        state = self.plugin.full_model_state_dict(model)
+        if self.rank == 0:
+            save_hf_model(unwrap_model(model), state, directory, **kwargs)
+
+    def load_model(self, model: nn.Module, path: str | Path) -> None:
+        """Load HF-layout weights (saved by any plugin and world size, or by transformers)."""
+        path = Path(path)
+        if (path / "manifest.json").is_file():
+            verify_manifest(path)
+        try:
+            state = load_hf_state_dict(path)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # truncated/corrupt safetensors
+            raise CheckpointError(f"cannot read model weights in {str(path)!r}: {exc}") from exc
+        check_state_dict_matches(unwrap_model(model), state)
+        self.plugin.load_full_model_state_dict(model, state)
+
+    # ------------------------------------------------------------------ optimizer
+    def save_optimizer(self, optimizer: Any, path: str | Path) -> Path:
+        """Write optimizer state sharded (each rank its part); loadable on any world size."""
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            save_fragments(self.plugin.optimizer_fragments(optimizer), tmp)
+        return path
+
+    def load_optimizer(self, optimizer: Any, path: str | Path) -> None:
+        path = Path(path)
+        verify_manifest(path)
+        self.plugin.load_optimizer_fragments(optimizer, FragmentReader(path))
+
+    # ------------------------------------------------------------------ scheduler
+    def save_lr_scheduler(self, lr_scheduler: Any, path: str | Path) -> Path:
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            if self.rank == 0:
+                (tmp / SCHED_FILE).write_text(json.dumps(_scheduler_state(lr_scheduler)))
+        return path
+
+    def load_lr_scheduler(self, lr_scheduler: Any, path: str | Path) -> None:
+        path = Path(path)
+        verify_manifest(path)
+        lr_scheduler.load_state_dict(json.loads((path / SCHED_FILE).read_text()))
+
+    # ------------------------------------------------------------------ whole training checkpoint
+    def save_checkpoint(self, path: str | Path, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
+                        train_state: TrainState | None = None, tokenizer=None) -> Path:
+        """One atomic directory: model/ (HF layout), optimizer/, train_state.json, rng/."""
+        path = Path(path)
+        state = train_state or TrainState()
+        state.world_size = dist.get_world_size()
+        if lr_scheduler is not None:
+            state.lr_scheduler = _scheduler_state(lr_scheduler)
+        if optimizer is not None and getattr(optimizer, "scaler", None) is not None:
+            state.loss_scaler = optimizer.scaler.state_dict()
+        with atomic_directory(path, manifest_extra={"step": state.step}) as tmp:
+            self._write_model(model, tmp / MODEL_DIR, tokenizer=tokenizer)
+            if optimizer is not None:
+                if self.rank == 0:
+                    (tmp / OPTIM_DIR).mkdir()
+                if dist.get_world_size() > 1:
+                    dist.barrier()
+                save_fragments(self.plugin.optimizer_fragments(optimizer), tmp / OPTIM_DIR)
+            save_rng_state(tmp, self.rank)
+            if self.rank == 0:
+                state.save(tmp)
+        return path
+
+    def load_checkpoint(self, path: str | Path, model: nn.Module, optimizer: Any = None,
+                        lr_scheduler: Any = None) -> TrainState:
+        """Restore what `save_checkpoint` wrote; returns the TrainState (step, sampler, …)."""
+        path = Path(path)
+        verify_manifest(path)
+        state = TrainState.load(path)
+        self.load_model(model, path / MODEL_DIR)
+        if optimizer is not None:
+            if not (path / OPTIM_DIR).is_dir():
+                raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; load only the model")
+            self.plugin.load_optimizer_fragments(optimizer, FragmentReader(path / OPTIM_DIR))
+            if state.loss_scaler and getattr(optimizer, "scaler", None) is not None:
+                optimizer.scaler.load_state_dict(state.loss_scaler)
+        if lr_scheduler is not None and state.lr_scheduler:
+            lr_scheduler.load_state_dict(state.lr_scheduler)
+        if state.world_size == dist.get_world_size():
+            load_rng_state(path, self.rank)
+        return state
+
+
+def _scheduler_state(lr_scheduler: Any) -> dict:
+    state = lr_scheduler.state_dict()
+    # LambdaLR keeps callables in its state: they are rebuilt from code, not saved.
+    return {k: v for k, v in state.items() if k != "lr_lambdas" or all(x is None for x in v)}

@@ -1,0 +1,39 @@
+"""Parallel layouts: each plugin wraps model, optimizer and data for one strategy."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from phalanx.booster.plugins.base import Plugin
+
+_PLUGINS = {
+    "DDPPlugin": "phalanx.booster.plugins.ddp",
+    "FSDPPlugin": "phalanx.booster.plugins.fsdp",
+    "ZeroPlugin": "phalanx.booster.plugins.zero",
+}
+
+__all__ = ["Plugin", "make_plugin", *_PLUGINS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PLUGINS:
+        return getattr(importlib.import_module(_PLUGINS[name]), name)
+    raise AttributeError(f"module 'phalanx.booster.plugins' has no attribute {name!r}")
+
+
+PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2")
+
+
+def make_plugin(name: str, precision: str = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
+    """Build a plugin from its config name: ddp | fsdp | zero1 | zero2."""
+    key = name.lower()
+    if key == "ddp":
+        from phalanx.booster.plugins.ddp import DDPPlugin
+        return DDPPlugin(precision=precision, max_norm=max_norm, **kwargs)
+    if key == "fsdp":
+        from phalanx.booster.plugins.fsdp import FSDPPlugin
+        return FSDPPlugin(precision=precision, max_norm=max_norm, **kwargs)
+    if key in ("zero1", "zero2"):
+        from phalanx.booster.plugins.zero import ZeroPlugin
+        return ZeroPlugin(stage=int(key[-1]), precision=precision, max_norm=max_norm, **kwargs)
+    raise ValueError(f"unknown plugin {name!r}; choose one of {', '.join(PLUGIN_NAMES)}")

@@ -1,0 +1,111 @@
+"""What every plugin provides to the Booster.
+
+A plugin decides how the model, optimizer and data are spread over ranks. It implements:
+
+- `configure(...)`: wrap model/optimizer/dataloader for its parallel layout;
+- `backward`, `no_sync` (gradient accumulation), `clip_grad_norm`;
+- the checkpoint hooks used by `phalanx.checkpoint`:
+  * `full_model_state_dict(model)`: the full, unsharded weights keyed by the *unwrapped* model's
+    parameter/buffer names, on CPU (a collective: every rank calls it; only rank 0's result
+    must be complete);
+  * `load_full_model_state_dict(model, state_dict)`: every rank passes the full state dict;
+  * `optimizer_fragments(optimizer)`: this rank's pieces of optimizer state (see
+    `phalanx.checkpoint.optimizer.Fragment`);
+  * `load_optimizer_fragments(optimizer, reader)`: take the pieces this rank owns now.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from phalanx.amp.precision import check_precision
+
+
+class Plugin(ABC):
+    name: str = "plugin"
+
+    def __init__(self, precision: str = "fp32", max_norm: float | None = None):
+        self.precision = check_precision(precision)
+        self.max_norm = max_norm
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_rank = 0
+        self.dp_size = 1
+        self.device = torch.device("cpu")
+
+    # ---- set-up -------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Called once by the Booster after `launch()`; builds process groups."""
+        from phalanx.launch import context
+        ctx = context()
+        self.device = ctx.device
+        self.dp_group = dist.group.WORLD
+        self.dp_rank = dist.get_rank()
+        self.dp_size = dist.get_world_size()
+
+    @abstractmethod
+    def configure_model(self, model: nn.Module) -> nn.Module:
+        ...
+
+    @abstractmethod
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+        ...
+
+    def configure_dataloader(self, dataloader: DataLoader, seed: int = 0) -> DataLoader:
+        from phalanx.data.loader import distribute_dataloader
+        return distribute_dataloader(dataloader, self.dp_size, self.dp_rank, seed=seed)
+
+    # ---- training -----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        optimizer.backward(loss)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, optimizer: Any) -> Iterator[None]:
+        yield
+
+    def clip_grad_norm(self, optimizer: Any, max_norm: float) -> float:
+        raise NotImplementedError
+
+    # ---- checkpoint hooks ---------------------------------------------------------------
+    @abstractmethod
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        ...
+
+    @abstractmethod
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        ...
+
+    @abstractmethod
+    def optimizer_fragments(self, optimizer: Any) -> "OptimizerFragments":
+        ...
+
+    @abstractmethod
+    def load_optimizer_fragments(self, optimizer: Any, reader: "FragmentReader") -> None:
+        ...
+
+    def describe(self) -> str:
+        return f"{self.name}(precision={self.precision}, dp={self.dp_size})"
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside any wrapper (ModelWrapper, DDP, torch.compile)."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for attr in ("unwrapped", "module", "_orig_mod"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module):
+                model = inner
+                break
+        else:
+            break
+    return model
+
+
+# Imported at the end to keep the type names available without import cycles.
+from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments  # noqa: E402,F401

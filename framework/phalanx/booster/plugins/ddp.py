@@ -1,0 +1,107 @@
+"""DDPPlugin: torch DistributedDataParallel, with bf16/fp16 through fp32 master weights."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
+from phalanx.amp.precision import dtype_of
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
+                                          load_full_state_into)
+
+
+class DDPOptimizer(MixedPrecisionOptimizer):
+    """Mixed-precision optimizer that also knows the parameter names (for checkpoints)."""
+
+    def __init__(self, optimizer, names: dict[int, str], **kwargs):
+        super().__init__(optimizer, **kwargs)
+        # names of the params the optimizer now holds (fp32 masters when mixed precision)
+        self.names = {id(self.master_of.get(id(p), p)): names[id(p)] for p in self.model_params}
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        self.max_norm = max_norm
+        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
+
+
+class DDPPlugin(Plugin):
+    """Every rank holds the whole model; gradients are all-reduced in buckets during backward.
+
+    precision="bf16"/"fp16": the model computes in low precision and the optimizer updates fp32
+    master weights (the gradient all-reduce then runs in the low precision too)."""
+
+    name = "ddp"
+
+    def __init__(self, precision: str = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
+                 find_unused_parameters: bool = False, static_graph: bool = False):
+        super().__init__(precision, max_norm)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+
+    def configure_model(self, model: nn.Module) -> ModelWrapper:
+        model = model.to(self.device)
+        if self.precision != "fp32":
+            model = model.to(dtype_of(self.precision))
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DDP(model, device_ids=device_ids, process_group=self.dp_group, bucket_cap_mb=self.bucket_cap_mb,
+                  find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=True,
+                  forward_sync_buffers=False, static_graph=self.static_graph)
+        return ModelWrapper(ddp, model)
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> DDPOptimizer:
+        unwrapped = unwrap_model(model)
+        names = {id(p): n for n, p in unwrapped.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
+                                     "model.parameters() of the model you pass to boost()")
+        return DDPOptimizer(optimizer, names, precision=self.precision, max_norm=self.max_norm)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, optimizer) -> Iterator[None]:
+        ddp = model.module if isinstance(model, ModelWrapper) else model
+        with ddp.no_sync():
+            yield
+
+    # ---- checkpoint hooks ----
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        unwrapped = unwrap_model(model)
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        state = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items()}
+        if optimizer is not None and optimizer.master_of:
+            for name, p in unwrapped.named_parameters():
+                master = optimizer.master_of.get(id(p))
+                if master is not None:
+                    state[name] = master.detach().cpu().clone()
+        return state
+
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        unwrapped = unwrap_model(model)
+        unwrapped.load_state_dict(state_dict, strict=False)
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        if optimizer is not None and optimizer.master_of:
+            with torch.no_grad():
+                for name, p in unwrapped.named_parameters():
+                    master = optimizer.master_of.get(id(p))
+                    if master is not None and name in state_dict:
+                        master.copy_(state_dict[name].float())
+
+    def optimizer_fragments(self, optimizer: DDPOptimizer) -> OptimizerFragments:
+        if self.dp_rank != 0:  # every rank holds the same state: rank 0 writes it
+            frags = OptimizerFragments()
+        else:
+            frags = fragments_from_full_state(optimizer.optim, optimizer.names)
+        frags.extra["loss_scaler"] = optimizer.scaler.state_dict()
+        return frags
+
+    def load_optimizer_fragments(self, optimizer: DDPOptimizer, reader: FragmentReader) -> None:
+        load_full_state_into(optimizer.optim, optimizer.names, reader)
+        if "loss_scaler" in reader.extra:
+            optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])

@@ -1,0 +1,239 @@
+"""FSDPPlugin: torch FSDP2 (`fully_shard`) on every transformer block, then the root.
+
+Parameters, gradients and optimizer states are sharded over the data-parallel ranks (ZeRO-3
+style); each block's parameters are all-gathered just before it runs. Mixed precision uses FSDP2's
+`MixedPrecisionPolicy` (bf16/fp16 compute, fp32 sharded master parameters and gradient reduction).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
+from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.precision import dtype_of
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.atomic import CheckpointError
+from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
+                                          apply_param_group_hyperparams)
+
+log = logging.getLogger(__name__)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: the classes a HF model declares in
+    `_no_split_modules`, else the children of every nn.ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _flat_range(p: torch.Tensor) -> tuple[int, int]:
+    """The range of the flattened full parameter that this rank's Shard(0) piece covers."""
+    if not isinstance(p, DTensor):
+        return 0, p.numel()
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = 1
+    for s in p.shape[1:]:
+        row *= s
+    start = offset[0] * row if p.dim() else 0
+    numel = 1
+    for s in local_shape:
+        numel *= s
+    return start, start + numel
+
+
+class FSDPOptimizer:
+    """The user's optimizer over FSDP2's sharded parameters, plus loss scaling and clipping."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], precision: str,
+                 max_norm: float | None, group: dist.ProcessGroup):
+        self.optim = optimizer
+        self.names = names
+        self.max_norm = max_norm
+        self.group = group
+        self.scaler = DynamicLossScaler(enabled=precision == "fp16")
+        self.last_grad_norm: float | None = None
+        self.skipped = False
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optim.param_groups for p in g["params"]]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale_loss(loss).backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        self.max_norm = max_norm
+        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
+
+    def step(self, closure=None) -> None:
+        grads = [_local(p.grad) for p in self.params() if p.grad is not None]
+        if self.scaler.enabled:
+            if DynamicLossScaler.found_inf(grads, self.group):
+                self.scaler.update(True)
+                self.skipped, self.last_grad_norm = True, float("inf")
+                return
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        self.last_grad_norm = global_grad_norm(grads, self.group, sharded=True)
+        if self.max_norm:
+            clip_grads_by_norm(grads, self.max_norm, self.last_grad_norm)
+        self.optim.step()
+        self.skipped = False
+        if self.scaler.enabled:
+            self.scaler.update(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+
+class FSDPPlugin(Plugin):
+    name = "fsdp"
+
+    def __init__(self, precision: str = "fp32", max_norm: float | None = None, reshard_after_forward: bool = True,
+                 cpu_offload: bool = False):
+        super().__init__(precision, max_norm)
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def setup(self) -> None:
+        super().setup()
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
+        self.dp_group = self.mesh.get_group("dp")
+
+    def configure_model(self, model: nn.Module) -> ModelWrapper:
+        hf_model = unwrap_model(model)
+        old_names = {id(p): n for n, p in hf_model.named_parameters()}
+        model = model.to(self.device)
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.precision != "fp32":
+            low = dtype_of(self.precision)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        if self.cpu_offload:
+            if self.device.type == "cpu":
+                log.warning("FSDPPlugin(cpu_offload=True) is a no-op when the compute device is the CPU")
+            else:
+                kwargs["offload_policy"] = CPUOffloadPolicy()
+        blocks = transformer_blocks(hf_model)
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        wrapper = ModelWrapper(model, model)
+        object.__setattr__(wrapper, "_names_before_sharding", old_names)
+        return wrapper
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
+        hf_model = unwrap_model(model)
+        by_name = dict(hf_model.named_parameters())
+        old_names = model._names_before_sharding
+        if optimizer.state:
+            raise ValueError("boost the model before the optimizer's first step (it already holds state)")
+        for group in optimizer.param_groups:
+            try:
+                group["params"] = [by_name[old_names[id(p)]] for p in group["params"]]
+            except KeyError as exc:
+                raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
+                                 "model.parameters() of the model you pass to boost()") from exc
+        names = {id(p): n for n, p in by_name.items()}
+        return FSDPOptimizer(optimizer, names, self.precision, self.max_norm, self.dp_group)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: ModelWrapper, optimizer) -> Iterator[None]:
+        root = model.module
+        assert isinstance(root, FSDPModule)
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    # ---- checkpoint hooks ----
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        hf_model = unwrap_model(model)
+        state = {}
+        for name, t in hf_model.state_dict().items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            state[name] = t.detach().cpu()
+        return state
+
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        hf_model = unwrap_model(model)
+        with torch.no_grad():
+            for name, p in list(hf_model.named_parameters()) + list(hf_model.named_buffers()):
+                if name not in state_dict:
+                    continue
+                full = state_dict[name].to(p.device)
+                if isinstance(p, DTensor):
+                    local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(local.to_local())
+                else:
+                    p.copy_(full)
+
+    def optimizer_fragments(self, optimizer: FSDPOptimizer) -> OptimizerFragments:
+        out = OptimizerFragments()
+        for group in optimizer.optim.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = [optimizer.names[id(p)] for p in group["params"]]
+            out.param_groups.append(g)
+            for p in group["params"]:
+                name = optimizer.names[id(p)]
+                out.shapes[name] = list(p.shape)
+                start, end = _flat_range(p)
+                for key, value in optimizer.optim.state.get(p, {}).items():
+                    if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.shape == p.shape
+                                                      and value.dim() > 0):
+                        local = _local(value).detach().reshape(-1).float().cpu()
+                        if end > start:
+                            out.fragments.append(Fragment(name, key, start, end, local))
+                    elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                        out.scalars.setdefault(name, {})[key] = float(value.item())
+        out.extra["loss_scaler"] = optimizer.scaler.state_dict()
+        return out
+
+    def load_optimizer_fragments(self, optimizer: FSDPOptimizer, reader: FragmentReader) -> None:
+        apply_param_group_hyperparams(optimizer.optim, reader.param_groups)
+        for group in optimizer.optim.param_groups:
+            for p in group["params"]:
+                name = optimizer.names[id(p)]
+                if not reader.has(name):
+                    raise CheckpointError(f"optimizer checkpoint has no state for {name!r}: saved for another model")
+                start, end = _flat_range(p)
+                local_shape = _local(p).shape
+                state = {}
+                for key in reader.state_keys(name):
+                    local = reader.read(name, key, start, end).reshape(local_shape).to(p.device, p.dtype)
+                    state[key] = (DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride())
+                                  if isinstance(p, DTensor) else local)
+                for key, value in reader.scalars(name).items():
+                    state[key] = torch.tensor(value, dtype=torch.float32)
+                if state:
+                    optimizer.optim.state[p] = state
+        if "loss_scaler" in reader.extra:
+            optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])

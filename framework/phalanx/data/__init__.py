@@ -1,0 +1,5 @@
+"""Data helpers: resumable distributed sampling and dataloader re-wiring for data parallelism."""
+from phalanx.data.sampler import ResumableDistributedSampler
+from phalanx.data.loader import distribute_dataloader
+
+__all__ = ["ResumableDistributedSampler", "distribute_dataloader"]

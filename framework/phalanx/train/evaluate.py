@@ -1,0 +1,49 @@
+"""A ready-made `eval_fn` for causal LMs: mean next-token loss and perplexity on held-out data.
+
+    fit(cfg, model, train_set, eval_fn=causal_lm_eval(val_set, batch_size=8))
+
+Each data-parallel rank evaluates every world-size-th batch and the sums are all-reduced, so
+the result is the token-weighted mean over the whole eval set, whatever the number of ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from phalanx.train.data import default_collate
+from phalanx.train.losses import IGNORE_INDEX, causal_lm_loss_sum, next_token_targets
+
+
+def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | None = None,
+                   max_batches: int | None = None, ignore_index: int = IGNORE_INDEX
+                   ) -> Callable[[nn.Module, int], dict[str, float]]:
+    """An eval_fn(model, step) -> {"loss": mean token loss, "ppl": exp(loss), "tokens": count}."""
+    if len(dataset) == 0:
+        raise ValueError("the eval dataset is empty: check its path and preprocessing")
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn or default_collate)
+
+    @torch.no_grad()
+    def eval_fn(model: nn.Module, step: int) -> dict[str, float]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        device = next(model.parameters()).device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            if i % world != rank:
+                continue
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            totals[0] += causal_lm_loss_sum(model, batch, ignore_index=ignore_index).double()
+            totals[1] += (next_token_targets(batch, ignore_index) != ignore_index).sum()
+        if world > 1:
+            dist.all_reduce(totals)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(totals[1].item())}
+
+    return eval_fn
