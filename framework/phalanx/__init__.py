@@ -1,7 +1,7 @@
 """Phalanx: one training engine for a laptop CPU and a GPU cluster.
 
-Import is cheap and has no side effects: submodules load on first use and no environment
-variable is changed by importing.
+Importing has no side effects: no environment variable is changed, no process group is made;
+heavier submodules (train, checkpoint, …) load on first use.
 """
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["launch", "DistContext", "train", "__version__"]
+__all__ = ["launch", "shutdown", "DistContext", "__version__"]
 
-_LAZY = {
-    "launch": ("phalanx.launch", "launch"),
-    "DistContext": ("phalanx.launch", "DistContext"),
-    "shutdown": ("phalanx.launch", "shutdown"),
-}
+# Eager on purpose: `phalanx.launch` must be the function, not the submodule of the same name.
+from phalanx.launch import DistContext, launch, shutdown  # noqa: E402
+
+_LAZY: dict[str, tuple[str, str]] = {}
 
 
 def __getattr__(name: str) -> Any:
