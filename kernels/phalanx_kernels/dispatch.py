@@ -1,0 +1,68 @@
+"""Choosing between a kernel's Triton implementation and its torch reference.
+
+`auto` (the default) runs Triton when it is installed and every tensor is on a CUDA device, and
+the torch reference everywhere else. `triton` forces the Triton path (tests use it on CPU under
+`TRITON_INTERPRET=1`); `torch` forces the reference. The choice is process-wide on purpose:
+ranks run as threads in some tests, and a per-thread setting would silently not reach them.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from typing import Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+def set_backend(name: str) -> str:
+    """Set the process-wide backend; returns the previous one so callers can restore it."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    previous, _backend = _backend, name
+    return previous
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run a block with another backend, e.g. `with use_backend("triton"): ...` in a test."""
+    previous = set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def triton_available() -> bool:
+    """Whether the triton package can be imported (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels will be defined for the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """Decide, for one call, whether to take the Triton path for these tensors."""
+    present = [t for t in tensors if t is not None]
+    if _backend == "torch":
+        return False
+    if _backend == "auto":
+        return triton_available() and bool(present) and all(t.is_cuda for t in present)
+    # forced "triton": fail here with the fix rather than deep inside triton
+    if not triton_available():
+        raise RuntimeError("kernel backend 'triton' was requested but triton is not installed; "
+                           "`pip install triton` or use set_backend('auto')")
+    if any(not t.is_cuda for t in present) and not interpreting():
+        raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
+                           "the first kernel call (Triton reads it when kernels are defined)")
+    return True
