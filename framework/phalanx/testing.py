@@ -40,7 +40,10 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, th
     })
     torch.set_num_threads(threads)
     result_path = Path(out_dir) / f"rank{rank}.pkl"
-    import phalanx.launch as launch_mod
+    # `phalanx.launch` is the function (re-exported by phalanx/__init__), so `import phalanx.launch as m`
+    # would bind the function: take the submodule from the import system instead.
+    import importlib
+    launch_mod = importlib.import_module("phalanx.launch")
     try:
         launch_mod.launch(seed=42, timeout_s=float(env.get("PHALANX_TEST_COLLECTIVE_TIMEOUT", 120)))
         value = fn(*args, **kwargs)

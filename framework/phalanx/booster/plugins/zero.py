@@ -1,0 +1,110 @@
+"""ZeroPlugin: data parallelism with our own ZeRO-1/2 optimizer (`phalanx.zero`).
+
+Every rank holds the whole model (in the compute precision) and runs it on its part of the
+batch; the fp32 master weights and optimizer states are partitioned over the ranks (stage 1),
+and so are the reduced gradients (stage 2). See docs/zero.md for the design and the options.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from phalanx.amp.precision import dtype_of
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
+from phalanx.zero import comm
+from phalanx.zero.checkpoint import load_zero_fragments, zero_fragments
+from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
+
+
+class ZeroPlugin(Plugin):
+    """ZeroPlugin(stage=2, precision="bf16", reduce_bucket_mb=25, overlap_communication=True,
+    cpu_offload=False, max_norm=1.0)."""
+
+    def __init__(self, stage: int = 2, precision: str = "fp32", reduce_bucket_mb: float = 25.0,
+                 overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None):
+        super().__init__(precision, max_norm)
+        self.config = ZeroConfig(stage=stage, reduce_bucket_mb=reduce_bucket_mb,
+                                 overlap_communication=overlap_communication, cpu_offload=cpu_offload,
+                                 max_norm=max_norm)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"zero{self.config.stage}"
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{self.name}(precision={self.precision}, dp={self.dp_size}, bucket={c.reduce_bucket_mb}MB, "
+                f"overlap={c.overlap_communication}, cpu_offload={c.cpu_offload})")
+
+    # ------------------------------------------------------------------ set-up
+    def configure_model(self, model: nn.Module) -> ModelWrapper:
+        """Move to the device, cast to the compute precision, and make every rank start from rank
+        0's weights and buffers (as DDP does at construction)."""
+        model = model.to(self.device)
+        if self.precision != "fp32":
+            model = model.to(dtype_of(self.precision))
+        if self.dp_size > 1:
+            with torch.no_grad():
+                seen = set()
+                for tensor in list(model.parameters()) + list(model.buffers()):
+                    if id(tensor) not in seen:
+                        seen.add(id(tensor))
+                        comm.broadcast_from_first(tensor.data, self.dp_group, "zero.broadcast_model")
+        return ModelWrapper(model, model)
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
+        unwrapped = unwrap_model(model)
+        names = {id(p): n for n, p in unwrapped.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
+                                     "model.parameters() of the model you pass to boost()")
+        return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group)
+
+    # ------------------------------------------------------------------ training
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None, optimizer: ZeroOptimizer | None) -> Iterator[None]:
+        optimizer = optimizer or getattr(model, "phalanx_optimizer", None)
+        if optimizer is None:
+            yield
+            return
+        with optimizer.no_sync():
+            yield
+
+    def clip_grad_norm(self, optimizer: ZeroOptimizer, max_norm: float) -> float:
+        return optimizer.clip_grad_norm(max_norm)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Buffers as they are; parameters from the gathered fp32 masters (full precision even
+        when the model computes in bf16/fp16). Every rank gets the full dict."""
+        unwrapped = unwrap_model(model)
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        masters = optimizer.full_master_weights() if optimizer is not None else {}
+        param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
+        state = {}
+        for name, value in unwrapped.state_dict().items():
+            master = masters.get(param_ids.get(name, -1))
+            state[name] = master if master is not None else value.detach().cpu().clone()
+        return state
+
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        unwrapped = unwrap_model(model)
+        unwrapped.load_state_dict(state_dict, strict=False)  # copies into the flat buffer views
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        if optimizer is not None:
+            values = {id(p): state_dict[n] for n, p in unwrapped.named_parameters(remove_duplicate=False)
+                      if n in state_dict}
+            optimizer.load_master_weights(values)
+
+    def optimizer_fragments(self, optimizer: ZeroOptimizer) -> OptimizerFragments:
+        return zero_fragments(optimizer)
+
+    def load_optimizer_fragments(self, optimizer: ZeroOptimizer, reader: FragmentReader) -> None:
+        load_zero_fragments(optimizer, reader)

@@ -1,0 +1,17 @@
+"""The low-level ZeRO optimizer (stages 1 and 2) that `ZeroPlugin` uses.
+
+- `partition`: the flat, rank-partitioned layout of a param group (index arithmetic only);
+- `flat_group`: model params as views of one flat buffer, the fp32 master shard, offload;
+- `reducer`: gradient buckets reduced from backward hooks (all-reduce or reduce-scatter);
+- `optimizer`: `ZeroOptimizer` and its `ZeroConfig`;
+- `supported`: which torch optimizers are elementwise, hence shardable;
+- `checkpoint`: optimizer state as layout-independent fragments.
+
+See docs/zero.md.
+"""
+from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
+from phalanx.zero.partition import FlatLayout
+from phalanx.zero.supported import ELEMENTWISE_OPTIMIZERS, check_elementwise, register_elementwise_optimizer
+
+__all__ = ["ZeroConfig", "ZeroOptimizer", "FlatLayout", "ELEMENTWISE_OPTIMIZERS", "check_elementwise",
+           "register_elementwise_optimizer"]

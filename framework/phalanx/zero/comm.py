@@ -1,0 +1,59 @@
+"""The three collectives the ZeRO optimizer uses, named so that a hang or failure says which.
+
+Every launch and every wait goes through `phalanx.launch.collective(name)`: when another rank
+died or diverged, the error names this rank and the ZeRO operation instead of a bare gloo/NCCL
+timeout. Nothing here decides *what* to communicate; that is the reducer's and the flat
+group's job.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from phalanx.launch import collective
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, name: str):
+    """Start an in-place SUM all-reduce; returns the work handle."""
+    with collective(name):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def reduce_scatter_uneven(output: torch.Tensor, parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+                          name: str):
+    """Start a SUM reduce-scatter where rank r receives the sum of everyone's `parts[r]`.
+
+    The parts may differ in size and may be empty: a bucket is a contiguous range of the flat
+    gradient, cut at the rank boundaries of the ZeRO partition, so it is rarely split evenly.
+    `reduce_scatter_single` (`reduce_scatter_tensor`) needs equal splits; the list form accepts
+    uneven ones on gloo and on NCCL (where torch runs it as one coalesced reduce per owner), and
+    every element still travels only to its owner.
+    """
+    with collective(name):
+        return dist.reduce_scatter(output, list(parts), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, name: str):
+    """Start an all-gather of equal shards into one flat `output` (rank order)."""
+    with collective(name):
+        return _all_gather_single(output, shard, group=group, async_op=True)
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: dist.ProcessGroup | None, name: str) -> None:
+    """Overwrite `tensor` on every rank with the first rank's (of `group`) value."""
+    src = 0 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    with collective(name):
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def wait(work, name: str) -> None:
+    """Wait for a work handle (None means nothing was launched: a one-rank group)."""
+    if work is None:
+        return
+    with collective(name):
+        work.wait()

@@ -1,0 +1,245 @@
+"""The low-level ZeRO optimizer: any elementwise torch optimizer, run on this rank's flat shard.
+
+    zopt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(stage=2))
+    zopt.backward(loss); zopt.step(); zopt.zero_grad()
+
+What happens, per optimizer param group:
+1. construction: the group's trainable parameters are flattened (model order, padded to a
+   multiple of the world size) into one buffer in the model's dtype, the parameters become views
+   of it, and this rank's contiguous slice is copied to an fp32 master shard, which replaces the
+   group's params in the *user's* optimizer object. The optimizer's state is thus created for
+   1/N of the parameters, and an LR scheduler built on that optimizer keeps working;
+2. backward: `GradReducer` reduces gradients in buckets from backward hooks, overlapping
+   communication with compute, into the fp32 gradient of each master shard;
+3. step: wait for the reductions; compute the gradient norm over all shards (one all-reduce of
+   per-rank partial norms), which also tells every rank whether any rank overflowed (fp16);
+   skip the step and halve the loss scale on overflow; otherwise unscale, clip, run the torch
+   optimizer on the shards, and all-gather the updated shards into the model's parameters.
+
+Parameters that do not require gradients stay out of the flat buffers and are never updated.
+Ranks must start from identical weights (`ZeroPlugin` broadcasts rank 0's).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
+from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.launch import collective
+from phalanx.zero import comm
+from phalanx.zero.flat_group import FlatParamGroup
+from phalanx.zero.reducer import GradReducer
+from phalanx.zero.supported import check_elementwise, drop_unstepped_state
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """How the ZeRO optimizer shards and communicates.
+
+    stage: 1 shards optimizer states and master weights (gradients are all-reduced and kept
+        whole); 2 also shards gradients (reduce-scatter, each rank keeps its slice only).
+    reduce_bucket_mb: size of a gradient bucket, in MB of the model dtype. Larger buckets mean
+        fewer, more efficient collectives; smaller ones start communicating earlier in backward.
+    overlap_communication: reduce buckets from backward hooks while backward runs; False
+        reduces everything after backward (simpler to profile, no overlap).
+    cpu_offload: keep the fp32 master shard, its gradient and the optimizer state in CPU memory
+        and run the optimizer step there.
+    max_norm: clip the global gradient norm to this value (None: no clipping).
+    """
+
+    stage: int = 2
+    reduce_bucket_mb: float = 25.0
+    overlap_communication: bool = True
+    cpu_offload: bool = False
+    max_norm: float | None = None
+
+    def __post_init__(self):
+        if self.stage not in (1, 2):
+            raise ValueError(f"ZeRO stage={self.stage} is not supported here: use 1 (shard optimizer states) or "
+                             "2 (also shard gradients); stage 3 shards parameters: use FSDPPlugin or GeminiPlugin")
+        if not self.reduce_bucket_mb > 0:
+            raise ValueError(f"reduce_bucket_mb={self.reduce_bucket_mb} must be positive")
+
+
+class ZeroOptimizer:
+    """Wraps a torch optimizer (kept as `.optim`); same surface as the DDP plugin's optimizer:
+    backward, step, zero_grad, param_groups, state, scaler, last_grad_norm, skipped,
+    clip_grad_norm."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None, *,
+                 names: dict[int, str] | None = None, process_group: dist.ProcessGroup | None = None):
+        check_elementwise(optimizer)
+        drop_unstepped_state(optimizer)
+        self.optim = optimizer
+        self.config = config or ZeroConfig()
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.max_norm = self.config.max_norm
+        self.last_grad_norm: float | None = None
+        self.skipped = False
+
+        self.names: dict[int, str] = {}
+        self.flat_groups: list[FlatParamGroup | None] = []
+        order = self._flatten_groups(names or {})
+        groups = [g for g in self.flat_groups if g is not None]
+        if len({g.dtype for g in groups}) > 1:
+            raise ValueError("the ZeRO optimizer needs all trainable parameters in one dtype; got "
+                             f"{sorted({str(g.dtype) for g in groups})}: cast the model first (ZeroPlugin does)")
+        dtype = groups[0].dtype if groups else torch.float32
+        self.device = groups[0].device if groups else torch.device("cpu")
+        bucket_numel = max(1, int(self.config.reduce_bucket_mb * 2**20) // (torch.finfo(dtype).bits // 8))
+        self.reducer = GradReducer(groups, stage=self.config.stage, bucket_numel=bucket_numel,
+                                   overlap=self.config.overlap_communication, process_group=process_group,
+                                   rank=self.rank, world_size=self.world_size, model_order=order)
+        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
+        self.scaler = DynamicLossScaler(enabled=dtype == torch.float16)
+
+    def _flatten_groups(self, names: dict[int, str]) -> dict[int, int]:
+        """Replace each param group's trainable params by a flat master shard; returns every
+        parameter's position in model order (the insertion order of `names`, which the plugin
+        builds from `named_parameters()`), used to order the gradient buckets."""
+        order = {pid: i for i, pid in enumerate(names)}
+        for gi, group in enumerate(self.optim.param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            for i, p in enumerate(params):
+                self.names[id(p)] = names.get(id(p), f"group{gi}.param{i}")
+                order.setdefault(id(p), len(order))
+            if not params:
+                group["params"] = []
+                self.flat_groups.append(None)
+                continue
+            host = torch.device("cpu") if self.config.cpu_offload else params[0].device
+            flat = FlatParamGroup(params, rank=self.rank, world_size=self.world_size,
+                                  process_group=self.process_group, host=host)
+            group["params"] = [flat.master]
+            self.flat_groups.append(flat)
+        return order
+
+    # ------------------------------------------------------------------ torch.optim-like surface
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optim.defaults
+
+    def master_params(self) -> list[nn.Parameter]:
+        """The fp32 master shards (one per non-empty param group), which the optimizer updates."""
+        return [g.master for g in self.flat_groups if g is not None]
+
+    def model_params(self) -> list[nn.Parameter]:
+        return [p for g in self.flat_groups if g is not None for p in g.params]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside only accumulate locally."""
+        with self.reducer.no_sync():
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale_loss(loss).backward()
+        if self.reducer.sync:
+            self.reducer.flush()  # buckets whose parameters got no gradient start now
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip at every following step to `max_norm`; returns the last step's norm (the clip
+        itself happens inside `step`, after the gradients are reduced)."""
+        self.max_norm = max_norm
+        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
+
+    def step(self, closure=None) -> None:
+        """Reduce, check overflow, unscale, clip, update the shards, all-gather the parameters.
+        The fp32 gradient shards are consumed: they exist from a step's first reduction to the
+        end of `step` (so `model.zero_grad()` is enough between steps, and they cost no memory
+        during forward)."""
+        if closure is not None:
+            raise ValueError("the ZeRO optimizer does not take closures (they re-run the model on whole "
+                             "parameters); call backward before step")
+        self.reducer.finish()
+        grads = [g.master.grad for g in self.flat_groups if g is not None and g.master.grad is not None]
+        norm = self._global_norm(grads)
+        self.skipped = self.scaler.enabled and not math.isfinite(norm)
+        if self.skipped:
+            self.scaler.update(True)
+            self.last_grad_norm = float("inf")
+        else:
+            if self.scaler.enabled:
+                inv = 1.0 / self.scaler.scale
+                for g in grads:
+                    g.mul_(inv)
+                norm *= inv
+            self.last_grad_norm = norm
+            if self.max_norm:
+                clip_grads_by_norm(grads, self.max_norm, norm)
+            self.optim.step()
+            if self.scaler.enabled:
+                self.scaler.update(False)
+            self._publish()
+        for m in self.master_params():
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.discard()
+        for p in self.model_params():
+            p.grad = None
+        for m in self.master_params():
+            m.grad = None
+
+    def state_dict(self):
+        raise NotImplementedError("a ZeRO optimizer's state is sharded over ranks: save it with "
+                                  "booster.save_optimizer / booster.save_checkpoint")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("a ZeRO optimizer's state is sharded over ranks: load it with "
+                                  "booster.load_optimizer / booster.load_checkpoint")
+
+    # ------------------------------------------------------------------ internals
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """The 2-norm of all ranks' gradient shards (of the scaled gradients under fp16).
+
+        This rank's partial norm is taken where the shards live (the host with CPU offload), then
+        one all-reduce on the communication device combines the partial norms (the norm of the
+        per-rank norms is the global norm). An inf/nan on any rank makes the result non-finite on
+        every rank, so all ranks agree on an fp16 overflow without a second collective."""
+        local = global_grad_norm(grads, sharded=False)
+        partial = torch.tensor([local], dtype=torch.float32, device=self.device)
+        with collective("zero.grad_norm"):
+            return global_grad_norm([partial], self.process_group, sharded=True)
+
+    def _publish(self) -> None:
+        """All-gather the updated master shards into the model's parameters."""
+        started = [g.start_publish() for g in self.flat_groups if g is not None]
+        for work, _shard in started:
+            comm.wait(work, "zero.all_gather_params")
+
+    # ------------------------------------------------------------------ whole-model views
+    def full_master_weights(self) -> dict[int, torch.Tensor]:
+        """{id(model param): full fp32 master value on the CPU}. A collective: all ranks call it."""
+        out: dict[int, torch.Tensor] = {}
+        for g in self.flat_groups:
+            if g is None:
+                continue
+            full = g.gather_full_master()
+            for slot, p in zip(g.layout.slots, g.params):
+                out[id(p)] = full[slot.offset:slot.end].view(p.shape).clone()
+        return out
+
+    def load_master_weights(self, values: dict[int, torch.Tensor]) -> None:
+        """Set the master shards from full parameter values keyed by id(model param)."""
+        for g in self.flat_groups:
+            if g is not None:
+                g.load_master({slot.index: values[id(p)] for slot, p in zip(g.layout.slots, g.params)
+                               if id(p) in values})

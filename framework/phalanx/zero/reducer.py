@@ -1,0 +1,259 @@
+"""Gradient reduction in flat buckets, launched from backward hooks so it overlaps compute.
+
+Each parameter's `post_accumulate_grad` hook copies its gradient into a flat bucket (a
+contiguous range of its group's flat layout, about `bucket_numel` elements, filled in reverse
+model order) and frees `param.grad`. When a bucket is full it is divided by the world size and
+reduced with an asynchronous collective while backward carries on computing earlier layers:
+
+- stage 1: all-reduce the bucket; every rank then keeps only the part it owns. The buckets are
+  views of one persistent flat gradient buffer per group, so stage 1 holds a full replica of
+  the gradients (in the model dtype), as ZeRO-1 does;
+- stage 2: reduce-scatter the bucket, cut at the rank boundaries of the partition, so each rank
+  receives only the sum of the part it owns; bucket buffers are temporary, so the gradients
+  held per rank are the fp32 shard plus the buckets in flight.
+
+The reduced part is added into the owner's fp32 master gradient (`FlatParamGroup`). Adding,
+not assigning, makes several backward passes before one step accumulate correctly.
+
+Buckets are launched in a fixed order (bucket 0, 1, …), never out of order even if a later
+bucket happens to fill first: every rank then issues the same collectives in the same order,
+which gloo and NCCL require. A bucket whose parameters received no gradient in a backward
+(unused parameters) is launched at the end of backward, with zeros for the missing ones, by
+`flush()`, which `ZeroOptimizer.backward` and `step` call.
+
+Gradient accumulation (`no_sync`): the hooks do nothing, gradients accumulate in `param.grad`
+in the model dtype as in plain torch, and the last micro-step's hooks reduce the accumulated
+sum once. That is one reduction per optimizer step (the least communication), at the price of
+holding full gradients during accumulation also at stage 2.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.zero import comm
+from phalanx.zero.flat_group import FlatParamGroup
+from phalanx.zero.partition import Slot, bucket_slots
+
+
+@dataclass(eq=False)
+class _Bucket:
+    group: FlatParamGroup
+    slots: list[Slot]
+    params: list[nn.Parameter]
+    lo: int  # flat range [lo, hi) in the group's layout
+    hi: int
+    buffer: torch.Tensor | None = None
+    arrived: set[int] = field(default_factory=set)  # positions in `slots` copied this round
+    launched: bool = False
+    in_flight: int = 0
+
+    def view(self, k: int) -> torch.Tensor:
+        slot = self.slots[k]
+        return self.buffer[slot.offset - self.lo:slot.end - self.lo]
+
+    @property
+    def full(self) -> bool:
+        return len(self.arrived) == len(self.slots)
+
+
+@dataclass(eq=False)
+class _Pending:
+    bucket: _Bucket
+    work: object  # a torch.distributed Work, or None on one rank
+    result: torch.Tensor  # this rank's reduced part of the bucket
+    flat_lo: int  # where `result` starts in the group's flat layout
+
+
+@dataclass
+class ReducerStats:
+    """Counts for tests and logs: how many bucket reductions started inside backward (hooks)
+    and how many only at its end (flush)."""
+
+    launched_in_backward: int = 0
+    launched_at_flush: int = 0
+
+
+class GradReducer:
+    def __init__(self, groups: Sequence[FlatParamGroup], *, stage: int, bucket_numel: int, overlap: bool,
+                 process_group: dist.ProcessGroup | None, rank: int, world_size: int,
+                 model_order: dict[int, int] | None = None):
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage}: the ZeRO gradient reducer implements stages 1 and 2")
+        self.stage = stage
+        self.group = process_group
+        self.rank = rank
+        self.world_size = world_size
+        self.overlap = overlap
+        self.sync = True
+        self.stats = ReducerStats()
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._next = 0  # index of the next bucket to launch in this round
+        self._persistent: dict[int, torch.Tensor] = {}  # stage 1: id(group) -> flat gradient buffer
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        self.buckets: list[_Bucket] = []
+        for g in groups:
+            for slots in bucket_slots(g.layout, bucket_numel):
+                bucket = _Bucket(g, slots, [g.params[s.index] for s in slots], slots[0].offset, slots[-1].end)
+                self.buckets.append(bucket)
+        # Launch order = the order backward is expected to fill them: a bucket is full when its
+        # earliest parameter (in model order) has its gradient, and backward reaches the
+        # earliest parameters last.
+        order = model_order or {}
+        self.buckets.sort(key=lambda b: -min(order.get(id(p), 0) for p in b.params))
+        for b in self.buckets:
+            for k, p in enumerate(b.params):
+                self._where[id(p)] = (b, k)
+        if overlap:
+            for b in self.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ------------------------------------------------------------------ public
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally in `param.grad`; reduce on the next synchronised backward."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def flush(self) -> None:
+        """End the current round: launch every bucket not launched yet (taking gradients that
+        hooks did not deliver from `param.grad`, zeros where there are none)."""
+        round_open = self._next > 0 or any(b.arrived for b in self.buckets)
+        has_local = any(p.grad is not None for b in self.buckets for p in b.params)
+        if not (round_open or has_local):
+            return
+        for b in self.buckets[self._next:]:
+            self._launch(b, from_hook=False)
+        self._end_round()
+
+    def finish(self) -> None:
+        """Flush and wait for every reduction; afterwards the master gradients are complete."""
+        self.flush()
+        while self._pending:
+            self._complete(self._pending.popleft())
+
+    def discard(self) -> None:
+        """Drop gradients in flight (zero_grad): wait for launched collectives — they cannot be
+        cancelled — and forget their results and the partial round."""
+        while self._pending:
+            pending = self._pending.popleft()
+            comm.wait(pending.work, self._op_name)
+            pending.bucket.in_flight -= 1
+        for b in self.buckets:
+            b.arrived.clear()
+            b.launched = False
+            if self.stage == 2:
+                b.buffer = None
+        self._next = 0
+
+    # ------------------------------------------------------------------ hooks
+    @property
+    def _op_name(self) -> str:
+        return "zero.all_reduce_grads" if self.stage == 1 else "zero.reduce_scatter_grads"
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.sync or param.grad is None:
+            return  # no_sync: the gradient stays in param.grad and accumulates there
+        bucket, k = self._where[id(param)]
+        if bucket.launched:
+            # A new backward began before the previous round ended (it had unused parameters
+            # and nobody flushed): close that round first.
+            self.flush()
+        self._take_grad(bucket, k, param)
+        if bucket.full:
+            while self._next < len(self.buckets) and self.buckets[self._next].full:
+                self._launch(self.buckets[self._next], from_hook=True)
+                self._next += 1
+            if self._next == len(self.buckets):
+                self._end_round()
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_buffer(self, bucket: _Bucket) -> None:
+        if self.stage == 1:
+            # The persistent buffer may still be read by this bucket's previous reduction.
+            while bucket.in_flight:
+                self._complete(self._pending.popleft())
+            if bucket.buffer is None:
+                key = id(bucket.group)
+                if key not in self._persistent:
+                    g = bucket.group
+                    self._persistent[key] = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
+                bucket.buffer = self._persistent[key][bucket.lo:bucket.hi]
+        elif bucket.buffer is None:
+            g = bucket.group
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=g.dtype, device=g.device)
+
+    def _take_grad(self, bucket: _Bucket, k: int, param: nn.Parameter) -> None:
+        """Move `param.grad` into its place in the bucket (adding if it is already there)."""
+        self._ensure_buffer(bucket)
+        view, grad = bucket.view(k), param.grad.detach().reshape(-1)
+        if k in bucket.arrived:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            bucket.arrived.add(k)
+        param.grad = None
+
+    def _launch(self, bucket: _Bucket, *, from_hook: bool) -> None:
+        for k, p in enumerate(bucket.params):
+            if k not in bucket.arrived:
+                if p.grad is not None:
+                    self._take_grad(bucket, k, p)
+                else:
+                    self._ensure_buffer(bucket)
+                    bucket.view(k).zero_()
+        self._ensure_buffer(bucket)
+        buffer = bucket.buffer
+        g = bucket.group
+        parts = g.layout.split_by_rank(bucket.lo, bucket.hi)
+        own_lo, own_hi = parts[self.rank]
+        if self.world_size == 1:
+            work, result = None, buffer[own_lo - bucket.lo:own_hi - bucket.lo]
+        else:
+            # Average, not sum, as DDP does: divide before the reduction so that fp16 sums of
+            # many ranks do not overflow.
+            buffer.div_(self.world_size)
+            if self.stage == 1:
+                work = comm.all_reduce_sum(buffer, self.group, self._op_name)
+                result = buffer[own_lo - bucket.lo:own_hi - bucket.lo]
+            else:
+                views = [buffer[a - bucket.lo:b - bucket.lo] for a, b in parts]
+                result = torch.empty(own_hi - own_lo, dtype=buffer.dtype, device=buffer.device)
+                work = comm.reduce_scatter_uneven(result, views, self.group, self._op_name)
+        self._pending.append(_Pending(bucket, work, result, own_lo))
+        bucket.in_flight += 1
+        bucket.launched = True
+        bucket.arrived.clear()
+        if self.stage == 2:
+            bucket.buffer = None  # the pending reduction keeps it alive until it completes
+        if from_hook:
+            self.stats.launched_in_backward += 1
+        else:
+            self.stats.launched_at_flush += 1
+        self._harvest()
+
+    def _harvest(self) -> None:
+        """Fold in reductions that already finished, without blocking, to free their buffers."""
+        while self._pending and (self._pending[0].work is None or self._pending[0].work.is_completed()):
+            self._complete(self._pending.popleft())
+
+    def _complete(self, pending: _Pending) -> None:
+        comm.wait(pending.work, self._op_name)
+        pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
+        pending.bucket.in_flight -= 1
+
+    def _end_round(self) -> None:
+        self._next = 0
+        for b in self.buckets:
+            b.launched = False
+            b.arrived.clear()
