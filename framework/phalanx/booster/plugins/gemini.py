@@ -1,0 +1,165 @@
+"""GeminiPlugin: data parallelism with parameters, gradients and optimizer states kept in chunks
+that move between device and host memory (`phalanx.gemini`), sharded over the ranks.
+
+    plugin = GeminiPlugin(placement_policy="auto", device_memory_budget="20GiB", precision="bf16")
+
+Set-up order (`configure_model`): cast to the compute precision, broadcast rank 0's weights,
+pack the parameters into chunks (size searched unless `chunk_size_mb` is given), place them
+with the policy, hook the modules, and check that the unavoidable working set fits the budget.
+See docs/gemini.md for the options and the memory model.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from phalanx.amp.precision import dtype_of
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
+from phalanx.gemini.checkpoint import full_master_weights, gemini_fragments, load_gemini_fragments
+from phalanx.gemini.chunk import search_chunk_size
+from phalanx.gemini.hooks import install_hooks
+from phalanx.gemini.manager import ChunkManager
+from phalanx.gemini.optimizer import GeminiOptimizer
+from phalanx.gemini.placement import AutoPlacement, StaticPlacement
+from phalanx.gemini.tiers import MemoryTiers, device_capacity, parse_bytes
+from phalanx.gemini.tracer import MemoryTracer
+from phalanx.zero import comm
+
+MiB = 2**20
+SEARCH_RANGE_MB = (8.0, 64.0, 1.0)  # min, max, step of the chunk-size search, MiB of compute dtype
+
+
+class GeminiPlugin(Plugin):
+    """GeminiPlugin(placement_policy="auto"|"static", device_memory_budget=None, shard_param_frac=1.0,
+    offload_optim_frac=0.0, offload_param_frac=0.0, precision="bf16", chunk_size_mb=None, max_norm=None,
+    prefetch=1)."""
+
+    name = "gemini"
+
+    def __init__(self, placement_policy: str = "auto", device_memory_budget: str | int | None = None,
+                 shard_param_frac: float = 1.0, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
+                 precision: str = "bf16", chunk_size_mb: float | None = None, max_norm: float | None = None,
+                 prefetch: int = 1):
+        super().__init__(precision, max_norm)
+        if placement_policy not in ("auto", "static"):
+            raise ValueError(f"placement_policy={placement_policy!r}: use 'auto' or 'static'")
+        if placement_policy == "auto" and (offload_optim_frac or offload_param_frac):
+            raise ValueError("offload_optim_frac / offload_param_frac are for placement_policy='static'; "
+                             "'auto' decides placement from the traced memory")
+        if not 0.0 <= shard_param_frac <= 1.0:
+            raise ValueError(f"shard_param_frac={shard_param_frac} must be between 0 and 1")
+        if chunk_size_mb is not None and not chunk_size_mb > 0:
+            raise ValueError(f"chunk_size_mb={chunk_size_mb} must be positive (or None to search)")
+        self.placement_policy = placement_policy
+        self.device_memory_budget = device_memory_budget
+        self.shard_param_frac = shard_param_frac
+        self.offload_optim_frac = offload_optim_frac
+        self.offload_param_frac = offload_param_frac
+        self.chunk_size_mb = chunk_size_mb
+        self.prefetch = prefetch
+        self.manager: ChunkManager | None = None
+        self.tracer = None
+
+    def describe(self) -> str:
+        budget = self.manager.tiers.budget / MiB if self.manager else float("nan")
+        return (f"gemini(precision={self.precision}, dp={self.dp_size}, placement={self.placement_policy}, "
+                f"budget={budget:.1f}MiB, chunks={len(self.manager.chunks) if self.manager else '?'})")
+
+    # ------------------------------------------------------------------ set-up
+    def _chunk_numel(self, numels: list[int], itemsize: int) -> int:
+        if self.chunk_size_mb is not None:
+            return max(self.dp_size, int(self.chunk_size_mb * MiB) // itemsize)
+        lo, hi, step = (int(x * MiB) // itemsize for x in SEARCH_RANGE_MB)
+        return search_chunk_size(numels, lo, hi, step, self.dp_size)
+
+    def configure_model(self, model: nn.Module) -> ModelWrapper:
+        if self.manager is not None:
+            raise ValueError("a GeminiPlugin manages one model: build one plugin per model")
+        dtype = dtype_of(self.precision)
+        model = model.to(dtype)
+        for buf in model.buffers():
+            buf.data = buf.data.to(self.device)
+        with torch.no_grad():
+            if self.dp_size > 1:
+                seen = set()
+                for t in list(model.parameters()) + list(model.buffers()):
+                    if id(t) not in seen:
+                        seen.add(id(t))
+                        data = t.data.to(self.device)
+                        comm.broadcast_from_first(data, self.dp_group, "gemini.broadcast_model")
+                        t.data = data.to(t.device)
+        named = list(model.named_parameters())  # unique parameters, model order
+        budget = parse_bytes(self.device_memory_budget, device_capacity(self.device))
+        tiers = MemoryTiers(self.device, budget)
+        chunk_numel = self._chunk_numel([p.numel() for _, p in named], torch.empty((), dtype=dtype).element_size())
+        self.manager = ChunkManager(named, chunk_numel=chunk_numel, dp_size=self.dp_size, dp_rank=self.dp_rank,
+                                    group=self.dp_group, tiers=tiers, shard_param_frac=self.shard_param_frac,
+                                    prefetch=self.prefetch)
+        self.tracer = MemoryTracer(self.manager)
+        if self.placement_policy == "static":
+            policy = StaticPlacement(self.offload_param_frac, self.offload_optim_frac, tracer=self.tracer)
+        else:
+            policy = AutoPlacement(self.tracer)
+        self.manager.policy = policy
+        table = install_hooks(self.manager, model, self.tracer)
+        policy.check_fits(self.manager, table)  # before any memory is taken
+        self.manager.materialise(*policy.initial_tiers(self.manager))
+        wrapper = ModelWrapper(model, model)
+        object.__setattr__(wrapper, "phalanx_gemini", self.manager)
+        return wrapper
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> GeminiOptimizer:
+        if self.manager is None:
+            raise ValueError("boost the model together with the optimizer (GeminiPlugin needs the model first)")
+        return GeminiOptimizer(optimizer, self.manager, max_norm=self.max_norm)
+
+    # ------------------------------------------------------------------ training
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None, optimizer: GeminiOptimizer | None) -> Iterator[None]:
+        """Gradient accumulation needs no special context: each micro-step's reduced gradients
+        add up in the fp32 gradient shards until `step`."""
+        yield
+
+    def clip_grad_norm(self, optimizer: GeminiOptimizer, max_norm: float) -> float:
+        return optimizer.clip_grad_norm(max_norm)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _names(self, model: nn.Module) -> dict[int, str]:
+        return {id(p): n for n, p in unwrap_model(model).named_parameters()}
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        unwrapped = unwrap_model(model)
+        masters = full_master_weights(self.manager)
+        param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
+        buffers = dict(unwrapped.named_buffers())
+        state = {}
+        for name in unwrapped.state_dict().keys():
+            if name in param_ids:
+                state[name] = masters[param_ids[name]]
+            elif name in buffers:
+                state[name] = buffers[name].detach().cpu().clone()
+        return state
+
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        unwrapped = unwrap_model(model)
+        with torch.no_grad():
+            for name, buf in unwrapped.named_buffers():
+                if name in state_dict:
+                    buf.copy_(state_dict[name].to(buf))
+        values = {id(p): state_dict[n] for n, p in unwrapped.named_parameters(remove_duplicate=False)
+                  if n in state_dict}
+        self.manager.load_values(values)
+
+    def optimizer_fragments(self, optimizer: GeminiOptimizer) -> OptimizerFragments:
+        return gemini_fragments(optimizer, self._names_from(optimizer))
+
+    def load_optimizer_fragments(self, optimizer: GeminiOptimizer, reader: FragmentReader) -> None:
+        load_gemini_fragments(optimizer, self._names_from(optimizer), reader)
+
+    def _names_from(self, optimizer: GeminiOptimizer) -> dict[int, str]:
+        return {id(p): n for chunk in optimizer.manager.chunks for n, p in zip(chunk.names, chunk.params)}

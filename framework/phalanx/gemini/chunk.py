@@ -1,0 +1,184 @@
+"""Chunks: the unit Gemini stores, moves and communicates.
+
+Parameters are packed in model order into flat chunks of one fixed size (`chunk_numel`
+elements), so that communication and host<->device moves happen in a few large pieces instead
+of one per tensor. A parameter larger than the chunk size gets a chunk of its own, as large as
+it needs. `search_chunk_size` picks the size that wastes the least padding over a range.
+
+Each chunk is cut into `world` equal shards (`phalanx.zero.partition.FlatLayout`, with the
+padding as a last slot): rank r keeps shard r in the compute dtype (`shard`) and its fp32
+master copy with the Adam moments and the fp32 gradient (`master`, `exp_avg`, `exp_avg_sq`,
+`master_grad`). A chunk that is not sharded (`shard_param_frac` < 1) has world 1 and every rank
+keeps all of it. While a module computes, the shards are all-gathered into `full` and the
+module's parameters are views of it; afterwards they point at a one-element placeholder that
+keeps their shape and dtype but no memory.
+
+State machine (`ChunkState`): FREE (only the shard exists) -> COMPUTE (gathered, a module is
+running) -> HOLD (gathered, nobody computing; forward is over) / HOLD_AFTER_BWD (some of its
+gradients arrived) -> READY_FOR_REDUCE (all arrived: reduce-scatter, then FREE).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from phalanx.gemini.tiers import HOST
+from phalanx.zero.partition import FlatLayout
+
+
+class ChunkState(enum.Enum):
+    FREE = "free"
+    COMPUTE = "compute"
+    HOLD = "hold"
+    HOLD_AFTER_BWD = "hold_after_bwd"
+    READY_FOR_REDUCE = "ready_for_reduce"
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pack(numels: list[int], chunk_numel: int) -> list[list[int]]:
+    """Indices of parameters per chunk, in order: a new chunk starts when the next parameter
+    does not fit; a parameter larger than `chunk_numel` is alone in its chunk."""
+    chunks: list[list[int]] = []
+    used = chunk_numel  # forces a new chunk for the first parameter
+    for i, n in enumerate(numels):
+        if n > chunk_numel:
+            chunks.append([i])
+            used = chunk_numel
+        elif used + n > chunk_numel:
+            chunks.append([i])
+            used = n
+        else:
+            chunks[-1].append(i)
+            used += n
+    return chunks
+
+
+def padding_waste(numels: list[int], chunk_numel: int, world: int) -> int:
+    waste = 0
+    for idx in pack(numels, chunk_numel):
+        used = sum(numels[i] for i in idx)
+        waste += _round_up(max(chunk_numel, used), world) - used
+    return waste
+
+
+def search_chunk_size(numels: list[int], lo: int, hi: int, step: int, world: int = 1) -> int:
+    """The chunk size in [lo, hi] (multiples of `step`) that wastes the least padding; ties go to
+    the smaller size, which needs less device memory while computing."""
+    if lo > hi or step <= 0:
+        raise ValueError(f"chunk size search range {lo}..{hi} step {step} is empty")
+    best, best_waste = None, None
+    size = _round_up(lo, world)
+    while size <= hi:
+        w = padding_waste(numels, size, world)
+        if best_waste is None or w < best_waste:
+            best, best_waste = size, w
+        size += _round_up(step, world)
+    return best if best is not None else _round_up(lo, world)
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-memory stand-in with the parameter's shape (a stride-0 view of one element), so
+    that code reading `weight.shape`/`dtype` outside forward keeps working."""
+    key = (dtype, device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key].expand(shape)
+
+
+@dataclass(eq=False)
+class Chunk:
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    layout: FlatLayout  # slots of the params, then one padding slot
+    dtype: torch.dtype
+    rank: int  # this rank's shard index (0 when not sharded)
+    sharded: bool
+    shard: torch.Tensor | None = None
+    shard_tier: str = HOST
+    home: str | None = None  # static policy: where the shard lives between uses
+    optim_tier: str = HOST
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    master_grad: torch.Tensor | None = None
+    full: torch.Tensor | None = None
+    grad_full: torch.Tensor | None = None
+    state: ChunkState = ChunkState.FREE
+    users: int = 0
+    used: set[int] = field(default_factory=set)  # params used by this forward
+    arrived: set[int] = field(default_factory=set)  # params whose gradient arrived this backward
+    reduced: bool = False
+    pending: object = None  # async all-gather of a prefetch: (work, full)
+    device: torch.device = torch.device("cpu")  # the compute device (where placeholders live)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def world(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def full_is_shard(self) -> bool:
+        return self.world == 1
+
+    @property
+    def trainable(self) -> list[int]:
+        return [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    def full_bytes(self) -> int:
+        return self.numel * self.params[0].element_size()
+
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.params[0].element_size()
+
+    def optim_bytes(self) -> int:
+        return 4 * 4 * self.shard_numel  # fp32 master, exp_avg, exp_avg_sq, gradient
+
+    def attach(self) -> None:
+        """Point the parameters at their slices of the gathered buffer."""
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = self.full[slot.offset:slot.end].view(p.shape)
+
+    def detach(self) -> None:
+        for p in self.params:
+            p.data = placeholder(p.shape, self.dtype, self.device)
+
+    def owned(self):
+        """(param index, start, end) of the parts of parameters this rank's shard holds, in
+        parameter coordinates (padding excluded)."""
+        for slot, a, b in self.layout.owned_slots(self.rank):
+            if slot.index < len(self.params):
+                yield slot.index, a, b
+
+
+def build_layouts(numels: list[int], chunk_numel: int, dp_size: int, shard_param_frac: float
+                  ) -> list[tuple[list[int], FlatLayout, bool]]:
+    """Pack parameters into chunks and give each its layout; the first
+    `round(shard_param_frac * n)` chunks are sharded over `dp_size` ranks, the rest replicated."""
+    groups = pack(numels, chunk_numel)
+    n_sharded = round(shard_param_frac * len(groups))
+    out = []
+    for ci, idx in enumerate(groups):
+        sharded = ci < n_sharded and dp_size > 1
+        world = dp_size if sharded else 1
+        used = sum(numels[i] for i in idx)
+        size = _round_up(max(chunk_numel, used), world)
+        layout = FlatLayout.build([numels[i] for i in idx] + [size - used], world)
+        out.append((idx, layout, sharded))
+    return out

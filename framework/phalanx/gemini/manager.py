@@ -1,0 +1,320 @@
+"""The chunk manager: where each chunk's data is, gathering it for compute, reducing gradients.
+
+It owns the chunks and the `MemoryTiers` accounting and offers the operations the hooks call:
+
+- `fetch(chunks)` before a module runs (forward, or backward for the module's weights): bring
+  each chunk's shard to the device, all-gather it into a full buffer, point the parameters at it.
+  Room on the device is made first by the placement policy (`policy.make_room`), which may
+  evict the shards of idle chunks to the host;
+- `release(chunk)` after a module's forward: free the gathered buffer (the parameters go back
+  to placeholders) and let the policy send the shard home;
+- `grad_arrived(param)` from each parameter's post-accumulate-grad hook: add the gradient to
+  the chunk's gradient buffer; when all of a chunk's gradients are in, reduce-scatter them
+  (averaged over ranks) and add this rank's part to the fp32 gradient of its master shard;
+- `finish_backward()` at the end of every backward: reduce the chunks some of whose parameters
+  got no gradient, free every gathered buffer. Every chunk is reduced once per backward, so
+  all ranks issue the same collectives, and micro-steps of gradient accumulation just add.
+
+`position` counts module steps (fetches) within an iteration; the trace of which chunks each
+position needed (recorded in the first iteration) drives prefetching and the auto policy's
+"evict what is needed farthest in the future".
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.gemini.chunk import Chunk, ChunkState, build_layouts
+from phalanx.gemini.tiers import DEVICE, HOST, MemoryTiers
+from phalanx.zero import comm
+
+
+class ChunkManager:
+    def __init__(self, named_params: Sequence[tuple[str, nn.Parameter]], *, chunk_numel: int, dp_size: int,
+                 dp_rank: int, group: dist.ProcessGroup | None, tiers: MemoryTiers, shard_param_frac: float = 1.0,
+                 prefetch: int = 1):
+        self.tiers = tiers
+        self.group = group
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.chunk_numel = chunk_numel
+        self.prefetch = prefetch
+        self.policy = None  # set by the plugin (phalanx.gemini.placement)
+        self.chunks: list[Chunk] = []
+        self.where: dict[int, tuple[Chunk, int]] = {}
+        params = [p for _, p in named_params]
+        for ci, (idx, layout, sharded) in enumerate(build_layouts([p.numel() for p in params], chunk_numel,
+                                                                   dp_size, shard_param_frac)):
+            chunk = Chunk(ci, [params[i] for i in idx], [named_params[i][0] for i in idx], layout,
+                          params[idx[0]].dtype, dp_rank if sharded else 0, sharded, device=tiers.device)
+            for k, p in enumerate(chunk.params):
+                self.where[id(p)] = (chunk, k)
+            self.chunks.append(chunk)
+        self.position = 0
+        self.tracing = True  # the first iteration records `trace`
+        self.trace: list[list[int]] = []
+        self._uses: dict[int, list[int]] = {}
+        self.in_backward = False
+        self.stats = {"gathers": 0, "prefetched": 0, "evictions": 0, "reductions": 0}
+
+    # ------------------------------------------------------------------ storage
+    def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str]) -> None:
+        """Copy the parameters into their chunks' shards and create the fp32 masters and Adam
+        moments, each on its tier; the parameters become placeholders."""
+        with torch.no_grad():
+            for chunk, st, ot in zip(self.chunks, shard_tiers, optim_tiers):
+                flat = torch.zeros(chunk.numel, dtype=chunk.dtype)
+                for slot, p in zip(chunk.layout.slots, chunk.params):
+                    flat[slot.offset:slot.end].copy_(p.detach().reshape(-1).cpu())
+                lo, hi = chunk.layout.rank_range(chunk.rank)
+                chunk.shard = self.tiers.empty(st, chunk.shard_numel, chunk.dtype)
+                chunk.shard.copy_(flat[lo:hi])
+                chunk.shard_tier = st
+                chunk.optim_tier = ot
+                chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
+                chunk.master.copy_(flat[lo:hi])
+                chunk.exp_avg = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                chunk.exp_avg_sq = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                chunk.master_grad = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                chunk.detach()
+
+    def move_shard(self, chunk: Chunk, tier: str) -> None:
+        if chunk.shard_tier != tier:
+            chunk.shard = self.tiers.move(chunk.shard, chunk.shard_tier, tier)
+            chunk.shard_tier = tier
+
+    def move_optim(self, chunk: Chunk, tier: str) -> None:
+        if chunk.optim_tier == tier:
+            return
+        for name in ("master", "exp_avg", "exp_avg_sq", "master_grad"):
+            setattr(chunk, name, self.tiers.move(getattr(chunk, name), chunk.optim_tier, tier))
+        chunk.optim_tier = tier
+
+    def gathered(self, chunk: Chunk) -> bool:
+        return chunk.full is not None or chunk.pending is not None
+
+    def device_need(self, chunk: Chunk) -> int:
+        """Device bytes `fetch` must add for this chunk."""
+        if self.gathered(chunk):
+            return 0
+        need = chunk.shard_bytes() if chunk.shard_tier == HOST else 0
+        return need if chunk.full_is_shard else need + chunk.full_bytes()
+
+    # ------------------------------------------------------------------ compute
+    def begin_iteration(self) -> None:
+        """A forward of the root module starts (not a recompute inside backward)."""
+        if self.in_backward:
+            return
+        self.end_iteration(close_trace=False)
+        if self.tracing:
+            self.trace.clear()
+
+    def begin_step(self, chunks: Sequence[Chunk]) -> int:
+        """Record a module step (a fetch) at the current position; returns that position."""
+        pos = self.position
+        self.position += 1
+        if self.tracing:
+            self.trace.append([c.index for c in chunks])
+        self.policy.on_position(self, pos)
+        return pos
+
+    def fetch(self, chunks: Sequence[Chunk], *, hold_user: bool = True, step: bool = True) -> None:
+        """Gather `chunks` for compute. `step=False` gathers outside the traced sequence of
+        steps (the root-held chunks), so that positions keep meaning the same module steps."""
+        pos = self.begin_step(chunks) if step else self.position
+        for chunk in chunks:
+            self._gather(chunk, pos, protect=chunks)
+            chunk.state = ChunkState.COMPUTE
+            if hold_user:
+                chunk.users += 1
+        if step:
+            self._prefetch(pos, protect=chunks)
+
+    def _gather(self, chunk: Chunk, pos: int, protect: Sequence[Chunk]) -> None:
+        if chunk.pending is not None:
+            work, full = chunk.pending
+            comm.wait(work, "gemini.prefetch")
+            chunk.pending = None
+            chunk.full = full
+            chunk.attach()
+            return
+        if chunk.full is not None:
+            return
+        self.policy.make_room(self, self.device_need(chunk), pos, protect)
+        self.move_shard(chunk, DEVICE)
+        if chunk.full_is_shard:
+            chunk.full = chunk.shard
+        else:
+            full = self.tiers.empty(DEVICE, chunk.numel, chunk.dtype)
+            comm.wait(comm.all_gather_into(full, chunk.shard, self.group, "gemini.all_gather"), "gemini.all_gather")
+            chunk.full = full
+        self.stats["gathers"] += 1
+        chunk.attach()
+
+    def _prefetch(self, pos: int, protect: Sequence[Chunk]) -> None:
+        """Start the all-gathers of the next position's sharded chunks (from the trace), when
+        they fit without evicting anything; the same decision on every rank (same trace, same
+        accounting), so the collectives line up."""
+        if self.tracing or not self.prefetch or pos + 1 >= len(self.trace):
+            return
+        for ci in self.trace[pos + 1]:
+            chunk = self.chunks[ci]
+            if chunk.full_is_shard or self.gathered(chunk) or chunk.shard_tier != DEVICE:
+                continue
+            if self.tiers.free_device() < chunk.full_bytes():
+                return
+            full = self.tiers.empty(DEVICE, chunk.numel, chunk.dtype)
+            chunk.pending = (comm.all_gather_into(full, chunk.shard, self.group, "gemini.prefetch"), full)
+            self.stats["gathers"] += 1
+            self.stats["prefetched"] += 1
+
+    def release(self, chunk: Chunk) -> None:
+        """After a module's forward: free the gathered buffer when nobody else uses it."""
+        chunk.users = max(0, chunk.users - 1)
+        if chunk.users:
+            return
+        chunk.state = ChunkState.HOLD
+        if not self.in_backward:  # in backward, gradients arriving release the chunk
+            self.free_full(chunk)
+
+    def free_full(self, chunk: Chunk) -> None:
+        if chunk.pending is not None:
+            work, full = chunk.pending
+            comm.wait(work, "gemini.prefetch")
+            chunk.pending, chunk.full = None, full
+        if chunk.full is None:
+            return
+        if not chunk.full_is_shard:
+            self.tiers.drop(DEVICE, chunk.full)
+        chunk.detach()
+        chunk.full = None
+        chunk.state = ChunkState.FREE
+        chunk.users = 0
+        self.policy.after_release(self, chunk)
+
+    def next_use(self, chunk: Chunk, pos: int) -> int:
+        """The next position (after `pos`, wrapping into the next iteration) that needs `chunk`."""
+        uses = self._uses.get(chunk.index)
+        if not uses:
+            return 1 << 60
+        i = bisect.bisect_right(uses, pos)
+        return uses[i] if i < len(uses) else uses[0] + len(self.trace)
+
+    def end_trace(self) -> None:
+        self.tracing = False
+        self._uses = {}
+        for pos, cis in enumerate(self.trace):
+            for ci in cis:
+                self._uses.setdefault(ci, []).append(pos)
+
+    # ------------------------------------------------------------------ gradients
+    def grad_arrived(self, param: nn.Parameter) -> None:
+        chunk, k = self.where[id(param)]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        if chunk.full is None:
+            raise RuntimeError(
+                f"GeminiPlugin: parameter {chunk.names[k]!r} was used outside the forward of the module that owns "
+                "it while its chunk was not gathered, so this step computed with a placeholder. Call the module "
+                "instead of reading its weight, or use a plugin that keeps whole parameters (DDPPlugin, ZeroPlugin)")
+        if chunk.grad_full is None:
+            self.policy.make_room(self, chunk.full_bytes(), self.position, [chunk])
+            chunk.grad_full = self.tiers.empty(DEVICE, chunk.numel, chunk.dtype, zero=True)
+        slot = chunk.layout.slots[k]
+        chunk.grad_full[slot.offset:slot.end].add_(grad.detach().reshape(-1).to(chunk.grad_full))
+        chunk.arrived.add(k)
+        chunk.state = ChunkState.HOLD_AFTER_BWD
+        expected = {i for i in chunk.trainable if i in chunk.used}
+        if expected <= chunk.arrived:
+            chunk.state = ChunkState.READY_FOR_REDUCE
+            self.reduce(chunk)
+
+    def reduce(self, chunk: Chunk) -> None:
+        """Average the chunk's gradient over the ranks, add this rank's part (fp32) to the
+        master gradient, free the gradient and parameter buffers."""
+        if chunk.reduced:
+            return
+        chunk.reduced = True
+        if chunk.trainable:
+            grad = chunk.grad_full
+            if grad is None:
+                self.policy.make_room(self, chunk.full_bytes(), self.position, [chunk])
+                grad = chunk.grad_full = self.tiers.empty(DEVICE, chunk.numel, chunk.dtype, zero=True)
+            if self.dp_size > 1:
+                grad.div_(self.dp_size)
+                if chunk.sharded:
+                    parts = list(grad.chunk(chunk.world))
+                    part = torch.empty_like(parts[0])
+                    comm.wait(comm.reduce_scatter_uneven(part, parts, self.group, "gemini.reduce_scatter"),
+                              "gemini.reduce_scatter")
+                else:
+                    comm.wait(comm.all_reduce_sum(grad, self.group, "gemini.all_reduce"), "gemini.all_reduce")
+                    part = grad
+            else:
+                part = grad
+            chunk.master_grad.add_(part.to(chunk.master_grad.device).float())
+            self.stats["reductions"] += 1
+        self.tiers.drop(DEVICE, chunk.grad_full)
+        chunk.grad_full = None
+        chunk.arrived.clear()
+        self.free_full(chunk)
+
+    def start_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End of a backward: reduce what is left (in chunk order, on every rank), free all."""
+        for chunk in self.chunks:
+            self.reduce(chunk)
+        for chunk in self.chunks:
+            chunk.reduced = False
+            chunk.used.clear()
+        self.in_backward = False
+        self.end_iteration()
+
+    def end_iteration(self, close_trace: bool = True, keep: Sequence[Chunk] = ()) -> None:
+        """Free anything still gathered (e.g. after an evaluation forward) except `keep`; after
+        the first backward, end the trace and let the policy plan."""
+        for chunk in self.chunks:
+            if chunk not in keep:
+                self.free_full(chunk)
+        if close_trace and self.tracing and self.trace:
+            self.end_trace()
+            self.policy.after_warmup(self)
+        self.position = 0
+
+    # ------------------------------------------------------------------ whole values
+    def gather_master(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's full fp32 master values on the CPU (a collective for sharded chunks)."""
+        shard = chunk.master.detach().to(self.tiers.device)
+        if not chunk.sharded:
+            return shard.cpu()
+        full = torch.empty(chunk.numel, dtype=torch.float32, device=self.tiers.device)
+        comm.wait(comm.all_gather_into(full, shard, self.group, "gemini.gather_master"), "gemini.gather_master")
+        return full.cpu()
+
+    def load_values(self, values: dict[int, torch.Tensor]) -> None:
+        """Set masters and shards from full parameter values keyed by position `(chunk, k)`."""
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for k, a, b in chunk.owned():
+                    value = values.get(id(chunk.params[k]))
+                    if value is None:
+                        continue
+                    start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
+                    piece = value.detach().reshape(-1)[a:b].float()
+                    chunk.master[start:start + (b - a)].copy_(piece)
+                    chunk.shard[start:start + (b - a)].copy_(piece.to(chunk.dtype))
+
+    def publish(self, chunk: Chunk) -> None:
+        """Copy the updated fp32 master into the compute-dtype shard."""
+        with torch.no_grad():
+            chunk.shard.copy_(chunk.master.to(chunk.shard.device))

@@ -1,0 +1,101 @@
+"""Byte accounting for the two memory tiers Gemini moves data between: "device" and "host".
+
+Why our own accounting: on a CPU-only machine the device and the host are the same memory, so
+`torch.cuda.max_memory_allocated()` cannot tell whether the manager kept its promise. Every
+tensor the chunk manager creates, moves or frees goes through `MemoryTiers`, which records the
+bytes per tier and the device peak, and refuses (with `BudgetExceeded`) an allocation that would
+take the device tier over its budget. When the compute device is CUDA the same calls also move
+the real tensors (`tensor.to(device)`); on CPU a move is bookkeeping only.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+DEVICE, HOST = "device", "host"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class BudgetExceeded(RuntimeError):
+    """An allocation would take the device tier over its budget (an internal invariant: the
+    placement policy must make room first)."""
+
+
+def parse_bytes(value: str | int | float | None, default: int) -> int:
+    """'20GiB', '512MB', 1e9 or None (the default) -> a byte count."""
+    if value is None:
+        return int(default)
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"device_memory_budget={value} must be positive")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read a memory size from {value!r}: write e.g. '20GiB', '512MB' or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def device_capacity(device: torch.device) -> int:
+    """What the device has: CUDA's total memory, or the machine's RAM for a CPU "device"."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MemoryTiers:
+    def __init__(self, device: torch.device, budget: int):
+        self.device = device
+        self.budget = int(budget)
+        self.host_device = torch.device("cpu")
+        self.bytes = {DEVICE: 0, HOST: 0}
+        self.peak_device = 0
+        self.reserve = 0  # non-model bytes the policy expects at the current step (auto)
+        self.peak_device_with_reserve = 0
+
+    def torch_device(self, tier: str) -> torch.device:
+        return self.device if tier == DEVICE else self.host_device
+
+    def free_device(self) -> int:
+        """Device bytes still allowed, after the current non-model reserve."""
+        return self.budget - self.reserve - self.bytes[DEVICE]
+
+    def _add(self, tier: str, n: int) -> None:
+        if tier == DEVICE and self.bytes[DEVICE] + n > self.budget:
+            raise BudgetExceeded(f"device tier would hold {self.bytes[DEVICE] + n} bytes, budget {self.budget}")
+        self.bytes[tier] += n
+        if tier == DEVICE:
+            self.peak_device = max(self.peak_device, self.bytes[DEVICE])
+            self.note_reserve(self.reserve)
+
+    def note_reserve(self, reserve: int) -> None:
+        self.reserve = reserve
+        self.peak_device_with_reserve = max(self.peak_device_with_reserve, self.bytes[DEVICE] + reserve)
+
+    def empty(self, tier: str, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        self._add(tier, numel * torch.empty((), dtype=dtype).element_size())
+        pin = tier == HOST and self.device.type == "cuda"
+        make = torch.zeros if zero else torch.empty
+        return make(numel, dtype=dtype, device=self.torch_device(tier), pin_memory=pin)
+
+    def adopt(self, tier: str, t: torch.Tensor) -> torch.Tensor:
+        """Account an existing tensor to `tier` (moving it there if needed)."""
+        self._add(tier, nbytes(t))
+        return t.to(self.torch_device(tier))
+
+    def drop(self, tier: str, t: torch.Tensor | None) -> None:
+        if t is not None:
+            self.bytes[tier] -= nbytes(t)
+
+    def move(self, t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+        if src == dst:
+            return t
+        self._add(dst, nbytes(t))
+        self.bytes[src] -= nbytes(t)
+        return t.to(self.torch_device(dst), non_blocking=False)
