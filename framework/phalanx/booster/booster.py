@@ -20,7 +20,7 @@ from torch import nn
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError, atomic_directory, verify_manifest
-from phalanx.checkpoint.hf import check_state_dict_matches, load_hf_state_dict, save_hf_model
+from phalanx.checkpoint.hf import load_hf_state_dict, save_hf_model
 from phalanx.checkpoint.optimizer import FragmentReader, save_fragments
 from phalanx.checkpoint.train_state import TrainState, load_rng_state, save_rng_state
 from phalanx.launch import context
@@ -97,7 +97,7 @@ class Booster:
             raise
         except Exception as exc:  # truncated/corrupt safetensors
             raise CheckpointError(f"cannot read model weights in {str(path)!r}: {exc}") from exc
-        check_state_dict_matches(unwrap_model(model), state)
+        self.plugin.check_full_state_dict(model, state)
         self.plugin.load_full_model_state_dict(model, state)
 
     # ------------------------------------------------------------------ optimizer

@@ -77,15 +77,18 @@ def load_hf_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
                           "safetensors model directory")
 
 
-def check_state_dict_matches(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Fail with the names and shapes that differ, before anything is overwritten."""
-    expected = dict(model.state_dict())
+def check_state_dict_matches(model: nn.Module, state_dict: dict[str, torch.Tensor],
+                             shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Fail with the names and shapes that differ, before anything is overwritten. `shapes`
+    overrides the model's own (full shapes of a model split in place)."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected.update(shapes or {})
     tied = set(expected) - set(_drop_aliases(model, expected))
     missing = [k for k in expected if k not in state_dict and k not in tied
                and not k.endswith(("rotary_emb.inv_freq", "original_inv_freq"))]
     unexpected = [k for k in state_dict if k not in expected]
-    wrong = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-             for k, v in state_dict.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    wrong = [f"{k}: checkpoint {tuple(v.shape)} vs model {expected[k]}"
+             for k, v in state_dict.items() if k in expected and tuple(v.shape) != expected[k]]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} key(s), e.g. {missing[:3]}")

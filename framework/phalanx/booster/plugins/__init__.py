@@ -10,6 +10,8 @@ _PLUGINS = {
     "DDPPlugin": "phalanx.booster.plugins.ddp",
     "FSDPPlugin": "phalanx.booster.plugins.fsdp",
     "ZeroPlugin": "phalanx.booster.plugins.zero",
+    "GeminiPlugin": "phalanx.booster.plugins.gemini",
+    "HybridParallelPlugin": "phalanx.booster.plugins.hybrid",
 }
 
 __all__ = ["Plugin", "make_plugin", *_PLUGINS]
@@ -21,11 +23,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'phalanx.booster.plugins' has no attribute {name!r}")
 
 
-PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2")
+PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
 
 
 def make_plugin(name: str, precision: str = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
-    """Build a plugin from its config name: ddp | fsdp | zero1 | zero2."""
+    """Build a plugin from its config name: ddp | fsdp | zero1 | zero2 | gemini | hybrid (the last
+    takes HybridParallelPlugin's keyword arguments: tp_size=..., sp_size=..., zero_stage=...)."""
     key = name.lower()
     if key == "ddp":
         from phalanx.booster.plugins.ddp import DDPPlugin
@@ -36,4 +39,10 @@ def make_plugin(name: str, precision: str = "fp32", max_norm: float | None = Non
     if key in ("zero1", "zero2"):
         from phalanx.booster.plugins.zero import ZeroPlugin
         return ZeroPlugin(stage=int(key[-1]), precision=precision, max_norm=max_norm, **kwargs)
+    if key == "gemini":
+        from phalanx.booster.plugins.gemini import GeminiPlugin
+        return GeminiPlugin(precision=precision, max_norm=max_norm, **kwargs)
+    if key == "hybrid":
+        from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+        return HybridParallelPlugin(precision=precision, max_norm=max_norm, **kwargs)
     raise ValueError(f"unknown plugin {name!r}; choose one of {', '.join(PLUGIN_NAMES)}")

@@ -80,6 +80,12 @@ class Plugin(ABC):
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         ...
 
+    def check_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise CheckpointError, before anything is overwritten, unless the full state dict fits the
+        model. Plugins that split parameters in place (HybridParallelPlugin) compare full shapes."""
+        from phalanx.checkpoint.hf import check_state_dict_matches
+        check_state_dict_matches(unwrap_model(model), state_dict)
+
     @abstractmethod
     def optimizer_fragments(self, optimizer: Any) -> "OptimizerFragments":
         ...

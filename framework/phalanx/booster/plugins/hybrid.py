@@ -1,0 +1,345 @@
+"""HybridParallelPlugin: data × sequence × tensor parallelism for Hugging Face models, with ZeRO.
+
+    plugin = HybridParallelPlugin(tp_size=2, sp_size=1, zero_stage=1, precision="bf16")
+    model, optimizer, *_ = Booster(plugin).boost(model, optimizer)
+
+`configure_model` applies, in this order (each step one function, see docs/hybrid.md):
+1. check the layout against the model (heads, key/value heads, sequence mode) — before any work;
+2. `apply_tp` (phalanx.shard): split attention heads, MLP and vocabulary over the tp group
+   (materialising only this rank's pieces when the model was built lazily, phalanx.lazy);
+3. `apply_sp` (phalanx.sequence): split-gather hooks, or Ulysses/ring attention functions;
+4. activation checkpointing, if asked for;
+5. move to the device and cast to the compute precision;
+6. install the vocabulary-parallel, sequence-aware causal-LM loss as the model's loss function;
+7. make replicas identical (broadcast replicated pieces over tp, everything over dp × sp).
+
+The optimizer is ZeRO-1/2 (`phalanx.zero`) over the data × sequence group of each tensor-parallel
+rank, or plain all-reduce data parallelism for zero_stage=0. Checkpoints are the full model in
+Hugging Face layout and layout-independent optimizer fragments, loadable by every plugin.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.amp.precision import dtype_of
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
+                                          load_full_state_into)
+from phalanx.launch import collective
+from phalanx.mesh import LayoutError, ParallelConfig, build_mesh
+from phalanx.sequence import apply_sp, check_sequence_layout, gather_sequence, shard_inputs
+from phalanx.shard import CausalLMLoss, apply_tp, check_heads, policy_for
+from phalanx.shard.grads import PartialGradSync
+from phalanx.shard.layers import VocabParallelLMHead
+from phalanx.shard.optim import HybridOptimizer, HybridZeroOptimizer
+from phalanx.shard.state import LocalFragmentReader, full_state_dict, local_state_dict, to_full_fragments
+from phalanx.shard.tensor_parallel import TPPlan, local_head_counts
+from phalanx.zero.checkpoint import load_zero_fragments, zero_fragments
+from phalanx.zero.optimizer import ZeroConfig
+
+log = logging.getLogger(__name__)
+
+
+class HybridModel(nn.Module):
+    """Runs the split model on a batch: cuts Ulysses/ring batches to this rank's tokens (labels
+    shifted first, explicit position ids), checks split-gather sequence lengths, and returns full
+    logits when no labels are given. With labels, `outputs.loss` is the loss of the whole batch on
+    every rank and `outputs.logits` stays this rank's shard (vocabulary over tp, sequence over sp):
+    the loss never gathers them."""
+
+    def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group):
+        super().__init__()
+        self.model = model
+        self.plan = plan
+        self.seq = seq
+        self.tp_group = tp_group
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                raise TypeError("pass the batch as keyword arguments (input_ids=..., labels=...)")
+            kwargs["input_ids"] = args[0]
+        kwargs.setdefault("use_cache", False)
+        wants_logits = kwargs.get("labels") is None
+        seq_len = None
+        if self.seq is not None and self.seq.mode == "split_gather":
+            source = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            if source is not None and source.shape[1] % self.seq.size:
+                s, n = source.shape[1], self.seq.size
+                raise LayoutError(f"split-gather sequence parallelism cuts the sequence over tp_size={n} ranks: "
+                                  f"length {s} % {n} = {s % n}; pad or crop sequences to a multiple of {n}")
+        elif self.seq is not None:
+            kwargs, seq_len = shard_inputs(kwargs, self.seq)
+        head = self._head()
+        with _local_logits(head, not wants_logits), _sharded(self.seq, seq_len is not None):
+            out = self.model(**kwargs)
+        logits = getattr(out, "logits", None)
+        if wants_logits and logits is not None and seq_len is not None:
+            out.logits = gather_sequence(logits, self.seq, seq_len)
+        return out
+
+    def _head(self):
+        try:
+            head = self.model.get_submodule(self.plan.policy.head)
+        except AttributeError:
+            return None
+        return head if isinstance(head, VocabParallelLMHead) else None
+
+
+@contextlib.contextmanager
+def _local_logits(head, local: bool) -> Iterator[None]:
+    """With labels, keep the logits vocabulary-parallel (the loss needs no gather)."""
+    if head is None or not local:
+        yield
+        return
+    head.local_output = True
+    try:
+        yield
+    finally:
+        head.local_output = False
+
+
+@contextlib.contextmanager
+def _sharded(seq, active: bool) -> Iterator[None]:
+    if seq is None or not active:
+        yield
+        return
+    seq.inputs_sharded = True
+    try:
+        yield
+    finally:
+        seq.inputs_sharded = False
+
+
+class HybridParallelPlugin(Plugin):
+    """dp × sp × tp (pp comes with the pipeline issue) with ZeRO-1/2.
+
+    tp_size: tensor-parallel ranks (split heads, MLP, vocabulary). sp_size: sequence-parallel
+    ranks for sequence_parallelism="ulysses" or "ring"; "split_gather" splits the sequence over the
+    tp ranks instead (sp_size=1). The data-parallel size is what is left of the world size.
+    zero_stage: 0 (all-reduce), 1 or 2 (ZeRO over data × sequence ranks). precision: fp32, bf16,
+    fp16 (fp32 masters, loss scaling for fp16). max_norm: clip the norm over all shards.
+    gradient_checkpointing: recompute each decoder layer in backward. policy: a
+    `phalanx.shard.Policy` for a model family without a built-in one. reduce_bucket_mb,
+    overlap_communication, cpu_offload: passed to the ZeRO optimizer (docs/zero.md).
+    """
+
+    name = "hybrid"
+
+    def __init__(self, tp_size: int = 1, sp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
+                 precision: str = "fp32", sequence_parallelism: str | None = None, max_norm: float | None = None,
+                 gradient_checkpointing: bool = False, policy=None, reduce_bucket_mb: float = 25.0,
+                 overlap_communication: bool = True, cpu_offload: bool = False):
+        super().__init__(precision, max_norm)
+        if pp_size != 1:
+            raise LayoutError(f"pp_size={pp_size}: pipeline parallelism is not part of HybridParallelPlugin yet; "
+                              "use pp_size=1")
+        if zero_stage not in (0, 1, 2):
+            raise LayoutError(f"zero_stage={zero_stage} must be 0, 1 or 2 (stage 3 shards parameters: FSDPPlugin)")
+        self.parallel = ParallelConfig(dp=-1, tp=tp_size, pp=1, sp=sp_size, zero_stage=zero_stage)
+        self.parallel.validate()
+        self.tp_size, self.sp_size, self.zero_stage = tp_size, sp_size, zero_stage
+        self.sequence_parallelism = sequence_parallelism
+        self.gradient_checkpointing = gradient_checkpointing
+        self.policy = policy
+        self.zero_options = dict(reduce_bucket_mb=reduce_bucket_mb, overlap_communication=overlap_communication,
+                                 cpu_offload=cpu_offload)
+        check_sequence_layout(sequence_parallelism, sp=sp_size, tp=tp_size)
+
+    def describe(self) -> str:
+        mode = f", sp_mode={self.sequence_parallelism}" if self.sequence_parallelism else ""
+        return (f"hybrid(precision={self.precision}, dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+                f"zero={self.zero_stage}{mode})")
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        super().setup()
+        self.parallel = self.parallel.resolve(dist.get_world_size())
+        self.mesh = build_mesh(self.parallel, self.device.type)
+        self.tp_group = self.mesh.get_group("tp")
+        self.sp_group = self.mesh.get_group("sp")
+        self.dp_group = self.mesh.get_group("dp")
+        self.dp_size = self.parallel.dp
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
+        self.dp_sp_group = self._flat_group(("dp", "sp"))
+
+    def _flat_group(self, dims: tuple[str, ...]):
+        """One process group over the ranks that differ only in `dims` (every rank creates every
+        such group, in the same order, as torch.distributed requires)."""
+        names = ("pp", "dp", "sp", "tp")
+        grid = self.mesh.mesh
+        keep = [i for i, d in enumerate(names) if d not in dims]
+        flat = [i for i, d in enumerate(names) if d in dims]
+        blocks = grid.permute(*keep, *flat).reshape(-1, math.prod(grid.shape[i] for i in flat))
+        mine = None
+        for ranks in blocks.tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self, model: nn.Module) -> ModelWrapper:
+        from phalanx import lazy
+
+        policy = self.policy or policy_for(model)
+        heads = policy.heads(model.config)
+        check_heads(heads, self.tp_size)
+        local = local_head_counts(heads, self.tp_size)
+        check_sequence_layout(self.sequence_parallelism, sp=self.sp_size, tp=self.tp_size,
+                              local_heads=local.heads, heads=heads.heads)
+        names_before = {id(p): n for n, p in model.named_parameters()}
+        source = lazy.source_for(model, device=self.device)
+        mode = self.sequence_parallelism
+        plan = apply_tp(model, policy, group=self.tp_group, sequence_parallel=mode == "split_gather", source=source)
+        lazy.materialise_buffers(model, source)
+        seq = None
+        if mode is not None:
+            seq = apply_sp(model, policy, mode=mode, group=self.tp_group if mode == "split_gather" else self.sp_group)
+        if self.gradient_checkpointing:
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        model.to(self.device)
+        if self.precision != "fp32":
+            model.to(dtype_of(self.precision))
+        if hasattr(type(model), "loss_function"):
+            head = model.get_submodule(policy.head) if self.tp_size > 1 else None
+            seq_group = self.sp_group if mode in ("ulysses", "ring") else None
+            model.loss_function = CausalLMLoss(head, self.tp_group, seq_group)
+        self._sync_replicas(model, plan)
+        wrapper = ModelWrapper(HybridModel(model, plan, seq, self.tp_group), model)
+        object.__setattr__(wrapper, "phalanx_plan", plan)
+        object.__setattr__(wrapper, "_names_before_sharding", names_before)
+        log.info("%s: %s", self.describe(), policy.family)
+        return wrapper
+
+    def _sync_replicas(self, model: nn.Module, plan: TPPlan) -> None:
+        """Start every replica from the same values: replicated pieces from the first tp rank, all
+        pieces from the first rank of the data × sequence group."""
+        seen: set[int] = set()
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        with torch.no_grad(), collective("hybrid.broadcast_model"):
+            for name, t in named:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                for group, only_replicated in ((self.tp_group, True), (self.dp_sp_group, False)):
+                    if dist.get_world_size(group) == 1 or (only_replicated and plan.spec(name).is_sharded):
+                        continue
+                    dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+        hf = unwrap_model(model)
+        plan: TPPlan = model.phalanx_plan
+        by_name = dict(hf.named_parameters())
+        old_names = model._names_before_sharding
+        if optimizer.state:
+            raise ValueError("boost the model before the optimizer's first step (it already holds state)")
+        for group in optimizer.param_groups:
+            try:
+                group["params"] = [by_name[old_names[id(p)]] for p in group["params"]]
+            except KeyError as exc:
+                raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
+                                 "model.parameters() of the model you pass to boost()") from exc
+        names = {id(p): n for n, p in by_name.items()}
+        weights = {id(p): (1.0 if plan.spec(n).is_sharded else 1.0 / plan.size) for n, p in by_name.items()}
+        partial = [p for n, p in by_name.items() if plan.spec(n).partial_grad]
+        if self.zero_stage == 0:
+            wrapped = HybridOptimizer(optimizer, names=names, precision=self.precision, max_norm=self.max_norm,
+                                      dp_group=self.dp_sp_group, tp_group=self.tp_group,
+                                      partial_ids={id(p) for p in partial}, weights=weights)
+        else:
+            config = ZeroConfig(stage=self.zero_stage, max_norm=self.max_norm, **self.zero_options)
+            wrapped = HybridZeroOptimizer(optimizer, config, names=names, process_group=self.dp_sp_group,
+                                          weights=weights, partial=PartialGradSync(partial, self.tp_group))
+        wrapped.phalanx_plan = plan
+        return wrapped
+
+    # ------------------------------------------------------------------ training
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None, optimizer) -> Iterator[None]:
+        optimizer = optimizer or getattr(model, "phalanx_optimizer", None)
+        if optimizer is None or not hasattr(optimizer, "no_sync"):
+            yield  # stage 0 reduces at step: accumulation needs nothing
+            return
+        with optimizer.no_sync():
+            yield
+
+    def clip_grad_norm(self, optimizer, max_norm: float) -> float:
+        return optimizer.clip_grad_norm(max_norm)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def _masters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """fp32 master values of this rank's pieces, by parameter name (all aliases)."""
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        hf = unwrap_model(model)
+        if optimizer is None:
+            return {}
+        if isinstance(optimizer, HybridZeroOptimizer):
+            by_id = optimizer.full_master_weights()
+        else:
+            by_id = {pid: m.detach() for pid, m in optimizer.master_of.items()}
+        return {n: by_id[id(p)] for n, p in hf.named_parameters(remove_duplicate=False) if id(p) in by_id}
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return full_state_dict(unwrap_model(model), model.phalanx_plan, self._masters(model))
+
+    def check_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        from phalanx.checkpoint.hf import check_state_dict_matches
+        plan: TPPlan = model.phalanx_plan
+        hf = unwrap_model(model)
+        shapes = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+        shapes.update({n: p.full_shape for n, p in plan.params.items()})
+        check_state_dict_matches(hf, state_dict, shapes=shapes)
+
+    def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        hf = unwrap_model(model)
+        plan: TPPlan = model.phalanx_plan
+        local = local_state_dict(plan, state_dict)
+        hf.load_state_dict(local, strict=False)
+        optimizer = getattr(model, "phalanx_optimizer", None)
+        if isinstance(optimizer, HybridZeroOptimizer):
+            optimizer.load_master_weights({id(p): local[n] for n, p in hf.named_parameters(remove_duplicate=False)
+                                           if n in local})
+        elif optimizer is not None and optimizer.master_of:
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    master = optimizer.master_of.get(id(p))
+                    if master is not None and n in local:
+                        master.copy_(local[n].float())
+
+    def optimizer_fragments(self, optimizer) -> OptimizerFragments:
+        plan = self._plan_of(optimizer)
+        if isinstance(optimizer, HybridZeroOptimizer):
+            frags = to_full_fragments(zero_fragments(optimizer), plan)
+        else:
+            write = dist.get_rank(self.dp_sp_group) == 0
+            local = fragments_from_full_state(optimizer.optim, optimizer.names) if write else OptimizerFragments()
+            frags = to_full_fragments(local, plan, write=write)
+        frags.extra["loss_scaler"] = optimizer.scaler.state_dict()
+        return frags
+
+    def load_optimizer_fragments(self, optimizer, reader: FragmentReader) -> None:
+        local = LocalFragmentReader(reader, self._plan_of(optimizer))
+        if isinstance(optimizer, HybridZeroOptimizer):
+            load_zero_fragments(optimizer, local)
+        else:
+            load_full_state_into(optimizer.optim, optimizer.names, local)
+            if "loss_scaler" in reader.extra:
+                optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])
+
+    def _plan_of(self, optimizer) -> TPPlan:
+        plan = getattr(optimizer, "phalanx_plan", None)
+        if plan is None:
+            raise ValueError("this optimizer was not boosted by a HybridParallelPlugin")
+        return plan

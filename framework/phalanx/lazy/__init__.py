@@ -1,0 +1,80 @@
+"""Lazy initialisation: build a model on the meta device (no memory), then materialise only
+this rank's pieces when a plugin splits it.
+
+    with phalanx.lazy.init_empty():
+        model = AutoModelForCausalLM.from_config(config)      # random init happens later, per rank
+    model = phalanx.lazy.from_pretrained("path/to/hf_dir")    # weights read later, only this rank's slices
+    model, optimizer, *_ = booster.boost(model, optimizer)    # HybridParallelPlugin materialises
+
+Random initialisation materialises one decoder layer (or one module outside the layers) at a
+time at full size, runs the model's own `_init_weights` over it (children first, as transformers
+does), and keeps this rank's pieces: peak memory is this rank's share of the model plus one layer.
+Every rank draws the same random numbers (same seed, same order), so the pieces fit together.
+Loading reads, for each split tensor, only the ranges this rank holds with `safetensors`'
+`get_slice`. `materialize(model)` does the same for an unsplit model.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from phalanx.lazy.sources import CheckpointSource, RandomInitSource, is_lazy, materialise_buffers
+
+__all__ = ["init_empty", "from_config", "from_pretrained", "source_for", "materialize", "materialise_buffers",
+           "is_lazy", "CheckpointSource", "RandomInitSource"]
+
+CHECKPOINT_ATTR = "phalanx_checkpoint"
+
+
+@contextlib.contextmanager
+def init_empty() -> Iterator[None]:
+    """Build modules on the meta device: shapes and dtypes only."""
+    with torch.device("meta"):
+        yield
+
+
+def from_config(config, model_class=None) -> nn.Module:
+    """A transformers model built from `config` on the meta device."""
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    with init_empty():
+        return model_class.from_config(config)
+
+
+def from_pretrained(path: str | Path, model_class=None, **config_overrides) -> nn.Module:
+    """A model for the Hugging Face directory `path`, on the meta device; its weights are read
+    (only this rank's slices) when it is boosted or `materialize`d."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} holds no config.json: not a Hugging Face model directory")
+    config = AutoConfig.from_pretrained(path, **config_overrides)
+    model = from_config(config, model_class)
+    setattr(model, CHECKPOINT_ATTR, str(path))
+    return model
+
+
+def source_for(model: nn.Module, device: torch.device | str = "cpu"):
+    """Where a lazy model's values come from (None for a model that is already materialised)."""
+    if not is_lazy(model):
+        return None
+    path = getattr(model, CHECKPOINT_ATTR, None)
+    if path is not None:
+        return CheckpointSource(model, path, device=device)
+    return RandomInitSource(model, device=device)
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Materialise a whole lazy model in place (no parallelism), e.g. for one process."""
+    from phalanx.shard.tensor_parallel import materialise_params
+
+    source = source_for(model, device)
+    if source is not None:
+        materialise_params(model, source)
+        materialise_buffers(model, source)
+    return model

@@ -1,0 +1,176 @@
+"""Where the values of a lazily built (meta-device) model come from: `ParamSource`s for
+`phalanx.shard.apply_tp`, which asks each for this rank's piece of a split parameter (`local`)
+or for the whole of a replicated one (`full`)."""
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from phalanx.checkpoint.atomic import CheckpointError
+from phalanx.shard.spec import ShardSpec
+
+
+def is_lazy(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def _empty_like_on(t: torch.Tensor, device) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+class RandomInitSource:
+    """Random initialisation by the model's own `_init_weights`, one unit at a time: a decoder
+    layer (every ModuleList child), or a single module outside the layers.
+
+    A unit is initialised once, as a full-size copy, when its first value is asked for (before any
+    of its modules is replaced); the model's meta parameters are left alone, so tied weights stay
+    tied. Each value is handed out once and then dropped: the parallel layout keeps its pieces. Each unit draws from its own generator state, seeded from `seed` and
+    the unit's name, so its values do not depend on the order in which units are materialised: a
+    model initialised lazily under any parallel layout equals the same lazy model materialised
+    whole (same `seed`). `seed` defaults to a draw from the global generator (identical on every
+    rank after `launch`)."""
+
+    def __init__(self, model: nn.Module, device="cpu", seed: int | None = None):
+        self.model = model
+        self.device = torch.device(device)
+        self.seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+        self._units = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+        self._values: dict[str, torch.Tensor] = {}
+        self._done: set[str] = set()
+
+    def _unit_name(self, name: str) -> str:
+        parts = name.split(".")[:-1]
+        module = self.model
+        for i, part in enumerate(parts):
+            module = getattr(module, part)
+            if id(module) in self._units:
+                return ".".join(parts[:i + 1])
+        return ".".join(parts)
+
+    def _initialise(self, unit_name: str) -> None:
+        unit = copy.deepcopy(self.model.get_submodule(unit_name) if unit_name else self.model)
+        unit.to_empty(device=self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed((self.seed + zlib.crc32(unit_name.encode())) % 2**63)
+            unit.apply(self.model._init_weights)  # children before parents, as transformers does
+        prefix = unit_name + "." if unit_name else ""
+        for n, t in [*unit.named_parameters(remove_duplicate=False), *unit.named_buffers()]:
+            self._values.setdefault(prefix + n, t.detach())
+        self._done.add(unit_name)
+
+    def _value(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        if not param.is_meta:
+            return param.detach()
+        if name not in self._values:
+            unit = self._unit_name(name)
+            if unit in self._done:
+                raise RuntimeError(f"lazy init: {name!r} was asked for twice, or after its unit {unit!r} was split")
+            self._initialise(unit)
+        return self._values.pop(name)
+
+    def local(self, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
+        return spec.shard(self._value(name, param), rank, tp)
+
+    def full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        return self._value(name, param)
+
+    def buffers(self, module: nn.Module) -> None:
+        prefix = next(n for n, m in self.model.named_modules() if m is module)
+        for bname, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                module._buffers[bname] = self._value(f"{prefix}.{bname}" if prefix else bname, b).clone()
+
+
+class CheckpointSource:
+    """Values from a Hugging Face safetensors directory, reading only the needed slices."""
+
+    def __init__(self, model: nn.Module, path: str | Path, device="cpu"):
+        from safetensors import safe_open
+
+        self.model = model
+        self.path = Path(path)
+        self.device = torch.device(device)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.path / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{str(self.path)!r} holds neither model.safetensors nor its index: no weights to "
+                                  "load lazily")
+        self.elements_read = 0  # how many tensor elements were read (only this rank's slices)
+        self._files: dict[str, object] = {}
+        self._open = lambda f: self._files.setdefault(f, safe_open(str(self.path / f), framework="pt", device="cpu"))
+        if weight_map is None:
+            handle = self._open("model.safetensors")
+            weight_map = {k: "model.safetensors" for k in handle.keys()}
+        self.weight_map: dict[str, str] = weight_map
+        aliases: dict[int, list[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(n)
+        self._aliases = {n: names for names in aliases.values() for n in names}  # tied weights: any name
+
+    def _key(self, name: str) -> str:
+        for candidate in self._aliases.get(name, [name]):
+            if candidate in self.weight_map:
+                return candidate
+        raise CheckpointError(f"{str(self.path)!r} has no tensor {name!r}: the checkpoint was saved for another model")
+
+    def _slice(self, name: str):
+        key = self._key(name)
+        return self._open(self.weight_map[key]).get_slice(key)
+
+    def _check_shape(self, name: str, param: torch.Tensor, shape) -> None:
+        if tuple(shape) != tuple(param.shape):
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(shape)} vs model {tuple(param.shape)}: load it "
+                                  "into a model built from the same config")
+
+    def local(self, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
+        view = self._slice(name)
+        self._check_shape(name, param, view.get_shape())
+        if not spec.is_sharded:
+            return self._read(view[:], param)
+        parts = []
+        for a, b, _ in spec.slices(param.shape, rank, tp):
+            index = tuple([slice(None)] * spec.dim + [slice(a, b)])
+            parts.append(self._read(view[index], param))
+        return spec.assemble(parts, param.shape, rank, tp)
+
+    def _read(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        self.elements_read += tensor.numel()
+        return tensor.to(self.device, param.dtype)
+
+    def full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        if not param.is_meta:
+            return param.detach()
+        view = self._slice(name)
+        self._check_shape(name, param, view.get_shape())
+        return self._read(view[:], param)
+
+    def buffers(self, module: nn.Module) -> None:
+        """Buffers that are not in the checkpoint (rotary frequencies) come from `_init_weights`."""
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            raise CheckpointError(f"{type(module).__name__} still has parameters on the meta device")
+        for bname, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.is_meta:
+                module._buffers[bname] = _empty_like_on(b, self.device)
+        with torch.no_grad():
+            self.model._init_weights(module)
+
+
+def materialise_buffers(model: nn.Module, source) -> None:
+    """Give every buffer still on the meta device its value (after the parameters)."""
+    if source is None:
+        return
+    for module in model.modules():
+        if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+            source.buffers(module)
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise RuntimeError(f"buffers still on the meta device after materialising: {left[:3]}")

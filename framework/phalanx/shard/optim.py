@@ -1,0 +1,99 @@
+"""Optimizers for a tensor-parallel model, over the data(×sequence)-parallel group.
+
+- `HybridZeroOptimizer`: the ZeRO-1/2 optimizer (`phalanx.zero.ZeroOptimizer`, unchanged) on this
+  tensor-parallel rank's pieces, with a gradient norm that counts every element of the whole
+  model once (see `phalanx.shard.grads`), and partial gradients summed over the tensor-parallel
+  group before ZeRO reduces them.
+- `HybridOptimizer` (zero_stage=0): whole local pieces on every data-parallel rank; gradients
+  all-reduced (averaged) over the data(×sequence)-parallel group at `step`, fp32 masters for
+  bf16/fp16 as in `MixedPrecisionOptimizer`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from phalanx.amp.clip import clip_grads_by_norm
+from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
+from phalanx.shard.grads import PartialGradSync, flat_all_reduce, weighted_norm
+from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
+
+if not hasattr(ZeroOptimizer, "_global_norm"):  # pragma: no cover - guards the one override below
+    raise ImportError("phalanx.zero.ZeroOptimizer no longer has _global_norm(grads); update "
+                      "phalanx.shard.optim.HybridZeroOptimizer")
+
+
+class HybridZeroOptimizer(ZeroOptimizer):
+    """ZeroOptimizer whose norm weighs each owned gradient element by 1 / its copies over the
+    tensor-parallel group (`weights`: id(model parameter) -> weight)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: ZeroConfig, *, names: dict[int, str],
+                 process_group, weights: dict[int, float], partial: PartialGradSync):
+        self.partial = partial  # hooks registered before ZeRO's: partial gradients are summed first
+        super().__init__(optimizer, config, names=names, process_group=process_group)
+        self.norm_weights = weights
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        pieces = []
+        for g in self.flat_groups:
+            if g is None or g.master.grad is None:
+                continue
+            for slot, a, b in g.layout.owned_slots(self.rank):
+                start = g.layout.to_shard(self.rank, slot.offset + a)
+                pieces.append((g.master.grad[start:start + (b - a)], self.norm_weights[id(g.params[slot.index])]))
+        return weighted_norm(pieces, self.device)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with super().no_sync(), self.partial.no_sync():
+            yield
+
+
+class HybridOptimizer(MixedPrecisionOptimizer):
+    """Stage 0: every data(×sequence)-parallel rank keeps its tensor-parallel pieces whole."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, names: dict[int, str], precision: str,
+                 max_norm: float | None, dp_group, tp_group, partial_ids: set[int], weights: dict[int, float]):
+        super().__init__(optimizer, precision=precision, max_norm=max_norm)
+        self.names = {id(self.master_of.get(id(p), p)): names[id(p)] for p in self.model_params}
+        self.dp_group = dp_group
+        self.tp_group = tp_group
+        self.partial_ids = partial_ids
+        self.weights = weights
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        self.max_norm = max_norm
+        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
+
+    def unscale_and_clip(self) -> bool:
+        pairs = []
+        for p in self.model_params:
+            if not p.requires_grad:
+                continue
+            target = self.master_of.get(id(p), p)
+            if p.grad is not None and target is not p:
+                target.grad = p.grad.detach().float()
+                p.grad = None
+            if target.grad is None:  # keep every rank's collectives the same
+                target.grad = torch.zeros_like(target)
+            pairs.append((p, target.grad))
+        flat_all_reduce([g for p, g in pairs if id(p) in self.partial_ids], self.tp_group, name="tp.partial_grad")
+        flat_all_reduce([g for _, g in pairs], self.dp_group, average=True, name="dp.all_reduce_grads")
+        grads = [g for _, g in pairs]
+        if self.scaler.enabled:
+            if DynamicLossScaler.found_inf(grads):
+                self.scaler.update(True)
+                self.last_grad_norm = float("inf")
+                return False
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        device = grads[0].device if grads else torch.device("cpu")
+        self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), device)
+        if self.max_norm:
+            clip_grads_by_norm(grads, self.max_norm, self.last_grad_norm)
+        return True

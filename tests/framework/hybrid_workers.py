@@ -1,0 +1,360 @@
+"""What the hybrid-parallel tests run on each rank (module level, so `phalanx.testing.spawn` can
+start them). Every suite loops over families and layouts inside one spawn and returns plain
+numbers (largest differences from the single-process reference); the asserts live in the tests.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hybrid_models as hm
+
+LR = 1e-2
+
+
+def make_optimizer(model, kind: str = "sgd"):
+    """SGD for the equivalence checks (its update is linear in the gradient, so weights compare as
+    tightly as gradients); AdamW where optimizer state must move between layouts."""
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=1e-6)
+
+
+def reference(family: str, steps: int = 1, kind: str = "sgd", max_norm: float | None = None) -> dict:
+    """Plain torch, one process, the whole batch."""
+    model = hm.build(family)
+    opt = make_optimizer(model, kind)
+    losses, grads, norms = [], {}, []
+    for i, batch in enumerate(hm.tokens(family, steps=steps)):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if i == 0:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            grads = {n: params[n].grad.detach().clone() for n in hm.SAMPLE_GRADS[family]}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "logits": logits, "norms": norms}
+
+
+def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 0):
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import Plugin
+    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+    booster = Booster(layout if isinstance(layout, Plugin) else HybridParallelPlugin(**layout))
+    model = model if model is not None else hm.build(family, seed)
+    optimizer = make_optimizer(model, kind)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    return booster, model, optimizer
+
+
+def local_rows(booster, batch: torch.Tensor) -> torch.Tensor:
+    plugin = booster.plugin
+    return batch.chunk(plugin.dp_size)[plugin.dp_rank]
+
+
+def _dp_mean(booster, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=booster.plugin.dp_group)
+    return t.item() / booster.plugin.dp_size
+
+
+def reduced_grads(booster, model, optimizer, names) -> dict[str, torch.Tensor]:
+    """The full gradients the optimizer is about to apply (reduced over every group), for `names`.
+    Runs the ZeRO reduction (or stage 0's synchronisation) without stepping."""
+    from phalanx.shard.optim import HybridZeroOptimizer
+
+    hf = model.unwrapped
+    plan = model.phalanx_plan
+    params = dict(hf.named_parameters(remove_duplicate=False))
+    local: dict[int, torch.Tensor] = {}
+    if isinstance(optimizer, HybridZeroOptimizer):
+        optimizer.reducer.finish()
+        for g in optimizer.flat_groups:
+            if g is None:
+                continue
+            shard = g.master.grad if g.master.grad is not None else torch.zeros_like(g.master)
+            parts = [torch.empty_like(shard) for _ in range(optimizer.world_size)]
+            dist.all_gather(parts, shard.contiguous(), group=optimizer.process_group)
+            full = torch.cat(parts)
+            for slot, p in zip(g.layout.slots, g.params):
+                local[id(p)] = full[slot.offset:slot.end].view(p.shape).clone()
+    else:  # stage 0: synchronise now, read the gradients before clipping, then clip
+        from phalanx.amp.clip import clip_grads_by_norm
+
+        max_norm, optimizer.max_norm = optimizer.max_norm, None
+        assert optimizer.unscale_and_clip()
+        optimizer.max_norm = max_norm
+        masters = [optimizer.master_of.get(id(p), p) for p in optimizer.model_params]
+        for p, m in zip(optimizer.model_params, masters):
+            local[id(p)] = m.grad.detach().clone()
+        clip_grads_by_norm([m.grad for m in masters], max_norm, optimizer.last_grad_norm)
+    out = {}
+    for name in names:
+        g = local[id(params[name])]
+        spec = plan.spec(name)
+        if spec.is_sharded and plan.size > 1:
+            parts = [torch.empty_like(g) for _ in range(plan.size)]
+            dist.all_gather(parts, g.contiguous(), group=plan.group)
+            g = spec.unshard(parts, plan.params[name].full_shape)
+        out[name] = g
+    return out
+
+
+def finish_step(optimizer) -> None:
+    """The rest of `optimizer.step()` after `reduced_grads`."""
+    from phalanx.shard.optim import HybridZeroOptimizer
+
+    if isinstance(optimizer, HybridZeroOptimizer):
+        optimizer.step()
+    else:
+        optimizer.optim.step()
+        optimizer.zero_grad()
+
+
+def _max_diff(a: dict, b: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for k, v in b.items():
+        d = (a[k].float() - v.float()).abs().max().item()
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
+def one_step(family: str, layout: dict, ref: dict) -> dict:
+    """Differences of one step under `layout` from the reference: loss, sampled gradients, global
+    gradient norm, all weights after the step, logits of a fresh batch after the step."""
+    booster, model, optimizer = boost(family, layout)
+    calls = []
+    policy = model.phalanx_plan.policy
+    policy.attention_modules(model.unwrapped)[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    batch = local_rows(booster, hm.tokens(family)[0])
+    out = model(input_ids=batch, labels=batch)
+    booster.backward(out.loss, optimizer)
+    grads = reduced_grads(booster, model, optimizer, hm.SAMPLE_GRADS[family])
+    finish_step(optimizer)
+    optimizer.zero_grad()
+    state = booster.plugin.full_model_state_dict(model)
+    with torch.no_grad():
+        logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
+    grad_diff = _max_diff(grads, ref["grads"])
+    param_diff = _max_diff(state, ref["params"])
+    return {"loss": abs(_dp_mean(booster, out.loss.item()) - ref["losses"][0]), "grad": grad_diff[0],
+            "norm": abs(optimizer.last_grad_norm - ref["norms"][0]) / ref["norms"][0], "ref_norm": ref["norms"][0],
+            "attention_calls": len(calls) - 1,  # the forward after the step runs it once more
+            "grad_at": grad_diff[1], "param": param_diff[0], "param_at": param_diff[1],
+            "logits": (logits - ref["logits"]).abs().max().item()}
+
+
+def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES) -> dict:
+    """{layout name: {family: differences}} for one step of every family under every layout."""
+    out: dict = {}
+    for family in families:
+        refs: dict = {}
+        for name, layout in layouts.items():
+            max_norm = layout.get("max_norm")
+            if max_norm not in refs:
+                refs[max_norm] = reference(family, max_norm=max_norm)
+            out.setdefault(name, {})[family] = one_step(family, layout, refs[max_norm])
+    return out
+
+
+def train_steps(booster, model, optimizer, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        local = local_rows(booster, batch)
+        out = model(input_ids=local, labels=local)
+        booster.backward(out.loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_dp_mean(booster, out.loss.item()))
+    return losses
+
+
+def _logits(model, family: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=hm.tokens(family, seed=11)[0]).logits
+
+
+def checkpoint_suite(directory: str, save_layout, load_layouts: dict, families=("llama", "gpt2")) -> dict:
+    """Train one AdamW step under `save_layout` (a HybridParallelPlugin layout, or "ddp"), save a
+    training checkpoint, load it under each of `load_layouts` into a model with other weights, and
+    compare logits and one more step with two uninterrupted single-process steps."""
+    from phalanx.booster.plugins import DDPPlugin
+    from phalanx.checkpoint import TrainState
+
+    out = {}
+    for family in families:
+        ref = reference(family, steps=2, kind="adamw")
+        batches = hm.tokens(family, steps=2)
+        path = f"{directory}/{family}"
+        layout = DDPPlugin() if save_layout == "ddp" else save_layout
+        booster, model, optimizer = boost(family, layout, kind="adamw")
+        train_steps(booster, model, optimizer, batches[:1])
+        booster.save_checkpoint(path, model, optimizer, train_state=TrainState(step=1))
+        saved_logits = _logits(model, family)
+        for name, load in load_layouts.items():
+            booster, model, optimizer = boost(family, load, kind="adamw", seed=99)
+            state = booster.load_checkpoint(path, model, optimizer)
+            assert state.step == 1
+            logits = _logits(model, family)
+            losses = train_steps(booster, model, optimizer, batches[1:])
+            params = booster.plugin.full_model_state_dict(model)
+            out.setdefault(name, {})[family] = {
+                "logits_vs_saved": (logits - saved_logits).abs().max().item(),
+                "loss": abs(losses[0] - ref["losses"][1]),
+                "param": _max_diff(params, ref["params"])[0],
+            }
+    return out
+
+
+def resume_with_plugin(directory: str, plugin_name: str, families=("llama", "gpt2")) -> dict:
+    """Load a hybrid checkpoint with another plugin (any world size) and take the second step."""
+    from phalanx.booster.plugins import make_plugin
+
+    out = {}
+    for family in families:
+        ref = reference(family, steps=2, kind="adamw")
+        booster, model, optimizer = boost(family, make_plugin(plugin_name), kind="adamw", seed=99)
+        booster.load_checkpoint(f"{directory}/{family}", model, optimizer)
+        losses = train_steps(booster, model, optimizer, hm.tokens(family, steps=2)[1:])
+        out[family] = abs(losses[0] - ref["losses"][1])
+    return out
+
+
+def lazy_suite(directory: str, families=("llama", "gpt2")) -> dict:
+    """Lazy models under tp=2: from a saved checkpoint (only this rank's slices read) and from
+    random initialisation (equal to the same lazy model materialised whole)."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx import lazy
+    from phalanx.shard import apply_tp, policy_for
+    from phalanx.shard.state import full_state_dict
+
+    out = {}
+    for family in families:
+        path = f"{directory}/{family}"
+        eager = AutoModelForCausalLM.from_pretrained(path)
+        want = _logits(eager, family)
+        full_numel = sum(p.numel() for p in eager.parameters())
+        # boosted from the checkpoint: logits and the size of what each rank holds
+        booster, model, optimizer = boost(family, dict(tp_size=2, zero_stage=1), model=lazy.from_pretrained(path))
+        local_numel = sum(p.numel() for p in model.unwrapped.parameters())
+        result = {"logits": (_logits(model, family) - want).abs().max().item(), "local_fraction": local_numel / full_numel}
+        # what apply_tp reads through the lazy source
+        meta = lazy.from_pretrained(path)
+        source = lazy.source_for(meta)
+        apply_tp(meta, policy_for(meta), group=booster.plugin.tp_group, source=source)
+        result["read_fraction"] = source.elements_read / full_numel
+        # random initialisation: tp=2 pieces put together == one whole lazy materialisation
+        torch.manual_seed(5)
+        split = lazy.from_config(hm.config(family))
+        plan = apply_tp(split, policy_for(split), group=booster.plugin.tp_group, source=lazy.source_for(split))
+        lazy.materialise_buffers(split, lazy.source_for(split))
+        gathered = full_state_dict(split, plan)
+        torch.manual_seed(5)
+        whole = lazy.materialize(lazy.from_config(hm.config(family)))
+        result["random_init"] = _max_diff(gathered, dict(whole.named_parameters()))[0]
+        result["finite"] = all(bool(torch.isfinite(v).all()) for v in gathered.values())
+        stds = [p.std().item() for n, p in whole.named_parameters() if p.dim() == 2]
+        result["std_range"] = (min(stds), max(stds))
+        out[family] = result
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def error_suite() -> dict:
+    """Layouts that cannot work, on 2 ranks: each must stop with a clear message before any work
+    (the returned flags say the model was not modified)."""
+    import transformers as tf
+
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+    def boost_cfg(cfg, **layout):
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+        before = [type(m) for m in model.modules()]
+        try:
+            boost("llama", layout, model=model)
+        finally:
+            untouched.append(before == [type(m) for m in model.modules()])
+
+    def run(*args, **layout):
+        booster, model, _ = boost("llama", layout)
+        batch = torch.randint(0, 100, (2, 15))
+        model(input_ids=batch, labels=batch)
+
+    untouched: list[bool] = []
+    out = {
+        "world": _error(lambda: Booster(HybridParallelPlugin(tp_size=3))),
+        "heads": _error(lambda: boost_cfg(tf.LlamaConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                                                        num_attention_heads=3, num_key_value_heads=3, vocab_size=64),
+                                          tp_size=2)),
+        "kv_heads": _error(lambda: boost_cfg(tf.LlamaConfig(hidden_size=48, intermediate_size=48, num_hidden_layers=1,
+                                                           num_attention_heads=6, num_key_value_heads=3, vocab_size=64),
+                                             tp_size=2)),
+        "mlp": _error(lambda: boost_cfg(tf.LlamaConfig(hidden_size=32, intermediate_size=63, num_hidden_layers=1,
+                                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
+                                        tp_size=2)),
+        "ulysses_heads": _error(lambda: boost_cfg(tf.LlamaConfig(hidden_size=24, intermediate_size=48,
+                                                                num_hidden_layers=1, num_attention_heads=3,
+                                                                num_key_value_heads=3, vocab_size=64),
+                                                  sp_size=2, sequence_parallelism="ulysses")),
+        "family": _error(lambda: boost_cfg(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                        intermediate_size=64, vocab_size=64, is_decoder=True),
+                                           tp_size=2)),
+        "split_gather_sp": _error(lambda: HybridParallelPlugin(sp_size=2, sequence_parallelism="split_gather")),
+        "sp_without_mode": _error(lambda: HybridParallelPlugin(sp_size=2)),
+        "seq_ring": _error(lambda: run(sp_size=2, sequence_parallelism="ring")),
+        "seq_ulysses": _error(lambda: run(sp_size=2, sequence_parallelism="ulysses")),
+        "seq_split_gather": _error(lambda: run(tp_size=2, sequence_parallelism="split_gather")),
+        "padding_mask": _error(lambda: boost("llama", dict(sp_size=2, sequence_parallelism="ring"))[1](
+            input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.tensor([[0] * 2 + [1] * 6]))),
+    }
+    out["untouched"] = untouched
+    # generation: works under tensor parallelism (the LM head gathers the logits), refused clearly
+    # under Ulysses/ring (each rank must run on its cut of the sequence)
+    prompt = hm.tokens("llama", batch=2, seq=6)[0]
+    want = hm.build("llama").generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+    _, tp_model, _ = boost("llama", dict(tp_size=2))
+    out["generate_tp2_equal"] = bool(torch.equal(tp_model.generate(input_ids=prompt, max_new_tokens=5,
+                                                                   do_sample=False), want))
+    _, sp_model, _ = boost("llama", dict(sp_size=2, sequence_parallelism="ulysses"))
+    out["generate_ulysses"] = _error(lambda: sp_model.generate(input_ids=prompt, max_new_tokens=2, do_sample=False))
+    return out
+
+
+def precision_suite(families=("llama", "gpt2")) -> dict:
+    """bf16 and fp16 under tp=2 with ZeRO-2, two AdamW steps: losses near the fp32 reference, the
+    relative error of the whole update, the compute dtype and the dtype of the saved weights."""
+    out = {}
+    for family in families:
+        ref = reference(family, steps=2, kind="adamw")
+        initial = {n: p.detach().clone() for n, p in hm.build(family).named_parameters()}
+        ref_update = torch.cat([(ref["params"][n] - initial[n]).reshape(-1) for n in initial])
+        for precision in ("bf16", "fp16"):
+            booster, model, optimizer = boost(family, dict(tp_size=2, zero_stage=2, precision=precision),
+                                              kind="adamw")
+            losses = train_steps(booster, model, optimizer, hm.tokens(family, steps=2))
+            state = booster.plugin.full_model_state_dict(model)
+            update = torch.cat([(state[n] - initial[n]).reshape(-1) for n in initial])
+            out[f"{family}/{precision}"] = {
+                "loss_rel": max(abs(a - b) / b for a, b in zip(losses, ref["losses"])),
+                "update_rel": ((update - ref_update).norm() / ref_update.norm()).item(),
+                "dtype": str(next(model.unwrapped.parameters()).dtype),
+                "saved_dtype": str(state[next(iter(initial))].dtype),
+            }
+    return out
