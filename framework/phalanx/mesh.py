@@ -45,10 +45,12 @@ class ParallelConfig:
         dp = self.dp
         if dp == -1:
             if world_size % model_parallel:
+                below = model_parallel * (world_size // model_parallel)
+                above = below + model_parallel
+                fits = f"{below} or {above}" if below else f"{above}"
                 raise LayoutError(
                     f"world size {world_size} is not divisible by tp × pp × sp = {self.tp} × {self.pp} × {self.sp} "
-                    f"= {model_parallel}; start {model_parallel * max(1, world_size // model_parallel)} or "
-                    f"{model_parallel * (world_size // model_parallel + 1)} processes, or change the layout"
+                    f"= {model_parallel}; start {fits} processes, or change the layout"
                 )
             dp = world_size // model_parallel
         product = dp * model_parallel
