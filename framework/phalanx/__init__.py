@@ -22,6 +22,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-    if name in {"train", "booster", "config", "mesh", "checkpoint", "zero", "amp", "data", "observe"}:
+    if name in {"train", "booster", "config", "mesh", "checkpoint", "zero", "amp", "data", "observe", "inference",
+                "gemini", "shard", "sequence", "lazy"}:
         return importlib.import_module(f"phalanx.{name}")
     raise AttributeError(f"module 'phalanx' has no attribute {name!r}")

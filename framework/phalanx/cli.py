@@ -3,6 +3,7 @@
     phalanx run -n 4 train.py --config cfg.yaml        # torchrun with 4 processes on this node
     phalanx run -n 8 --nnodes 2 --rdzv-endpoint host:29500 -m apps.llama.pretrain --config …
     phalanx env                                        # versions, devices, backends, Triton
+    phalanx serve MODEL_DIR [--port 8000]              # OpenAI-compatible server (phalanx.inference)
 """
 from __future__ import annotations
 
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(rest)
     if command == "env":
         return env_command()
-    print(f"phalanx: unknown command {command!r}; use 'run' or 'env'", file=sys.stderr)
+    if command == "serve":
+        from phalanx.inference.serve import serve_main
+        return serve_main(rest)
+    print(f"phalanx: unknown command {command!r}; use 'run', 'env' or 'serve'", file=sys.stderr)
     return 2
 
 

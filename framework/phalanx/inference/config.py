@@ -1,0 +1,61 @@
+"""The engine's own settings (not the model's): batch limits, KV-cache geometry and budget.
+
+One typed, keyword-only dataclass, validated when it is made, so a bad value stops before any
+weights load. Memory is budgeted, not derived from lengths: the KV cache gets as many blocks as
+the budget holds (free device memory on GPU, `kv_cache_memory_gib` on CPU), and sequences share
+them on demand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Settings of an `LLM` engine.
+
+    max_num_seqs: sequences in flight at once (the decode batch).
+    block_size: tokens per KV-cache block.
+    tp_size: tensor-parallel ranks the model is split over (1 = no TP).
+    max_num_batched_tokens: tokens one step may run (prefill chunks + decodes); longer prompts are
+        prefilled in chunks over several steps.
+    max_model_len: prompt + output tokens per sequence; default the model's max positions.
+    kv_cache_memory_gib: KV-cache budget on CPU (per rank).
+    gpu_memory_utilization: share of the GPU the engine may fill (weights + activations + cache).
+    num_blocks: force the number of KV blocks (tests use it to provoke preemption).
+    dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
+    enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
+    num_speculative_tokens: tokens the draft model proposes per step (with a draft model).
+    seed: seeds requests that bring no seed of their own (request i gets seed + i).
+    """
+
+    max_num_seqs: int = 64
+    block_size: int = 16
+    tp_size: int = 1
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size", "tp_size", "max_num_batched_tokens", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"EngineConfig.block_size={self.block_size} must be a power of two (8, 16, 32, …)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} must be at least 2")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_gib={self.kv_cache_memory_gib} must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"EngineConfig.num_blocks={self.num_blocks} must be at least 2")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")

@@ -1,0 +1,375 @@
+"""`LLM`: the inference engine's front door — load a model, take requests, run steps, return
+outputs.
+
+    engine = LLM("path/to/hf_model", max_num_seqs=64, block_size=16, tp_size=1)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=128, temperature=0.7, top_p=0.9))
+
+Each `step()` asks the scheduler what to run, runs it (target model, draft model when
+speculating), samples, appends, and retires finished requests; `generate()` is add + step until
+done. With tensor parallelism every rank builds the same `LLM` and calls `generate` with the same
+arguments: rank 0 of the TP group drives (schedules, samples), the others run the model for the
+steps it broadcasts, and all return the same outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence as Seq
+
+import torch
+
+from phalanx.inference.block_manager import BlockManager
+from phalanx.inference.config import EngineConfig
+from phalanx.inference.llama import ModelSpec
+from phalanx.inference.model_runner import Chunk, ModelRunner, resolve_dtype
+from phalanx.inference.outputs import RequestOutput
+from phalanx.inference.sampler import RowContext, Sampler
+from phalanx.inference.sampling_params import SamplingParams
+from phalanx.inference.scheduler import Scheduler
+from phalanx.inference.sequence import Sequence
+from phalanx.inference.speculative import SpeculativeDecoder
+from phalanx.inference.stopping import StopChecker
+from phalanx.inference.tp import TPGroup
+from phalanx.inference.weights import directory_source, load_weights, state_dict_source
+
+Prompt = str | list[int]
+
+
+def _load_config(path: Path):
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_ids(config, generation_config, tokenizer) -> set[int]:
+    for source in (generation_config, config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            return set(value if isinstance(value, (list, tuple)) else [value])
+    return set()
+
+
+def _default_device(tp: TPGroup) -> torch.device:
+    if tp.size > 1:
+        from phalanx.launch import context
+        return context().device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class LLM:
+    """A Llama-family model (Llama, Mistral, Qwen2) served with a paged KV cache and continuous
+    batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
+    module) enables speculative decoding."""
+
+    def __init__(self, model: str | Path, *, tokenizer=None, draft_model: str | Path | torch.nn.Module | None = None,
+                 device: str | torch.device | None = None, **engine_kwargs) -> None:
+        path = Path(model)
+        config = _load_config(path)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(path)
+        generation_config = None
+        if (path / "generation_config.json").exists():
+            from transformers import GenerationConfig
+            generation_config = GenerationConfig.from_pretrained(str(path))
+        self._setup(config, generation_config, tokenizer, directory_source(path), draft_model, device,
+                    engine_kwargs, name=path.name)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer=None, *, draft_model=None, device=None,
+                   **engine_kwargs) -> "LLM":
+        """An engine over a live HF-style module's weights (copied, no disk round trip): e.g. the
+        policy being trained in RLHF. Later, `load_weights(model.state_dict())` refreshes them."""
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("from_model needs a module with an HF `config` (e.g. LlamaForCausalLM)")
+        self = cls.__new__(cls)
+        self._setup(config, getattr(model, "generation_config", None), tokenizer,
+                    state_dict_source(model.state_dict()), draft_model, device, engine_kwargs,
+                    name=getattr(config, "_name_or_path", "") or config.model_type)
+        return self
+
+    # -- construction ----------------------------------------------------------------------------
+    def _setup(self, config, generation_config, tokenizer, weights, draft_model, device, engine_kwargs, name):
+        self.config = EngineConfig(**engine_kwargs)
+        self.model_name = name or "model"
+        self.hf_config = config
+        self.spec = ModelSpec.from_hf_config(config)
+        self.spec.check_tp(self.config.tp_size)  # before any process group is touched
+        self.tp = TPGroup(self.config.tp_size)
+        self.device = torch.device(device) if device is not None else _default_device(self.tp)
+        self.dtype = resolve_dtype(self.config.dtype, config, self.device)
+        limit = self.spec.max_position_embeddings
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}")
+        self.max_model_len = self.config.max_model_len or limit
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(self.spec, engine_config=self.config, tp=self.tp, device=self.device,
+                                  dtype=self.dtype, max_model_len=self.max_model_len)
+        load_weights(self.runner.model, weights, strict=True)
+        self.draft_runner = None
+        self.speculator = None
+        if draft_model is not None and self.tp.is_driver:
+            self.draft_runner = self._build_draft(draft_model)
+            self.speculator = SpeculativeDecoder(self.runner, self.draft_runner, self.config.num_speculative_tokens)
+
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(self.num_blocks)
+        self.block_manager = BlockManager(self.num_blocks, self.config.block_size,
+                                          enable_prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
+                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                   num_lookahead_tokens=self.config.num_speculative_tokens if self.speculator else 0)
+        self.stop_checker = StopChecker(tokenizer, _eos_ids(config, generation_config, tokenizer), self.max_model_len)
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+
+    def _build_draft(self, draft_model) -> ModelRunner:
+        if isinstance(draft_model, torch.nn.Module):
+            config, weights = draft_model.config, state_dict_source(draft_model.state_dict())
+        else:
+            config, weights = _load_config(Path(draft_model)), directory_source(Path(draft_model))
+        spec = ModelSpec.from_hf_config(config)
+        if spec.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({spec.vocab_size}) differs from the target's "
+                             f"({self.spec.vocab_size}); speculative decoding needs the same tokenizer")
+        if spec.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"the draft model handles {spec.max_position_embeddings} positions, fewer than "
+                             f"max_model_len={self.max_model_len}; lower max_model_len")
+        runner = ModelRunner(spec, engine_config=self.config, tp=TPGroup(1), device=self.device,
+                             dtype=self.dtype, max_model_len=self.max_model_len)
+        load_weights(runner.model, weights, strict=True)
+        return runner
+
+    def _num_blocks(self) -> int:
+        """KV blocks from the memory budget, the same on every TP rank (their minimum)."""
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        per_block = self.runner.bytes_per_block()
+        if self.draft_runner is not None:
+            per_block += self.draft_runner.bytes_per_block()
+        blocks = self.runner.kv_budget_bytes() // per_block
+        # More blocks than every sequence at full length could hold would never be used.
+        blocks = min(blocks, self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1)
+        if self.tp.size > 1:
+            t = torch.tensor([blocks], dtype=torch.long, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+            blocks = int(t.item())
+        if blocks < 2:
+            raise RuntimeError(f"the KV-cache budget holds {blocks} block(s) of {per_block} bytes; raise "
+                               "kv_cache_memory_gib (CPU) or gpu_memory_utilization, or use a smaller block_size")
+        return int(blocks)
+
+    # -- requests --------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids a prompt runs as (strings through the model's tokenizer)."""
+        return self._tokenize(prompt)[1]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (none in the model directory and none given): "
+                                 "pass prompts as lists of token ids")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (it joins the running batch at the next step); returns its id."""
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        if len(ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens={params.max_new_tokens}: "
+                             f"together more than max_model_len={self.max_model_len}")
+        number = next(self._ids)
+        request_id = request_id if request_id is not None else str(number)
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else self.config.seed + number)
+        seq = Sequence(request_id, ids, params, prompt=text, generator=generator)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (e.g. its client went away); its blocks are freed at once."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping --------------------------------------------------------------------------------
+    def _row(self, seq: Sequence, extra_tokens: int = 0, history: list[int] | None = None) -> RowContext:
+        penalty = seq.params.repetition_penalty != 1.0
+        return RowContext(seq.params, seq.generator,
+                          history=(history if history is not None else seq.token_ids) if penalty else None,
+                          banned=self.stop_checker.banned_now(seq, extra_tokens))
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> bool:
+        seq.token_ids.append(token)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or {})
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        return self.stop_checker.check(seq)
+
+    def _step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that got tokens or finished."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not run any request (KV cache too small for the next "
+                                   "step?); raise the KV-cache budget")
+            return []
+        touched: list[Sequence] = []
+        if plan.speculative:
+            seqs = [s.seq for s in plan.scheduled]
+            for seq, tokens in zip(seqs, self.speculator.step(seqs, self._row)):
+                done = False
+                for e in tokens:
+                    done = self._append(seq, e.token_id, e.logprob, e.top_logprobs)
+                    if done:
+                        break
+                touched.append(seq)
+                if done:
+                    self._retire(seq)
+                else:
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
+            return touched
+        chunks = [Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table,
+                        1 if s.samples else 0) for s in plan.scheduled]
+        logits = self.runner.execute(chunks)
+        if self.draft_runner is not None:  # keep the draft's cache in step with the target's
+            self.draft_runner.execute([Chunk(c.token_ids, c.start, c.block_table, 0) for c in chunks])
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        if sampling:
+            result = self.sampler(logits, [self._row(seq) for seq in sampling])
+            for i, seq in enumerate(sampling):
+                touched.append(seq)
+                if self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]):
+                    self._retire(seq)
+        return touched
+
+    def _retire(self, seq: Sequence) -> None:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+            seq.text = self.stop_checker.decode(seq)
+        want = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), text=seq.text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if want else None, top_logprobs=list(seq.top_logprobs) if want else None,
+            num_cached_tokens=seq.num_cached_prompt_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs (cumulative, `finished` when done) of every request it advanced.
+        Finished requests are forgotten after they are returned here."""
+        outs = [self._output(seq) for seq in self._step()]
+        for out in outs:
+            if out.finished:
+                self._seqs.pop(out.request_id, None)
+        return outs
+
+    # -- batch API -------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (strings or token-id lists); outputs in prompt order.
+
+        With tensor parallelism, call it on every rank of the TP group with the same arguments.
+        """
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(batch)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(batch)
+        if not self.tp.is_driver:
+            self.runner.worker_loop()
+            result = self.tp.broadcast_object()
+            if isinstance(result, str):
+                raise RuntimeError(f"the TP driver (rank {self.tp.driver}) failed: {result}")
+            return result
+        outputs: list[RequestOutput] | str = "generate did not finish"
+        try:
+            ids = [self.add_request(p, sp) for p, sp in zip(batch, params)]
+            wanted = set(ids)
+            done: dict[str, RequestOutput] = {}
+            while wanted - done.keys():
+                for seq in self._step():
+                    if seq.is_finished and seq.request_id in wanted:
+                        done[seq.request_id] = self._output(seq)
+                        self._seqs.pop(seq.request_id, None)
+            outputs = [done[i] for i in ids]
+        except BaseException as exc:
+            outputs = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self.tp.size > 1:
+                self.runner.stop_workers()
+                self.tp.broadcast_object(outputs)
+        return outputs
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                     strict: bool = False) -> int:
+        """Copy new weights in place (HF names, e.g. `policy.state_dict()`), on every TP rank.
+
+        Takes full tensors (or DTensors) and slices this rank's shard. The prefix cache is
+        emptied: keys/values computed with the old weights would be wrong. Returns the number of
+        tensors loaded.
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(f"load_weights with {len(self.scheduler.running) + len(self.scheduler.waiting)} "
+                               "requests in flight: their cached keys/values come from the old weights; "
+                               "finish or abort them first")
+        loaded = load_weights(self.runner.model, state_dict_source(weights), strict=strict)
+        self.block_manager.reset_prefix_cache()
+        return len(loaded)
+
+    # -- TP serving helpers ----------------------------------------------------------------------
+    def run_worker(self) -> None:
+        """Non-driver ranks of a TP server: run steps until the driver stops."""
+        self.runner.worker_loop()
+
+    def stats(self) -> dict:
+        return {
+            "num_blocks": self.num_blocks, "free_blocks": self.block_manager.num_free_blocks,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cached_tokens": self.scheduler.num_prefix_cached_tokens,
+            "spec_acceptance_rate": self.speculator.acceptance_rate if self.speculator else None,
+        }

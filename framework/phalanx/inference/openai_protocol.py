@@ -1,0 +1,248 @@
+"""The OpenAI HTTP API's request and response shapes, as plain functions over dicts.
+
+Requests are validated here and turned into prompts + `SamplingParams`; anything wrong raises
+`RequestError` with the HTTP status and an OpenAI-style error body, so the server maps every bad
+request to a clear 4xx. Responses and streaming chunks are built here too. No HTTP in this module.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from phalanx.inference.outputs import RequestOutput
+from phalanx.inference.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    prompts: list  # str or list[int] each
+    params: SamplingParams
+    stream: bool
+    include_usage: bool = False
+    chat: bool = False
+    top_logprobs: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# -- field helpers ---------------------------------------------------------------------------------
+def _number(body: dict, name: str, default, low=None, high=None, *, integer: bool = False, low_open: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise RequestError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+    if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f"{'>' if low_open else '>='} {low}" if high is None else f"in {'(' if low_open else '['}{low}, {high}]"
+        raise RequestError(400, f"'{name}'={value} must be {bounds}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(400, f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
+    return stop
+
+
+def _unsupported(body: dict) -> None:
+    if body.get("n", 1) not in (1, None):
+        raise RequestError(400, "only n=1 is supported; send several requests instead", param="n")
+    if body.get("best_of", 1) not in (1, None):
+        raise RequestError(400, "best_of is not supported", param="best_of")
+    if body.get("echo"):
+        raise RequestError(400, "echo is not supported", param="echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise RequestError(400, f"'{name}' is not supported; use 'repetition_penalty'", param=name)
+    if body.get("logit_bias"):
+        raise RequestError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_tokens_limit: int,
+              logprobs: int | None) -> SamplingParams:
+    max_tokens = body.get(max_tokens_name)
+    if max_tokens is None and max_tokens_name == "max_completion_tokens":
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise RequestError(400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", param="max_tokens")
+    if max_tokens > max_tokens_limit:
+        raise RequestError(400, f"'max_tokens'={max_tokens} is more than this server allows ({max_tokens_limit})",
+                           param="max_tokens", code="max_tokens_exceeded")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    top_k = _number(body, "top_k", -1, -1, None, integer=True)
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
+        top_k=0 if top_k == -1 else top_k,
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, None, low_open=True)),
+        stop=_stop(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        min_new_tokens=min(_number(body, "min_tokens", 0, 0, None, integer=True), max_tokens),
+        logprobs=logprobs, seed=seed)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise RequestError(400, "'stream_options' must be an object", param="stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+# -- requests --------------------------------------------------------------------------------------
+def parse_completion(body: dict, *, max_tokens_limit: int) -> ParsedRequest:
+    _unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise RequestError(400, "'prompt' is required: a string, a list of token ids, or a list of those", param="prompt")
+    if any(p == "" for p in prompts):
+        raise RequestError(400, "'prompt' must not be empty", param="prompt")
+    logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
+    stream, usage = _stream_flags(body)
+    params = _sampling(body, "max_tokens", default_max_tokens=16, max_tokens_limit=max_tokens_limit, logprobs=logprobs)
+    return ParsedRequest(prompts, params, stream, usage, chat=False, top_logprobs=logprobs or 0)
+
+
+def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
+    _unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise RequestError(400, f"messages[{i}] needs a 'role' of system, user, assistant or tool", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise RequestError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(400, f"messages[{i}].content must be a string", param="messages")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    if top and not want_logprobs:
+        raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    stream, usage = _stream_flags(body)
+    params = _sampling(body, "max_completion_tokens", default_max_tokens=default_max_tokens,
+                       max_tokens_limit=max_tokens_limit, logprobs=top if want_logprobs else None)
+    return ParsedRequest([clean], params, stream, usage, chat=True, top_logprobs=top)
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise RequestError(404, f"the model '{model}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(400, f"this model's maximum context length is {max_model_len} tokens, but "
+                                f"{num_prompt_tokens} prompt tokens + {max_tokens} max_tokens were requested; "
+                                "shorten the prompt or lower max_tokens",
+                           param=param, code="context_length_exceeded")
+
+
+# -- responses -------------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def completion_logprobs(out: RequestOutput, tokenizer, start: int = 0, text_offset: int = 0) -> dict | None:
+    if out.logprobs is None:
+        return None
+    tokens = [_token_text(tokenizer, t) for t in out.token_ids[start:]]
+    offsets, at = [], text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    tops = [{_token_text(tokenizer, k): v for k, v in d.items()} if d else None for d in out.top_logprobs[start:]]
+    return {"tokens": tokens, "token_logprobs": out.logprobs[start:], "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(out: RequestOutput, tokenizer, start: int = 0) -> dict | None:
+    if out.logprobs is None:
+        return None
+    content = []
+    for tid, lp, top in zip(out.token_ids[start:], out.logprobs[start:], out.top_logprobs[start:]):
+        text = _token_text(tokenizer, tid)
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _token_text(tokenizer, k), "logprob": v,
+                                          "bytes": list(_token_text(tokenizer, k).encode())} for k, v in (top or {}).items()]})
+    return {"content": content}
+
+
+def completion_response(rid: str, model: str, outputs: list[RequestOutput], tokenizer) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": i, "text": o.text, "logprobs": completion_logprobs(o, tokenizer),
+                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outputs)],
+            "usage": usage(outputs)}
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, tokenizer) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": chat_logprobs(out, tokenizer), "finish_reason": out.finish_reason}],
+            "usage": usage([out])}
+
+
+def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def models_response(model: str, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                        "owned_by": "phalanx", "max_model_len": max_model_len}]}

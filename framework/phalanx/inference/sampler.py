@@ -1,0 +1,148 @@
+"""Turning a step's logits into tokens, per request: penalties, temperature, top-k, top-p, then
+greedy argmax or a draw from the request's own generator; log-probs on request.
+
+Order of operations follows Hugging Face `generate` (penalty, temperature, top-k, top-p), so the
+same settings mean the same distribution. Rows are independent: each request draws from its own
+`torch.Generator`, so a seeded request samples the same tokens whatever else is in the batch.
+Log-probs are taken from the raw logits (the model's distribution), see `SamplingParams`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.inference.sampling_params import SamplingParams
+
+
+@dataclass
+class RowContext:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    history: list[int] | None = None  # prompt + output so far (for the repetition penalty)
+    banned: list[int] | None = None  # token ids that may not be chosen now (EOS before min_new_tokens)
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """Repetition penalty and banned tokens, in place on the rows that ask for them."""
+    for r, row in enumerate(rows):
+        penalty = row.params.repetition_penalty
+        if penalty != 1.0 and row.history:
+            ids = torch.tensor(sorted(set(row.history)), device=logits.device)
+            picked = logits[r, ids]
+            logits[r, ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+        if row.banned:
+            logits[r, row.banned] = float("-inf")
+    return logits
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k[r] largest logits (ties with the k-th kept, like HF)."""
+    vocab = logits.shape[-1]
+    k = top_k.clamp(max=vocab)
+    kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p[r]."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - top_p).unsqueeze(-1)
+    remove[..., -1] = False  # always keep the most likely token
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def sampling_logits(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to (already penalised) float logits of sampled rows;
+    greedy rows come back unchanged."""
+    params = [r.params for r in rows]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=logits.device, dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(-1)
+    k_rows = [i for i, p in enumerate(params) if p.top_k > 0 and not p.greedy]
+    if k_rows:
+        idx = torch.tensor(k_rows, device=logits.device)
+        ks = torch.tensor([params[i].top_k for i in k_rows], device=logits.device)
+        logits[idx] = _mask_top_k(logits[idx], ks)
+    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0 and not p.greedy]
+    if p_rows:
+        idx = torch.tensor(p_rows, device=logits.device)
+        ps = torch.tensor([params[i].top_p for i in p_rows], device=logits.device, dtype=logits.dtype)
+        logits[idx] = _mask_top_p(logits[idx], ps)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
+    """The distribution each row samples from: a one-hot at the argmax for greedy rows.
+
+    `logits` must already be penalised (`apply_penalties`). Speculative decoding compares these
+    distributions of the draft and the target model.
+    """
+    probs = sampling_logits(logits, rows).softmax(dim=-1)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx] = 0.0
+        probs[idx, logits[idx].argmax(dim=-1)] = 1.0
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a 1-D distribution, with the request's generator."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowContext]
+                 ) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    """Log-probabilities under the model's raw distribution for rows that asked for them."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    chosen: list[float | None] = [None] * len(rows)
+    tops: list[dict[int, float] | None] = [None] * len(rows)
+    if not want:
+        return chosen, tops
+    idx = torch.tensor(want, device=logits.device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)
+    picked = logp.gather(-1, token_ids[idx].unsqueeze(-1)).squeeze(-1).tolist()
+    n_top = max(rows[i].params.logprobs for i in want)
+    top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (None, None))
+    for j, i in enumerate(want):
+        chosen[i] = picked[j]
+        n = rows[i].params.logprobs
+        if n:
+            tops[i] = dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+    return chosen, tops
+
+
+class Sampler:
+    """Picks one token per row of logits [R, V]."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[RowContext]) -> SampleOutput:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
+        needs_penalty = any(r.params.repetition_penalty != 1.0 or r.banned for r in rows)
+        if not needs_penalty and all(r.params.greedy and r.params.logprobs is None for r in rows):
+            # max(dim) returns the first maximal index like argmax, and measured ~3x faster on CPU
+            tokens = logits.float().max(dim=-1).indices.tolist()
+            return SampleOutput(tokens, [None] * len(rows), [None] * len(rows))
+        raw = logits.float()
+        needs_penalty = any(r.params.repetition_penalty != 1.0 or r.banned for r in rows)
+        work = apply_penalties(raw.clone(), rows) if needs_penalty else raw
+        tokens = work.max(dim=-1).indices
+        if not all(r.params.greedy for r in rows):
+            sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+            idx = torch.tensor(sampled, device=logits.device)
+            probs = sampling_logits(work[idx], [rows[i] for i in sampled]).softmax(dim=-1)
+            for j, i in enumerate(sampled):
+                tokens[i] = draw(probs[j], rows[i].generator)
+        chosen, tops = raw_logprobs(raw, tokens, rows)
+        return SampleOutput(tokens.tolist(), chosen, tops)

@@ -1,0 +1,144 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step the scheduler
+1. gives each running sequence its next tokens, oldest first: one token when decoding, the next
+   chunk of the prompt when a prefill is not finished (prompts longer than the step's token
+   budget are prefilled in chunks, so one long prompt never stalls every decode);
+2. when the cache has no block for a running sequence, preempts the youngest running one: its
+   blocks are freed and it goes back to the front of the queue to be recomputed later (its tokens
+   are kept; with prefix caching most of its blocks are found again);
+3. admits waiting requests while the token budget, `max_num_seqs` and the free blocks allow,
+   taking whatever prefix the cache already holds.
+
+So one step mixes prefills and decodes, new requests join at any step, and finished ones leave
+at once. With speculative decoding, a step where every running sequence is decoding and nobody
+waits becomes a speculative step: each sequence reserves slots for the proposed tokens too.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from phalanx.inference.block_manager import BlockManager
+from phalanx.inference.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (== tokens already in the cache)
+    num_tokens: int  # tokens of seq.token_ids computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's newest token, so a next token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    speculative: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_lookahead_tokens: int = 0) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefix_cached_tokens = 0  # prompt tokens served from the prefix cache so far
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        needed = self.blocks.blocks_needed(seq.num_prompt_tokens + seq.params.max_new_tokens)
+        if needed > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id} needs {needed} KV blocks ({seq.num_prompt_tokens} prompt + "
+                f"{seq.params.max_new_tokens} new tokens at {self.blocks.block_size} per block) but the cache "
+                f"has {self.blocks.num_blocks}; raise the KV-cache budget or shorten the request")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    # -- one step --------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        out.speculative = (self.num_lookahead_tokens > 0 and not self.waiting and bool(self.running)
+                           and not any(s.in_prefill for s in self.running))
+        lookahead = self.num_lookahead_tokens if out.speculative else 0
+
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n + lookahead):
+                self._preempt(self.running[-1], out)  # the youngest; possibly seq itself
+                if seq.status is SequenceStatus.WAITING:
+                    break
+            if seq.status is SequenceStatus.WAITING:
+                break
+            self._schedule(seq, n, out)
+            budget -= n
+            i += 1
+
+        # 2. admit waiting requests (not in a step that had to preempt: there is no room)
+        while (self.waiting and not out.preempted and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            self.blocks.attach_cached_prefix(seq)
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            n = min(seq.num_uncomputed_tokens, budget)
+            # Admit only if the whole remaining prefill fits now, so admission does not cause the
+            # next step's preemption.
+            if not self.blocks.ensure_slots(seq, seq.num_tokens):
+                self.blocks.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.num_prefix_cached_tokens += seq.num_cached_prompt_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, n, out)
+            budget -= n
+        return out
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+        seq.num_computed_tokens += n
+        self.blocks.register_full_blocks(seq, seq.num_computed_tokens)

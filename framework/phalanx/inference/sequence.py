@@ -1,0 +1,76 @@
+"""One request's state as it moves through the engine: tokens, KV blocks, progress, outputs.
+
+`num_computed_tokens` counts the tokens whose keys and values are already in the cache; the
+scheduler runs the rest (a whole prompt, a chunk of it, or the one newest token when decoding).
+Preemption by recompute just frees the blocks and sets it back to 0: prompt and generated tokens
+are kept, so the sequence resumes where it stopped, and with prefix caching most of its blocks are
+usually found again.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from phalanx.inference.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    generator: torch.Generator | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []  # content hash of each full block of token_ids (prefix cache)
+        self.num_registered_blocks = 0  # leading blocks of block_table published to the prefix cache
+        self.num_cached_prompt_tokens = 0  # prefix-cache hits at the (last) admission
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.text = ""  # detokenized output, cut at a stop string when one matched
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the newest token is missing from the cache (a prompt, or a recompute)."""
+        return self.num_uncomputed_tokens > 1

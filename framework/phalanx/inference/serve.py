@@ -1,0 +1,76 @@
+"""`phalanx serve MODEL_DIR`: an OpenAI-compatible server for a local HF model directory.
+
+    phalanx serve path/to/model                         # http://127.0.0.1:8000/v1
+    phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32
+    phalanx serve path/to/model --tp-size 2             # restarts itself under torchrun, 2 ranks
+
+With --tp-size N > 1 the command re-launches itself with `phalanx run -n N`; rank 0 serves HTTP
+and drives the engine, the other ranks run their model shards for every step it broadcasts.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx serve", description="Serve a Llama-family HF model directory over "
+                                "an OpenAI-compatible HTTP API.")
+    p.add_argument("model", help="a local Hugging Face model directory (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is printed)")
+    p.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $PHALANX_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask for")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (restarts under torchrun)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per engine step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU, GiB per rank")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU the engine may use")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--draft-model", default=None, help="a small HF model directory for speculative decoding")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
+    return p
+
+
+def serve_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tp_size > 1 and "WORLD_SIZE" not in os.environ:
+        from phalanx.cli import run
+        return run(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])
+    if not os.path.isdir(args.model):
+        print(f"phalanx serve: {args.model} is not a directory (expected a Hugging Face model directory)", file=sys.stderr)
+        return 2
+    from phalanx.inference.engine import LLM
+    from phalanx.inference.server import OpenAIServer
+
+    engine = LLM(args.model, tp_size=args.tp_size, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib,
+                 gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
+                 draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+                 enable_prefix_caching=not args.no_prefix_caching)
+    if not engine.tp.is_driver:
+        engine.run_worker()
+        return 0
+    server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit)
+    print(f"phalanx serve: {server.model_name} on {server.url}/v1 ({engine.num_blocks} KV blocks of "
+          f"{args.block_size} tokens, max_model_len {engine.max_model_len}"
+          f"{', API key required' if server.api_key else ''}); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+"""Deciding when a sequence ends, and its text: EOS, stop tokens, stop strings, length limits.
+
+Text is decoded from all output tokens at once (not token by token), so multi-byte characters
+split over several tokens come out right; a stop string cuts the text before it, and the tokens
+that produced it stay in `token_ids` (what the model actually generated).
+"""
+from __future__ import annotations
+
+from phalanx.inference.sequence import Sequence
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def decode(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def check(self, seq: Sequence) -> bool:
+        """After a token was appended: set seq.finish_reason/stop_reason and return True if done."""
+        params = seq.params
+        token = seq.token_ids[-1]
+        produced = seq.num_output_tokens
+        if produced >= params.min_new_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+                return True
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+        if params.stop and self.tokenizer is not None:
+            text = self.decode(seq)
+            cut = None
+            for stop in params.stop:
+                at = text.find(stop)
+                if at != -1 and (cut is None or at < cut[0]):
+                    cut = (at, stop)
+            if cut is not None:
+                seq.text = text[:cut[0]]
+                seq.finish_reason, seq.stop_reason = "stop", cut[1]
+                return True
+        if produced >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def banned_now(self, seq: Sequence, extra_tokens: int = 0) -> list[int] | None:
+        """EOS may not be chosen before min_new_tokens (the HF MinNewTokens rule)."""
+        if seq.num_output_tokens + extra_tokens < seq.params.min_new_tokens and self.eos_token_ids:
+            return sorted(self.eos_token_ids)
+        return None

@@ -1,0 +1,118 @@
+"""Tiny Llama / Qwen2 / Mistral models and a tiny BPE tokenizer, saved as Hugging Face
+directories, for the inference tests. Nothing downloads.
+
+The models use a large init range so their next-token distributions are peaked: greedy argmax
+then has clear margins, and token-identity checks against `transformers` test the engine rather
+than float rounding between near-tied logits.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.",
+    "Paged attention stores keys and values in fixed-size blocks; a block table maps positions to blocks.",
+    "Continuous batching admits new requests at every step and retires finished ones at once.",
+    "Tensor parallel inference splits attention heads and MLP columns across ranks, then all-reduces.",
+    "Speculative decoding lets a small draft model propose tokens that the large model verifies.",
+    "Hello world! How are you today? I am fine, thank you. What is the weather like in Paris?",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 2024. Punctuation: , . ; : ! ? ( ) [ ] { }",
+] * 20
+
+VOCAB = 384
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config(family: str = "llama", **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.25, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    if family == "mistral":
+        kwargs["sliding_window"] = 24  # shorter than the tests' sequences: the window matters
+    if family == "qwen2":
+        kwargs["tie_word_embeddings"] = True
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def make_model(family: str = "llama", seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(family, **overrides))
+    if family == "qwen2":  # HF initialises biases to zero; random ones test that they are loaded
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    return model.eval()
+
+
+def save_model(directory: Path, family: str = "llama", seed: int = 0, tokenizer=None, **overrides):
+    """Save a tiny model (and the tokenizer) as an HF directory; returns (path, model)."""
+    model = make_model(family, seed, **overrides)
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    (tokenizer or make_tokenizer()).save_pretrained(directory)
+    return directory, model
+
+
+def mixed_prompts(count: int, seed: int = 0, low: int = 3, high: int = 40) -> list[list[int]]:
+    """Token-id prompts of mixed lengths (no special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one prompt (no padding)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuations of a left-padded batch, cut after the first EOS."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    eos = model.generation_config.eos_token_id
+    result = []
+    for row in out[:, width:].tolist():
+        if eos in row:
+            row = row[:row.index(eos) + 1]
+        result.append(row)
+    return result

@@ -1,0 +1,197 @@
+"""Block manager and scheduler of phalanx.inference, without a model: allocation, prefix sharing,
+eviction, preemption, chunked prefill, admission limits, and request validation."""
+from __future__ import annotations
+
+import pytest
+
+from phalanx.inference.block_manager import BlockManager
+from phalanx.inference.config import EngineConfig
+from phalanx.inference.sampling_params import SamplingParams
+from phalanx.inference.scheduler import Scheduler
+from phalanx.inference.sequence import Sequence, SequenceStatus
+
+
+def seq(tokens, rid="r", max_new_tokens=4) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+
+
+def test_allocate_grow_and_free_returns_every_block():
+    bm = BlockManager(8, 4)
+    s = seq(range(10))
+    assert bm.attach_cached_prefix(s) == 0
+    assert bm.ensure_slots(s, 10) and len(s.block_table) == 3 and bm.num_free_blocks == 5
+    assert bm.ensure_slots(s, 12) and len(s.block_table) == 3  # still fits in block 3
+    assert bm.ensure_slots(s, 13) and len(s.block_table) == 4
+    assert not bm.ensure_slots(s, 4 * 9) and len(s.block_table) == 4  # refused whole, nothing taken
+    bm.free(s)
+    assert bm.all_free() and s.block_table == []
+
+
+def test_identical_prefixes_share_blocks_with_reference_counts():
+    bm = BlockManager(16, 4)
+    a, b = seq(list(range(11)), "a"), seq(list(range(9)) + [99, 98], "b")
+    bm.attach_cached_prefix(a)
+    bm.ensure_slots(a, a.num_tokens)
+    bm.register_full_blocks(a, a.num_tokens)  # blocks [0..3], [4..7] are full and final
+    assert bm.attach_cached_prefix(b) == 8  # both full blocks found; the third differs
+    assert b.block_table[:2] == a.block_table[:2]
+    assert [bm.ref_counts[x] for x in a.block_table[:2]] == [2, 2]
+    bm.ensure_slots(b, b.num_tokens)
+    assert b.block_table[2] != a.block_table[2]
+    bm.free(a)
+    assert [bm.ref_counts[x] for x in b.block_table[:2]] == [1, 1]
+    bm.free(b)
+    assert bm.all_free()
+
+
+def test_the_block_of_the_last_prompt_token_is_never_taken_from_the_cache():
+    bm = BlockManager(16, 4)
+    a = seq(range(8), "a")
+    bm.attach_cached_prefix(a)
+    bm.ensure_slots(a, 8)
+    bm.register_full_blocks(a, 8)
+    same = seq(range(8), "b")
+    assert bm.attach_cached_prefix(same) == 4  # not 8: the last token must run to produce logits
+    assert same.num_uncomputed_tokens == 4
+
+
+def test_freed_blocks_stay_findable_until_reused_least_recent_first():
+    bm = BlockManager(4, 2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    bm.attach_cached_prefix(a)
+    bm.ensure_slots(a, 5)
+    bm.register_full_blocks(a, 4)
+    bm.free(a)
+    assert bm.all_free()
+    again = seq([1, 2, 3, 4, 5], "again")
+    assert bm.attach_cached_prefix(again) == 4  # found after its holder finished
+    bm.free(again)
+    # Allocating every block evicts the cached ones; afterwards nothing is found.
+    hog = seq(range(100, 108), "hog")
+    bm.attach_cached_prefix(hog)
+    assert bm.ensure_slots(hog, 8)
+    bm.free(hog)
+    assert bm.attach_cached_prefix(seq([1, 2, 3, 4, 5], "late")) == 0
+
+
+def test_reset_prefix_cache_forgets_everything():
+    bm = BlockManager(8, 2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    bm.attach_cached_prefix(a)
+    bm.ensure_slots(a, 5)
+    bm.register_full_blocks(a, 4)
+    bm.free(a)
+    bm.reset_prefix_cache()
+    assert bm.attach_cached_prefix(seq([1, 2, 3, 4, 5], "b")) == 0
+
+
+def _scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, lookahead=0):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+                     max_num_batched_tokens=budget, num_lookahead_tokens=lookahead)
+
+
+def _fake_decode(sched: Scheduler, out) -> None:
+    """What the engine does after a step: append a token to every sequence that sampled."""
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.token_ids.append(7)
+
+
+def test_scheduler_mixes_prefill_and_decode_and_admits_every_step():
+    sched = _scheduler()
+    a = seq(range(5), "a")
+    sched.add(a)
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_tokens) for x in out.scheduled] == [("a", 5)]
+    _fake_decode(sched, out)
+    b = seq(range(20, 26), "b")
+    sched.add(b)  # arrives mid-run
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.start, x.num_tokens) for x in out.scheduled] == [("a", 5, 1), ("b", 0, 6)]
+    assert all(x.samples for x in out.scheduled)
+
+
+def test_long_prompts_prefill_in_chunks_within_the_token_budget():
+    sched = _scheduler(budget=8)
+    a = seq(range(20), "a")
+    sched.add(a)
+    chunks = []
+    while True:
+        out = sched.schedule()
+        chunks.append((out.scheduled[0].start, out.scheduled[0].num_tokens, out.scheduled[0].samples))
+        if out.scheduled[0].samples:
+            break
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_preemption_takes_the_youngest_and_requeues_it_first():
+    sched = _scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = seq(range(8), "a", 16), seq(range(30, 38), "b", 16)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and sched.blocks.num_free_blocks == 2
+    preempted = []
+    for _ in range(12):
+        _fake_decode(sched, out)
+        out = sched.schedule()
+        preempted += [s.request_id for s in out.preempted]
+        if preempted:
+            break
+    assert preempted == ["b"]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert sched.waiting[0] is b and b.num_tokens > 8  # it keeps its generated tokens
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]
+    sched.finish(a)
+    out = sched.schedule()  # b is readmitted and recomputed: prompt + generated tokens
+    assert [(s.seq.request_id, s.num_tokens) for s in out.scheduled] == [("b", b.num_tokens - b.num_cached_prompt_tokens)]
+    sched.finish(b)
+    assert sched.blocks.all_free() and not sched.has_unfinished()
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched = _scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add(seq(range(i * 10, i * 10 + 3), f"r{i}"))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_speculative_steps_reserve_lookahead_slots_only_when_all_decode():
+    sched = _scheduler(lookahead=3)
+    a = seq(range(4), "a")
+    sched.add(a)
+    out = sched.schedule()
+    assert not out.speculative  # a prefill step
+    _fake_decode(sched, out)
+    out = sched.schedule()
+    assert out.speculative and len(a.block_table) * 4 >= a.num_tokens + 3
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused():
+    sched = _scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        sched.add(seq(range(10), "big", max_new_tokens=10))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(logprobs=50), "logprobs"),
+    (dict(stop=[""]), "stop"),
+])
+def test_sampling_params_reject_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=12)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int8")

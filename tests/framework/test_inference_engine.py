@@ -1,0 +1,222 @@
+"""phalanx.inference.LLM end to end on tiny Llama / Qwen2 / Mistral models: token identity with
+`transformers` greedy generation, continuous batching, preemption, prefix caching, chunked
+prefill, sampling options, log-probs, live weights, and speculative decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import inference_models as im
+from phalanx.inference import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return im.make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer):
+    """family -> (directory, HF model)"""
+    root = tmp_path_factory.mktemp("inference-models")
+    return {family: im.save_model(root / family, family, tokenizer=tokenizer) for family in ("llama", "qwen2", "mistral")}
+
+
+@pytest.fixture(scope="module")
+def llama(models):
+    return models["llama"]
+
+
+def engine(path, **kw):
+    kw.setdefault("num_blocks", 96)
+    kw.setdefault("block_size", 8)
+    return LLM(str(path), **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_tokens_match_transformers_for_a_mixed_length_batch(models, family):
+    path, model = models[family]
+    prompts = im.mixed_prompts(6, seed=1, low=3, high=50)  # mistral's window is 24: most prompts pass it
+    eng = engine(path)
+    outs = eng.generate(prompts, GREEDY)
+    want_batched = im.hf_greedy_batch(model, prompts, 20)
+    want_alone = [im.hf_greedy(model, p, 20) for p in prompts]
+    for out, batched, alone in zip(outs, want_batched, want_alone):
+        assert out.token_ids == alone == batched
+        assert out.prompt_token_ids in prompts
+    assert eng.block_manager.all_free()
+
+
+def test_mistral_sliding_window_is_honoured(models):
+    """The Mistral model's outputs depend on its window: the same weights without it differ."""
+    path, model = models["mistral"]
+    prompt = im.mixed_prompts(1, seed=3, low=45, high=46)[0]
+    ours = engine(path).generate(prompt, GREEDY)[0].token_ids
+    assert ours == im.hf_greedy(model, prompt, 20)
+    unwindowed = im.make_model("mistral", sliding_window=None)
+    assert im.hf_greedy(unwindowed, prompt, 20) != ours
+
+
+def test_requests_arriving_mid_run_get_the_tokens_they_get_alone(llama):
+    path, _ = llama
+    prompts = im.mixed_prompts(6, seed=2, low=4, high=40)
+    eng = engine(path)
+    alone = [eng.generate(p, GREEDY)[0].token_ids for p in prompts]
+    owner, got, pending, step = {}, {}, list(enumerate(prompts)), 0
+    while pending or eng.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step, while others decode
+            i, p = pending.pop(0)
+            owner[eng.add_request(p, GREEDY)] = i
+        for out in eng.step():
+            if out.finished:
+                got[owner[out.request_id]] = out.token_ids
+        step += 1
+    assert [got[i] for i in range(len(prompts))] == alone
+    assert eng.block_manager.all_free()
+
+
+def test_preemption_recomputes_to_the_same_tokens_and_leaks_no_block(llama):
+    path, model = llama
+    prompts = im.mixed_prompts(8, seed=4, low=10, high=40)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    eng = engine(path, num_blocks=16, block_size=8)  # 128 slots for 8 sequences of up to 63 tokens
+    outs = eng.generate(prompts, params)
+    assert eng.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == im.hf_greedy_batch(model, prompts, 24)
+    assert eng.block_manager.all_free()
+
+
+def test_chunked_prefill_and_prefix_cache_give_the_same_tokens(llama):
+    path, model = llama
+    system = im.mixed_prompts(1, seed=5, low=30, high=31)[0]
+    prompts = [system + p for p in im.mixed_prompts(4, seed=6, low=3, high=12)]
+    want = im.hf_greedy_batch(model, prompts, 20)
+    eng = engine(path, max_num_batched_tokens=16)  # prompts of 33-44 tokens run in chunks of <= 16
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
+    eng = engine(path)
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 24, 24, 24]  # three full blocks of the shared prefix
+    again = eng.generate(prompts, GREEDY)  # freed blocks are still cached
+    assert [o.token_ids for o in again] == want and min(o.num_cached_tokens for o in again) >= 24
+    assert eng.block_manager.all_free()
+
+
+def test_text_prompts_stop_strings_eos_and_length(llama, tokenizer):
+    path, _ = llama
+    eng = engine(path)
+    text = "Paged attention stores keys"
+    full = eng.generate(text, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert full.prompt_token_ids == tokenizer(text)["input_ids"] and len(full.token_ids) == 12
+    assert full.finish_reason == "length" and full.text == tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    # a stop string taken from the greedy output cuts the text before it
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = eng.generate(text, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop and cut.text == full.text[:full.text.find(stop)]
+    # a stop token ends the output and is kept in token_ids
+    token = full.token_ids[5]
+    ended = eng.generate(text, SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[token]))[0]
+    assert ended.token_ids == full.token_ids[:full.token_ids.index(token) + 1] and ended.stop_reason == token
+    # EOS: a prompt whose greedy continuation reaches EOS (id 2) stops there unless ignore_eos
+    eos_outs = eng.generate(im.mixed_prompts(40, seed=7), SamplingParams(max_new_tokens=30, temperature=0))
+    stopped = [o for o in eos_outs if o.finish_reason == "stop"]
+    assert stopped and all(o.token_ids[-1] == 2 and 2 not in o.token_ids[:-1] for o in stopped)
+    assert eng.block_manager.all_free()
+
+
+def test_logprobs_match_the_model_and_seeded_sampling_repeats(llama):
+    path, model = llama
+    prompts = im.mixed_prompts(3, seed=8, low=5, high=20)
+    eng = engine(path)
+    out = eng.generate(prompts[0], SamplingParams(max_new_tokens=8, temperature=0, logprobs=3))[0]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompts[0] + out.token_ids])).logits[0].float(), -1)
+    n = len(prompts[0])
+    want = [logp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4
+    assert all(list(top)[0] == t for top, t in zip(out.top_logprobs, out.token_ids))  # greedy = the top token
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    alone = eng.generate(prompts[1], sampled)[0].token_ids
+    in_batch = eng.generate(prompts, [SamplingParams(max_new_tokens=16, temperature=1.0)] * 1 + [sampled]
+                            + [SamplingParams(max_new_tokens=16, temperature=0.5)])[1].token_ids
+    assert alone == in_batch
+    assert eng.generate(prompts[1], SamplingParams(max_new_tokens=16, temperature=0.9, seed=99))[0].token_ids != alone
+
+
+def test_kv_blocks_are_sized_from_the_memory_budget(llama):
+    path, _ = llama
+    eng = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=64)
+    per_block = 2 * 2 * 2 * 16 * 8 * 4  # K and V x layers x KV heads x head_dim x tokens x fp32
+    assert eng.num_blocks == (2**20) // per_block
+    tight = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=2)
+    assert tight.num_blocks == 2 * (256 // 8) + 1  # never more than max_num_seqs full-length sequences use
+
+
+def test_weights_from_a_live_module_and_reload(llama, tokenizer):
+    path, model = llama
+    prompt = im.mixed_prompts(1, seed=9)[0]
+    eng = LLM.from_model(model, tokenizer, num_blocks=64, block_size=8)
+    assert eng.generate(prompt, GREEDY)[0].token_ids == im.hf_greedy(model, prompt, 20)
+    other = im.make_model("llama", seed=11)
+    assert eng.load_weights(other.state_dict()) == len(other.state_dict())
+    assert eng.generate(prompt, GREEDY)[0].token_ids == im.hf_greedy(other, prompt, 20)
+    # a wrapped module's names (DDP / torch.compile prefixes) load too
+    eng.load_weights({"module." + k: v for k, v in model.state_dict().items()})
+    assert eng.generate(prompt, GREEDY)[0].token_ids == im.hf_greedy(model, prompt, 20)
+    eng.add_request(prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="requests in flight"):
+        eng.load_weights(other.state_dict())
+    with pytest.raises(ValueError, match="do not belong"):
+        LLM.from_model(im.make_model("llama", num_hidden_layers=1), tokenizer).load_weights({"model.layers.5.mlp.up_proj.weight": torch.zeros(1)})
+
+
+def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):
+    path, model = models["llama"]
+    prompts = im.mixed_prompts(5, seed=10, low=4, high=30)
+    want = im.hf_greedy_batch(model, prompts, 20)
+    draft, _ = im.save_model(tmp_path / "draft", "llama", seed=0, num_hidden_layers=1)
+    eng = engine(path, draft_model=str(draft), num_speculative_tokens=3)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
+    assert eng.block_manager.all_free()
+    same = engine(path, draft_model=model, num_speculative_tokens=4)  # a perfect draft
+    assert [o.token_ids for o in same.generate(prompts, GREEDY)] == want
+    assert same.speculator.acceptance_rate == 1.0
+    out = same.generate(prompts[0], SamplingParams(max_new_tokens=20, temperature=0.8, seed=3, logprobs=1))[0]
+    assert len(out.token_ids) == len(out.logprobs) and out.finish_reason in ("stop", "length")
+
+
+def test_bad_requests_and_models_are_refused_clearly(llama, tmp_path):
+    path, _ = llama
+    eng = engine(path)
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        eng.generate([5] * 250, SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([5, 10_000])
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(TypeError, match="string or a list of token ids"):
+        eng.add_request(3.5)
+    with pytest.raises(ValueError, match="tp_size=3 does not divide"):
+        LLM(str(path), tp_size=3)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
+        LLM(str(tmp_path / "gpt2"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.gpu
+def test_cuda_engine_with_triton_kernels_matches_transformers(models):
+    """On a GPU the runner takes phalanx_kernels' Triton paths (RoPE + cache write, paged decode,
+    flash prefill); fp32 greedy tokens still match transformers on the same device."""
+    path, model = models["llama"]
+    prompts = im.mixed_prompts(6, seed=13, low=3, high=50)
+    eng = engine(path, device="cuda")
+    outs = eng.generate(prompts, GREEDY)
+    import copy
+    want = im.hf_greedy_batch(copy.deepcopy(model).to("cuda"), prompts, 20, device="cuda")
+    assert [o.token_ids for o in outs] == want
+    assert eng.block_manager.all_free()

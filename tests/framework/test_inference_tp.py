@@ -1,0 +1,41 @@
+"""Tensor-parallel inference: TP=2 over gloo gives the tokens of TP=1 (Llama; Qwen2 with tied
+embeddings, q/k/v biases and a vocabulary that does not split evenly), with speculative decoding
+and a weight reload on top. One spawn runs every case (starting ranks costs seconds)."""
+from __future__ import annotations
+
+import torch
+
+import inference_models as im
+from inference_tp_workers import tp_generate
+from phalanx.inference import LLM, SamplingParams
+from phalanx.testing import spawn
+
+
+def test_tp2_matches_tp1(tmp_path):
+    tok = im.make_tokenizer()
+    llama, _ = im.save_model(tmp_path / "llama", "llama", tokenizer=tok)
+    qwen, _ = im.save_model(tmp_path / "qwen2", "qwen2", tokenizer=tok, vocab_size=im.VOCAB + 1)
+    draft, _ = im.save_model(tmp_path / "draft", "llama", num_hidden_layers=1, tokenizer=tok)
+    other = im.make_model("llama", seed=21)
+    torch.save(other.state_dict(), tmp_path / "other.pt")
+    prompts = im.mixed_prompts(4, seed=12, low=3, high=40)
+    cases = [
+        {"path": str(llama), "prompts": prompts, "new_tokens": 16, "reload": str(tmp_path / "other.pt")},
+        {"path": str(qwen), "prompts": prompts, "new_tokens": 16},
+        {"path": str(llama), "prompts": prompts[:2], "new_tokens": 12, "draft": str(draft)},
+    ]
+    ranks = spawn(tp_generate, 2, cases, timeout=300)
+    assert ranks[0] == ranks[1], "TP ranks returned different outputs"
+    got = ranks[0]
+    params = SamplingParams(max_new_tokens=16, temperature=0, logprobs=1)
+    for case, result in zip(cases, got):
+        one = LLM(case["path"], num_blocks=64, block_size=8)
+        want = one.generate(case["prompts"], SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1))
+        assert result["tokens"] == [o.token_ids for o in want]
+        for a, b in zip(result["logprobs"], [o.logprobs for o in want]):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+        if case.get("reload"):
+            one.load_weights(other.state_dict())
+            assert result["reloaded"] == [o.token_ids for o in one.generate(case["prompts"], params)]
+    # each rank holds half of the heads: q 4 heads, k and v 2 heads of 16 -> (2 + 1 + 1) * 16 rows
+    assert got[0]["shard"] == (64, 64)
