@@ -23,7 +23,16 @@ def is_main_process() -> bool:
 
 
 class _TqdmAwareHandler(logging.StreamHandler):
-    """Writes through tqdm when tqdm is loaded, so a running bar is redrawn below the line."""
+    """Writes to the *current* sys.stderr (so redirection and capture made after set-up work),
+    through tqdm when tqdm is loaded, so a running bar is redrawn below the line."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property wins
+        pass
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm = sys.modules.get("tqdm")
@@ -41,7 +50,7 @@ def get_logger(name: str = "phalanx") -> logging.Logger:
     root_name = name.split(".")[0]
     logger = logging.getLogger(root_name)
     if root_name not in _CONFIGURED:
-        handler = _TqdmAwareHandler(sys.stderr)
+        handler = _TqdmAwareHandler()
         handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False

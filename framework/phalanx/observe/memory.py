@@ -1,29 +1,83 @@
-"""Peak memory of this process, on GPU (allocator high-water mark) or CPU (peak RSS).
+"""Memory of this process: the allocator high-water mark on GPU, the resident set on CPU.
 
-On CPU there is no allocator counter, so the figure is the peak resident set size from
-`getrusage`: it includes the interpreter and libraries, and it only ever grows within a
-process. Compare CPU figures between fresh processes, or subtract a baseline taken before the
-work starts (`peak_memory_bytes()` right after start-up).
+On CPU there is no allocator counter, so the figures are the process's resident set size (RSS),
+interpreter and libraries included. On Linux the peak (VmHWM) can be reset to the current RSS
+(`/proc/self/clear_refs`), so `reset_peak_memory()` + work + `peak_memory_bytes()` minus the RSS
+before the work measures that work alone; elsewhere the peak is the lifetime `getrusage` figure.
+`release_free_memory()` hands memory freed by Python/torch back to the OS first, so the next
+measurement does not silently reuse it.
 """
 from __future__ import annotations
 
+import gc
 import sys
+from pathlib import Path
 
 import torch
 
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def current_memory_bytes(device: torch.device | str | None = None) -> int:
+    device = _device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    return peak_memory_bytes(device)
+
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = _device(device)
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
     import resource
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, others KiB
 
 
-def reset_peak_memory(device: torch.device | str | None = None) -> None:
-    """Restart the GPU high-water mark (the CPU's peak RSS cannot be reset)."""
-    device = torch.device(device) if device is not None else None
-    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+def reset_peak_memory(device: torch.device | str | None = None) -> bool:
+    """Restart the high-water mark at the current usage; False if this platform cannot."""
+    device = _device(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        _CLEAR_REFS.write_text("5")  # Linux: reset VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def release_free_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS (glibc's malloc_trim)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass

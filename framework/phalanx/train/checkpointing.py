@@ -6,8 +6,10 @@ the same step even if the file system shows them different views for a moment.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -65,3 +67,18 @@ def prune_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
             removed.append(path)
     _barrier()
     return removed
+
+
+@contextlib.contextmanager
+def quiet_hf_progress() -> Iterator[None]:
+    """Hide transformers' "Writing model shards" bar while a checkpoint is saved (it would print
+    one bar per checkpoint into the training log), restoring the user's setting afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

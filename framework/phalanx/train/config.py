@@ -6,8 +6,8 @@ and types; `validate()` then checks the values and names the key to fix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from phalanx.config import ConfigError
 
@@ -32,7 +32,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0          # global gradient-norm clipping; 0 disables
 
     # --- parallel layout and precision ----------------------------------------------------------
-    plugin: Literal["ddp", "fsdp", "zero1", "zero2"] = "ddp"
+    plugin: str = "ddp"                 # a name make_plugin knows: ddp | fsdp | zero1 | zero2 | gemini | hybrid
+    plugin_options: dict[str, Any] = field(default_factory=dict)  # the plugin's own keyword arguments,
+                                        # e.g. {reduce_bucket_mb: 50} for zero2, {tp_size: 2} for hybrid
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 compute with fp32 master weights
 
     # --- evaluation, checkpoints, logging ---------------------------------------------------------
@@ -61,7 +63,10 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"train config '{key}'={getattr(self, key)!r}: {why}")
 
+        from phalanx.booster.plugins import PLUGIN_NAMES  # the one list of plugin names
+
         need(bool(str(self.output_dir).strip()), "output_dir", "must name a directory")
+        need(self.plugin in PLUGIN_NAMES, "plugin", f"choose one of {', '.join(PLUGIN_NAMES)}")
         need(self.max_steps >= 1, "max_steps", "must be at least 1")
         need(self.micro_batch_size >= 1, "micro_batch_size", "must be at least 1")
         need(self.grad_accum_steps >= 1, "grad_accum_steps", "must be at least 1")

@@ -47,6 +47,20 @@ def check_dataset(dataset: Any, micro_batch_size: int, dp_size: int) -> int:
     return n
 
 
+def check_first_sample(dataset: Any, collate_fn, required_keys: tuple[str, ...] = ()) -> None:
+    """Collate the first sample once, so a malformed record or a missing key stops the run with
+    a clear message before the output directory is touched."""
+    batch = collate_fn([dataset[0]])
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"collate_fn must return a dict of tensors (the model's keyword arguments), got "
+                        f"{type(batch).__name__}")
+    missing = [k for k in required_keys if k not in batch]
+    if missing:
+        raise ValueError(f"batches lack {missing} (they have keys {sorted(batch)}): the default causal-LM loss needs "
+                         "'input_ids' (and optionally 'labels', 'attention_mask'); fix the dataset/collate_fn or "
+                         "pass loss_fn= to fit")
+
+
 class MicroBatches:
     """This rank's micro-batches, forever (epoch after epoch), with an exact, restorable position."""
 

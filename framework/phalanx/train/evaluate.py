@@ -1,14 +1,16 @@
-"""A ready-made `eval_fn` for causal LMs: mean next-token loss and perplexity on held-out data.
+"""Evaluation: how `fit` calls an `eval_fn`, and a ready-made one for causal LMs.
 
     fit(cfg, model, train_set, eval_fn=causal_lm_eval(val_set, batch_size=8))
 
-Each data-parallel rank evaluates every world-size-th batch and the sums are all-reduced, so
-the result is the token-weighted mean over the whole eval set, whatever the number of ranks.
+`causal_lm_eval`: mean next-token loss and perplexity on held-out data. Each data-parallel rank
+evaluates every world-size-th batch and the sums are all-reduced, so the result is the
+token-weighted mean over the whole eval set, whatever the number of ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -47,3 +49,43 @@ def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | Non
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(totals[1].item())}
 
     return eval_fn
+
+
+@contextlib.contextmanager
+def eval_mode(boosted: nn.Module, model: nn.Module) -> Iterator[None]:
+    """The user's model in eval mode, under no_grad, with FSDP's root parameters gathered (the
+    blocks gather their own), and the training RNG streams untouched by whatever eval samples."""
+    root = getattr(boosted, "module", None)
+    unshard = getattr(root, "unshard", None) if _is_fsdp(root) else None
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        try:
+            if unshard is not None:
+                unshard()
+            with torch.no_grad():
+                yield
+        finally:
+            if unshard is not None:
+                root.reshard()
+            model.train(was_training)
+
+
+def _is_fsdp(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def eval_results(result: Any, step: int) -> dict[str, float]:
+    if not isinstance(result, Mapping):
+        raise TypeError(f"eval_fn must return a dict of numbers, got {type(result).__name__} at step {step}")
+    out = {}
+    for key, value in result.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, (int, float)):
+            out[str(key)] = float(value)
+    return out

@@ -98,7 +98,7 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, **batch: Any) -> torch.Tensor:
         if "input_ids" not in batch:
-            raise KeyError(f"the causal-LM loss needs batches with 'input_ids' (got keys {sorted(batch)}); "
+            raise ValueError(f"the causal-LM loss needs batches with 'input_ids' (got keys {sorted(batch)}); "
                            "fix the dataset/collate_fn or pass loss_fn= to fit")
         return causal_lm_loss_sum(self.module, batch, ignore_index=self.ignore_index, chunk_size=self.chunk_size,
                                   loss_impl=self._loss_impl)

@@ -1,0 +1,184 @@
+"""`phalanx.train.fit` in one process: learning, accumulation, outputs, checkpoints, bad input."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_helpers as th
+from phalanx.checkpoint import latest_checkpoint, list_checkpoints, verify_manifest
+from phalanx.config import ConfigError
+from phalanx.observe import read_metrics
+from phalanx.testing import tiny_llama
+from phalanx.train import NonFiniteLossError, causal_lm_eval, fit
+
+
+def test_fit_learns_and_writes_everything(tmp_path):
+    """Loss falls; metrics JSONL, loss PNG, eval records and a from_pretrained-able checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    evals = []
+    eval_fn = causal_lm_eval(th.ArithmeticSequences(n=16, seed=99), batch_size=8)
+
+    def recording_eval(model, step):
+        evals.append(step)
+        assert not model.training and not torch.is_grad_enabled()
+        return eval_fn(model, step)
+
+    model = tiny_llama(seed=0)
+    cfg = th.config(tmp_path, max_steps=40, save_every=20, keep_last=2, eval_every=20, log_every=5, plot=True,
+                    peak_tflops=None)
+    result = fit(cfg, model, th.ArithmeticSequences(n=128), eval_fn=recording_eval)
+
+    assert result.final_step == 40 and result.start_step == 0 and len(result.losses) == 40
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < first - 1.5, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
+    assert evals == [20, 40]
+    assert result.last_eval["loss"] < math.log(th.VOCAB) and result.last_eval["ppl"] > 1
+
+    records = read_metrics(result.metrics_path)
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert {"lr", "grad_norm", "tokens_per_s", "tflops_per_rank", "mfu", "tokens_seen"} <= set(records[-1]) | set(records[-2])
+    assert [r["step"] for r in records if "eval/loss" in r] == [20, 40]
+    assert result.tokens_per_s > 0 and 0 < result.mfu < 1
+    assert result.loss_plot == tmp_path / "loss.png" and result.loss_plot.read_bytes()[:4] == b"\x89PNG"
+
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 40]
+    assert result.checkpoint_dir == latest_checkpoint(tmp_path)
+    verify_manifest(result.checkpoint_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(result.checkpoint_dir / "model")
+    ids = th.ArithmeticSequences(n=4, seed=5).input_ids
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+
+
+def test_accumulation_2x2_equals_batch_4_with_uneven_padding(tmp_path):
+    """Token-weighted averaging makes 2 micro-batches of 2 the same step as one batch of 4, even
+    when padding gives the micro-batches different numbers of target tokens."""
+    data = {"pad": True, "n": 32}
+    big, big_model = th.train(tmp_path / "big", data, max_steps=4, micro_batch_size=4, grad_accum_steps=1)
+    acc, acc_model = th.train(tmp_path / "acc", data, max_steps=4, micro_batch_size=2, grad_accum_steps=2)
+    for a, b in zip(acc.losses, big.losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (acc.losses, big.losses)
+    for (name, p), q in zip(big_model.named_parameters(), acc_model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+
+
+def test_bf16_tracks_fp32(tmp_path):
+    """bf16 compute with fp32 master weights follows the fp32 run (bf16 keeps 8 mantissa bits:
+    2e-2 relative) and saves fp32 weights."""
+    from safetensors.torch import load_file
+
+    fp32, _ = th.train(tmp_path / "fp32", max_steps=10)
+    bf16, model = th.train(tmp_path / "bf16", max_steps=10, precision="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    for a, b in zip(bf16.losses, fp32.losses):
+        assert abs(a - b) <= 2e-2 * b, (bf16.losses, fp32.losses)
+    assert sum(bf16.losses[-3:]) / 3 < sum(bf16.losses[:3]) / 3 - 0.2
+    weights = load_file(str(bf16.checkpoint_dir / "model" / "model.safetensors"))
+    assert all(v.dtype == torch.float32 for v in weights.values())
+
+
+def test_nan_loss_stops_before_the_step_is_saved(tmp_path):
+    calls = []
+
+    def poisoned_loss(model, batch):
+        calls.append(1)
+        loss = model(**batch).loss
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    cfg = th.config(tmp_path, max_steps=5, save_every=1)
+    with pytest.raises(NonFiniteLossError) as err:
+        fit(cfg, tiny_llama(), th.ArithmeticSequences(), loss_fn=poisoned_loss)
+    message = str(err.value)
+    assert "nan at step 3" in message and "step-00000002" in message and "lr" in message
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2]
+    verify_manifest(latest_checkpoint(tmp_path))
+
+
+def test_keep_last_prunes_only_after_a_new_checkpoint(tmp_path):
+    th.train(tmp_path, max_steps=5, save_every=1, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000005"]
+
+
+def test_existing_checkpoints_need_resume(tmp_path):
+    th.train(tmp_path, max_steps=2)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(FileExistsError, match="resume=true"):
+        th.train(tmp_path, max_steps=4, resume=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    again, _ = th.train(tmp_path, max_steps=2)  # already complete: nothing to train
+    assert again.start_step == 2 and again.final_step == 2 and again.losses == []
+
+
+def test_wandb_offline_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    th.train(tmp_path, max_steps=2, wandb=True, wandb_project="phalanx-test")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, sorted(p.name for p in (tmp_path / "wandb").iterdir())
+
+
+class _NotALanguageModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": torch.zeros(4, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("tiny_dataset", ValueError, ["has 3 samples", "micro_batch_size"]),
+    ("iterable", TypeError, ["map-style dataset"]),
+    ("not_lm", TypeError, ["no output (LM) head", "loss_fn="]),
+    ("ragged", ValueError, ["different shapes", "'input_ids'"]),
+    ("no_input_ids", ValueError, ["'input_ids'", "loss_fn="]),
+    ("plugin_option", ConfigError, ["plugin_options", "bucket_size"]),
+])
+def test_bad_input_fails_clearly_before_touching_disk(tmp_path, case, error, words):
+    model, dataset = tiny_llama(), th.ArithmeticSequences()
+    if case == "tiny_dataset":
+        dataset = th.ArithmeticSequences(n=3)
+    elif case == "iterable":
+        dataset = _Stream()
+    elif case == "not_lm":
+        model = _NotALanguageModel()
+    elif case == "ragged":
+        dataset = [{"input_ids": torch.arange(8 + i % 2)} for i in range(16)]
+    elif case == "no_input_ids":
+        dataset = [{"tokens": torch.arange(8)} for _ in range(16)]
+    options = {"bucket_size": 3} if case == "plugin_option" else {}
+    out = tmp_path / "run"
+    with pytest.raises(error) as err:
+        fit(th.config(out, max_steps=2, plugin_options=options), model, dataset)
+    for word in words:
+        assert word in str(err.value)
+    assert not (out / "checkpoints").exists()
+
+
+def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path):
+    """A process killed while writing checkpoint 2 leaves checkpoint 1 complete; resuming
+    continues from it and clears the partial directory."""
+    out = tmp_path / "run"
+    helper = Path(th.__file__)
+    proc = subprocess.run([sys.executable, str(helper), "kill-during-save", str(out)], capture_output=True, text=True,
+                          timeout=180, cwd=str(helper.parent))
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    assert [s for s, _ in list_checkpoints(out)] == [1]
+    partial = list((out / "checkpoints").glob("step-00000002.tmp-*"))
+    assert partial and not (out / "checkpoints" / "step-00000002").exists()
+    verify_manifest(latest_checkpoint(out))
+
+    resumed, _ = th.train(out, max_steps=4, save_every=1, keep_last=0)
+    assert resumed.start_step == 1 and resumed.final_step == 4 and len(resumed.losses) == 3
+    assert not list((out / "checkpoints").glob("*.tmp-*"))
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2, 3, 4]
