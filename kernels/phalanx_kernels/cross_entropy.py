@@ -72,7 +72,7 @@ def _ce_step_triton(logits, target, ignore_index, smoothing, scale):
 
 
 def _accumulate_weight_grad(gw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
-    """gw (fp32) += g.T @ h. A low-precision g (the GPU path) is multiplied in its own dtype, in
+    """gw (fp32) += g.T @ h. A low-precision g is multiplied in its own dtype, in
     vocabulary slices, so the temporary product stays within WEIGHT_GRAD_SLICE_BYTES instead of
     being a full [V, H] copy."""
     if g.dtype == torch.float32:
@@ -106,10 +106,12 @@ def _chunked_pass(hidden, weight, bias, labels, *, ignore_index, smoothing, chun
         del logits
         if not grads:
             continue
+        # Multiply in the activations' precision: on CPU a bf16 matmul is ~4x an fp32 one.
+        g_mm = g if h.dtype == torch.float32 else g.to(h.dtype)
         if gh is not None:
-            torch.mm(g.to(weight.dtype), weight, out=gh[start:end])
+            torch.mm(g_mm.to(weight.dtype), weight, out=gh[start:end])
         if gw is not None:
-            _accumulate_weight_grad(gw, g, h)
+            _accumulate_weight_grad(gw, g_mm, h)
         if gb is not None:
             gb.add_(g.sum(0, dtype=torch.float32))
         del g

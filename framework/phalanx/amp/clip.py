@@ -24,9 +24,9 @@ def global_grad_norm(grads: Iterable[torch.Tensor], group: dist.ProcessGroup | N
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return float(total.item())
     if grads:
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.detach().float().pow(norm_type).sum()
+        # One fused pass per dtype (no squared copy of every gradient), accumulated in fp32.
+        norms = torch._foreach_norm([g.detach() for g in grads], norm_type, dtype=torch.float32)
+        local = torch.stack([n.float() for n in norms]).pow(norm_type).sum()
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
     total = local.reshape(1).clone()
