@@ -113,5 +113,33 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+_FOREIGN_PARAM = ("the optimizer holds a parameter that is not in the model: build it from "
+                  "model.parameters() of the model you pass to boost()")
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, str]:
+    """Map id(param) -> name in the unwrapped model, checking the optimizer holds only model params."""
+    names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
+    for group in optimizer.param_groups:
+        if any(id(p) not in names for p in group["params"]):
+            raise ValueError(_FOREIGN_PARAM)
+    return names
+
+
+def rebind_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
+                            names_before: dict[int, str]) -> dict[int, str]:
+    """Point the optimizer at the parameters that replaced the originals during sharding
+    (matched by name) and return id(param) -> name for the new ones."""
+    if optimizer.state:
+        raise ValueError("boost the model before the optimizer's first step (it already holds state)")
+    by_name = dict(unwrap_model(model).named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [by_name[names_before[id(p)]] for p in group["params"]]
+        except KeyError as exc:
+            raise ValueError(_FOREIGN_PARAM) from exc
+    return {id(p): n for n, p in by_name.items()}
+
+
 # Imported at the end to keep the type names available without import cycles.
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments  # noqa: E402,F401

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.plugins.base import Plugin, optimizer_param_names, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
@@ -55,13 +55,7 @@ class DDPPlugin(Plugin):
         return ModelWrapper(ddp, model)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> DDPOptimizer:
-        unwrapped = unwrap_model(model)
-        names = {id(p): n for n, p in unwrapped.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
-                                     "model.parameters() of the model you pass to boost()")
+        names = optimizer_param_names(optimizer, model)
         return DDPOptimizer(optimizer, names, precision=self.precision, max_norm=self.max_norm)
 
     @contextlib.contextmanager

@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.plugins.base import Plugin, rebind_optimizer_params, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError
 from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
@@ -148,18 +148,7 @@ class FSDPPlugin(Plugin):
         return wrapper
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
-        hf_model = unwrap_model(model)
-        by_name = dict(hf_model.named_parameters())
-        old_names = model._names_before_sharding
-        if optimizer.state:
-            raise ValueError("boost the model before the optimizer's first step (it already holds state)")
-        for group in optimizer.param_groups:
-            try:
-                group["params"] = [by_name[old_names[id(p)]] for p in group["params"]]
-            except KeyError as exc:
-                raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
-                                 "model.parameters() of the model you pass to boost()") from exc
-        names = {id(p): n for n, p in by_name.items()}
+        names = rebind_optimizer_params(optimizer, model, model._names_before_sharding)
         return FSDPOptimizer(optimizer, names, self.precision, self.max_norm, self.dp_group)
 
     @contextlib.contextmanager

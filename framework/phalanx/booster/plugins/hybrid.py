@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.plugins.base import Plugin, rebind_optimizer_params, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
@@ -241,17 +241,8 @@ class HybridParallelPlugin(Plugin):
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module):
         hf = unwrap_model(model)
         plan: TPPlan = model.phalanx_plan
+        names = rebind_optimizer_params(optimizer, model, model._names_before_sharding)
         by_name = dict(hf.named_parameters())
-        old_names = model._names_before_sharding
-        if optimizer.state:
-            raise ValueError("boost the model before the optimizer's first step (it already holds state)")
-        for group in optimizer.param_groups:
-            try:
-                group["params"] = [by_name[old_names[id(p)]] for p in group["params"]]
-            except KeyError as exc:
-                raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
-                                 "model.parameters() of the model you pass to boost()") from exc
-        names = {id(p): n for n, p in by_name.items()}
         weights = {id(p): (1.0 if plan.spec(n).is_sharded else 1.0 / plan.size) for n, p in by_name.items()}
         partial = [p for n, p in by_name.items() if plan.spec(n).partial_grad]
         if self.zero_stage == 0:

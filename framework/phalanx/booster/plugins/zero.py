@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.plugins.base import Plugin, optimizer_param_names, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
 from phalanx.zero import comm
@@ -58,13 +58,7 @@ class ZeroPlugin(Plugin):
         return ModelWrapper(model, model)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
-        unwrapped = unwrap_model(model)
-        names = {id(p): n for n, p in unwrapped.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
-                                     "model.parameters() of the model you pass to boost()")
+        names = optimizer_param_names(optimizer, model)
         return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group)
 
     # ------------------------------------------------------------------ training
