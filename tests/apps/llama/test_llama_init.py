@@ -1,0 +1,93 @@
+"""Model initialisation: each new row is the mean of the base rows of the token's old pieces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def test_new_rows_are_means_of_their_old_byte_pieces(tiny_run):
+    from apps.llama.init_model import build_from_config
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, reports = tiny_run
+    base_tok, new_tok = load_tokenizer(cfg.tokenizer.base), load_tokenizer(cfg.tokenizer_dir)
+    # The tiny base model is a seeded model from config: rebuild the very same weights.
+    base = build_from_config(cfg.model.architecture, base_tok, cfg.model.init_seed)
+    model = _load(cfg.model_init_dir)
+    emb_b, emb_n = base.get_input_embeddings().weight, model.get_input_embeddings().weight
+    head_b, head_n = base.get_output_embeddings().weight, model.get_output_embeddings().weight
+    assert emb_n.shape[0] == len(new_tok) and head_n.shape[0] == len(new_tok)
+    assert torch.equal(emb_n[:len(base_tok)], emb_b) and torch.equal(head_n[:len(base_tok)], head_b)
+
+    # Single characters the base vocabulary lacks: the old tokenizer splits them into UTF-8 byte pieces.
+    checked = 0
+    for new_id in range(len(base_tok), len(new_tok)):
+        token = new_tok.convert_ids_to_tokens(new_id)
+        if len(token) != 1 or token in base_tok.get_vocab():
+            continue
+        byte_ids = base_tok.convert_tokens_to_ids([f"<0x{b:02X}>" for b in token.encode("utf-8")])
+        torch.testing.assert_close(emb_n[new_id], emb_b[byte_ids].mean(0))
+        torch.testing.assert_close(head_n[new_id], head_b[byte_ids].mean(0))
+        checked += 1
+        if checked == 50:
+            break
+    assert checked == 50
+
+    # A multi-character piece made of base pieces: the mean of those pieces' rows.
+    multi = next(i for i in range(len(base_tok), len(new_tok))
+                 if all(c in base_tok.get_vocab() for c in new_tok.convert_ids_to_tokens(i)) and len(new_tok.convert_ids_to_tokens(i)) > 1)
+    parts = base_tok.convert_tokens_to_ids(list(new_tok.convert_ids_to_tokens(multi)))
+    torch.testing.assert_close(emb_n[multi], emb_b[parts].mean(0))
+    # Not a global mean: different tokens get different rows.
+    assert not torch.allclose(emb_n[len(base_tok)], emb_n[len(base_tok) + 1])
+    assert reports["init"]["new_rows"] == len(new_tok) - len(base_tok)
+
+
+def test_tied_embeddings_resize_once():
+    from phalanx.testing import tiny_llama
+
+    from apps.llama.init_model import resize_with_piece_means
+
+    model = tiny_llama(tie_word_embeddings=True)
+    old = model.get_input_embeddings().weight.detach().clone()
+    resize_with_piece_means(model, {128: [3, 5, 7], 129: [10]}, 130)
+    emb = model.get_input_embeddings().weight
+    assert emb.shape[0] == 130 and model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    torch.testing.assert_close(emb[128], old[[3, 5, 7]].mean(0))
+    torch.testing.assert_close(emb[129], old[10])
+
+
+def test_tokenizer_that_is_not_an_extension_is_rejected(tiny_run):
+    from apps.llama.init_model import check_extension
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, _ = tiny_run
+    base = load_tokenizer(cfg.tokenizer.base)
+    with pytest.raises(ValueError, match="not an extension"):
+        check_extension(base, _swapped_ids(base))
+
+
+def _swapped_ids(tok):
+    """A stand-in tokenizer whose vocabulary swaps the ids of two base tokens."""
+    class Swapped:
+        def get_vocab(self):
+            vocab = dict(tok.get_vocab())
+            a, b = "<unk>", "<s>"
+            vocab[a], vocab[b] = vocab[b], vocab[a]
+            return vocab
+    return Swapped()
+
+
+def test_architecture_may_not_set_tokenizer_fields(tiny_run):
+    from apps.llama.init_model import build_from_config
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, _ = tiny_run
+    with pytest.raises(ValueError, match="come from the tokenizer"):
+        build_from_config({**cfg.model.architecture, "vocab_size": 10}, load_tokenizer(cfg.tokenizer.base), 0)
