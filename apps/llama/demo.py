@@ -39,7 +39,7 @@ CONFIG = REPO_ROOT / "apps" / "llama" / "configs" / "smollm2_zh.yaml"
 DEMO_OVERRIDES = [
     "work_dir=runs/llama_demo",
     "data.seq_len=256",
-    "train.max_steps=80",
+    "train.max_steps=70",
     "train.micro_batch_size=4",
     "train.grad_accum_steps=1",
     "train.lr=5e-4",
@@ -211,7 +211,7 @@ def print_summary(rows, categories, summary) -> None:
     for label, m in (rows[0], rows[2]):
         print(f"\nSamples, {label}:")
         for prompt, text in m["samples"].items():
-            print(f"  {prompt}{text.strip()[:120]!s}".replace("\n", " / "))
+            print(f"  {prompt}{text.rstrip()[:120]}".replace("\n", " / "))
     print(f"\nTotal {summary['total_s'] / 60:.1f} min. Results: runs/llama_demo/demo_results.json")
 
 
