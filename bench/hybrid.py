@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
+from timing import time_round_robin  # bench/timing.py
 
 VARIANTS = {
     2: {"ddp": None, "tp2": dict(tp_size=2), "sp2-split_gather": dict(tp_size=2, sequence_parallelism="split_gather"),
@@ -77,7 +77,6 @@ def build(name: str, layout: dict | None, batch: int, seq: int):
 
 
 def rank_bench(variants: dict, batch: int, seq: int, steps: int, rounds: int) -> dict:
-    import torch.distributed as dist
 
     from phalanx.observe import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
 
@@ -95,18 +94,7 @@ def rank_bench(variants: dict, batch: int, seq: int, steps: int, rounds: int) ->
     steps_of = {name: build(name, layout, batch, seq) for name, layout in variants.items()}
     for step in steps_of.values():
         step()
-    wall = {n: [] for n in variants}
-    cpu = {n: [] for n in variants}
-    for _ in range(rounds):
-        for name, step in steps_of.items():
-            for _ in range(steps):
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                step()
-                c1 = time.process_time()
-                dist.barrier()
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(c1 - c0)
+    wall, cpu = time_round_robin(steps_of, rounds, steps)
     return {"memory": memory, "wall": wall, "cpu": cpu}
 
 

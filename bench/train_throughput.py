@@ -41,6 +41,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
+from timing import time_round_robin  # bench/timing.py
 
 PLUGIN_VARIANTS = ("raw_ddp", "raw_fsdp2", "ddp", "fsdp", "zero1", "zero2")
 BASELINE_OF = {"ddp": "raw_ddp", "fsdp": "raw_fsdp2", "zero1": "raw_ddp", "zero2": "raw_ddp"}
@@ -161,24 +162,12 @@ def rank_timing(variants: list[str], batch: int, seq: int, steps: int, rounds: i
     Wall time runs from a barrier to the barrier after the step (the slower rank sets the pace);
     CPU time is this process's (all threads) for the step alone, which other processes on the
     machine inflate much less than they inflate wall time."""
-    import torch.distributed as dist
 
     steps_of = {name: build_variant(name, batch, seq) for name in variants}
     for step in steps_of.values():
         for _ in range(warmup):
             step()
-    wall: dict[str, list[float]] = {name: [] for name in variants}
-    cpu: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, step in steps_of.items():
-            for _ in range(steps):
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                step()
-                c1 = time.process_time()
-                dist.barrier()
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(c1 - c0)
+    wall, cpu = time_round_robin(steps_of, rounds, steps)
     return {"wall": wall, "cpu": cpu}
 
 

@@ -12,22 +12,20 @@ import torch.distributed as dist
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wraps a torch optimizer whose param groups hold the model's (possibly low-precision)
     parameters. In fp32 it only adds clipping; otherwise it swaps in fp32 masters."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, precision: str = "fp32", max_norm: float | None = None,
-                 grad_group: dist.ProcessGroup | None = None, grads_sharded: bool = False):
-        self.optim = optimizer
+                 grad_group: dist.ProcessGroup | None = None, grads_sharded: bool = False,
+                 names: dict[int, str] | None = None):
+        super().__init__(optimizer, precision, max_norm)
         self.precision = precision
-        self.max_norm = max_norm
         self.grad_group = grad_group
         self.grads_sharded = grads_sharded
-        self.scaler = DynamicLossScaler(enabled=precision == "fp16")
-        self.last_grad_norm: float | None = None
-        self.skipped = False
         self.master_of: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.nn.Parameter] = []
         self._use_master = precision != "fp32"
@@ -44,21 +42,12 @@ class MixedPrecisionOptimizer:
             group["params"] = new_params
         if self._use_master and optimizer.state:
             raise ValueError("wrap the optimizer before its first step (it already holds state for the model's params)")
+        # Names of the params the optimizer now holds (fp32 masters when mixed precision), for checkpoints.
+        self.names = {id(self.master_of.get(id(p), p)): names[id(p)] for p in self.model_params} if names else {}
 
     # ----- torch.optim-like surface -----
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
     def master_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.optim.param_groups for p in g["params"]]
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale_loss(loss).backward()
 
     def _move_grads_to_master(self) -> list[torch.Tensor]:
         grads = []

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.gemini.manager import ChunkManager
 from phalanx.launch import collective
+from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 
 
 def adam_update(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float, beta2: float,
@@ -60,7 +61,7 @@ def _segments(chunk, group_of: dict[int, int]) -> list[tuple[int, int, int]]:
     return [tuple(s) for s in out]
 
 
-class GeminiOptimizer:
+class GeminiOptimizer(OptimizerWrapper):
     """Wraps the user's torch.optim.Adam/AdamW (kept as `.optim`, whose param groups and
     hyper-parameters it reads); surface: backward, step, zero_grad, param_groups, scaler,
     last_grad_norm, skipped, clip_grad_norm."""
@@ -91,26 +92,11 @@ class GeminiOptimizer:
         optimizer.state.clear()
 
     # ------------------------------------------------------------------ torch.optim-like surface
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def defaults(self):
-        return self.optim.defaults
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gemini reduces every micro-step (holding whole gradients would defeat its memory
         purpose); the reduced fp32 gradients add up until `step`."""
         yield
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale_loss(loss).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        self.max_norm = max_norm
-        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.manager.chunks:

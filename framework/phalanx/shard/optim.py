@@ -58,16 +58,11 @@ class HybridOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, names: dict[int, str], precision: str,
                  max_norm: float | None, dp_group, tp_group, partial_ids: set[int], weights: dict[int, float]):
-        super().__init__(optimizer, precision=precision, max_norm=max_norm)
-        self.names = {id(self.master_of.get(id(p), p)): names[id(p)] for p in self.model_params}
+        super().__init__(optimizer, precision=precision, max_norm=max_norm, names=names)
         self.dp_group = dp_group
         self.tp_group = tp_group
         self.partial_ids = partial_ids
         self.weights = weights
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        self.max_norm = max_norm
-        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
 
     def unscale_and_clip(self) -> bool:
         pairs = []

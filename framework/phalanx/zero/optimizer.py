@@ -37,6 +37,7 @@ from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
 from phalanx.zero.reducer import GradReducer
 from phalanx.zero.supported import check_elementwise, drop_unstepped_state
+from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,7 @@ class ZeroConfig:
             raise ValueError(f"reduce_bucket_mb={self.reduce_bucket_mb} must be positive")
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerWrapper):
     """Wraps a torch optimizer (kept as `.optim`); same surface as the DDP plugin's optimizer:
     backward, step, zero_grad, param_groups, state, scaler, last_grad_norm, skipped,
     clip_grad_norm."""
@@ -124,18 +125,6 @@ class ZeroOptimizer:
         return order
 
     # ------------------------------------------------------------------ torch.optim-like surface
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optim.defaults
-
     def master_params(self) -> list[nn.Parameter]:
         """The fp32 master shards (one per non-empty param group), which the optimizer updates."""
         return [g.master for g in self.flat_groups if g is not None]
@@ -153,12 +142,6 @@ class ZeroOptimizer:
         self.scaler.scale_loss(loss).backward()
         if self.reducer.sync:
             self.reducer.flush()  # buckets whose parameters got no gradient start now
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip at every following step to `max_norm`; returns the last step's norm (the clip
-        itself happens inside `step`, after the gradients are reduced)."""
-        self.max_norm = max_norm
-        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
 
     def step(self, closure=None) -> None:
         """Reduce, check overflow, unscale, clip, update the shards, all-gather the parameters.

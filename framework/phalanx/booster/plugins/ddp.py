@@ -16,19 +16,6 @@ from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fr
                                           load_full_state_into)
 
 
-class DDPOptimizer(MixedPrecisionOptimizer):
-    """Mixed-precision optimizer that also knows the parameter names (for checkpoints)."""
-
-    def __init__(self, optimizer, names: dict[int, str], **kwargs):
-        super().__init__(optimizer, **kwargs)
-        # names of the params the optimizer now holds (fp32 masters when mixed precision)
-        self.names = {id(self.master_of.get(id(p), p)): names[id(p)] for p in self.model_params}
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        self.max_norm = max_norm
-        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
-
-
 class DDPPlugin(Plugin):
     """Every rank holds the whole model; gradients are all-reduced in buckets during backward.
 
@@ -54,9 +41,9 @@ class DDPPlugin(Plugin):
                   forward_sync_buffers=False, static_graph=self.static_graph)
         return ModelWrapper(ddp, model)
 
-    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> DDPOptimizer:
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> MixedPrecisionOptimizer:
         names = optimizer_param_names(optimizer, model)
-        return DDPOptimizer(optimizer, names, precision=self.precision, max_norm=self.max_norm)
+        return MixedPrecisionOptimizer(optimizer, precision=self.precision, max_norm=self.max_norm, names=names)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, optimizer) -> Iterator[None]:
@@ -87,7 +74,7 @@ class DDPPlugin(Plugin):
                     if master is not None and name in state_dict:
                         master.copy_(state_dict[name].float())
 
-    def optimizer_fragments(self, optimizer: DDPOptimizer) -> OptimizerFragments:
+    def optimizer_fragments(self, optimizer: MixedPrecisionOptimizer) -> OptimizerFragments:
         if self.dp_rank != 0:  # every rank holds the same state: rank 0 writes it
             frags = OptimizerFragments()
         else:
@@ -95,7 +82,7 @@ class DDPPlugin(Plugin):
         frags.extra["loss_scaler"] = optimizer.scaler.state_dict()
         return frags
 
-    def load_optimizer_fragments(self, optimizer: DDPOptimizer, reader: FragmentReader) -> None:
+    def load_optimizer_fragments(self, optimizer: MixedPrecisionOptimizer, reader: FragmentReader) -> None:
         load_full_state_into(optimizer.optim, optimizer.names, reader)
         if "loss_scaler" in reader.extra:
             optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])

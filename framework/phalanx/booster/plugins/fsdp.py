@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, rebind_optimizer_params, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
@@ -60,36 +61,17 @@ def _flat_range(p: torch.Tensor) -> tuple[int, int]:
     return start, start + numel
 
 
-class FSDPOptimizer:
+class FSDPOptimizer(OptimizerWrapper):
     """The user's optimizer over FSDP2's sharded parameters, plus loss scaling and clipping."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], precision: str,
                  max_norm: float | None, group: dist.ProcessGroup):
-        self.optim = optimizer
+        super().__init__(optimizer, precision, max_norm)
         self.names = names
-        self.max_norm = max_norm
         self.group = group
-        self.scaler = DynamicLossScaler(enabled=precision == "fp16")
-        self.last_grad_norm: float | None = None
-        self.skipped = False
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
 
     def params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale_loss(loss).backward()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        self.max_norm = max_norm
-        return self.last_grad_norm if self.last_grad_norm is not None else float("nan")
 
     def step(self, closure=None) -> None:
         grads = [_local(p.grad) for p in self.params() if p.grad is not None]
@@ -108,8 +90,6 @@ class FSDPOptimizer:
         if self.scaler.enabled:
             self.scaler.update(False)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optim.zero_grad(set_to_none=set_to_none)
 
 
 class FSDPPlugin(Plugin):

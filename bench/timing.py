@@ -1,0 +1,28 @@
+"""Timing shared by the multi-rank benchmarks (run as `python bench/<name>.py`, so this
+module is importable as `timing`)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+
+def time_round_robin(steps_of: dict[str, Callable[[], None]], rounds: int, steps: int
+                     ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run each variant's step `steps` times per round, variants interleaved over `rounds`
+    rounds so load changes on a shared machine hit them all alike. Every step starts and ends
+    at a barrier. Returns per-step wall seconds and this rank's CPU seconds per variant."""
+    wall: dict[str, list[float]] = {name: [] for name in steps_of}
+    cpu: dict[str, list[float]] = {name: [] for name in steps_of}
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            for _ in range(steps):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
+                step()
+                c1 = time.process_time()
+                dist.barrier()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
+    return wall, cpu
