@@ -120,11 +120,40 @@ def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log) -> dic
     from .evaluate import bits_per_char, format_results
     from .generate import sample
 
+    if callable(model):  # a loader: the model is only built when the measurement is not cached
+        model = model()
     start = time.perf_counter()
     bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.autocast_bf16)
     samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate)
     log(f"{label}: {format_results(bpc)}  ({time.perf_counter() - start:.0f} s)")
     return {"bpc": bpc, "samples": dict(zip(cfg.generate.prompts, samples))}
+
+
+def _dir_stamp(path: Path) -> list:
+    """Names and sizes of a model directory's files: changes when the weights are converted again."""
+    return sorted((p.name, p.stat().st_size) for p in Path(path).iterdir() if p.is_file())
+
+
+def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cfg: RecipeConfig, log) -> dict:
+    """`measure` of a model that does not change between runs (the *before* rows), cached by key.
+
+    The key covers the model, the held-out text, and the evaluation and sampling settings, so a
+    changed corpus, tokenizer or setting measures again; the demo's reruns skip straight to training.
+    """
+    key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, cfg.generate)
+    path = Path(cfg.work_dir) / "measurements" / f"{key}.json"
+    if path.is_file():
+        result = json.loads(path.read_text())
+        from .evaluate import format_results
+
+        log(f"{label}: {format_results(result['bpc'])}  (cached)")
+        return result
+    result = measure(label, load_model, tokenizer, chunks, cfg, log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, ensure_ascii=False))
+    tmp.replace(path)
+    return result
 
 
 def table(rows: list[tuple[str, dict]], categories: list[str]) -> str:
@@ -159,12 +188,13 @@ def run(argv: list[str]) -> dict:
         categories = sorted({c.category for c in chunks}, key=lambda c: (c != "zh", c))
 
         base_tok = load_tokenizer(smol)
-        base = AutoModelForCausalLM.from_pretrained(str(smol), dtype=torch.float32)
-        before_base = measure("SmolLM2, its own tokenizer", base, base_tok, chunks, cfg, log)
-        del base
+        before_base = measure_cached(
+            "SmolLM2, its own tokenizer", _key("smollm2-base", _dir_stamp(smol)),
+            lambda: AutoModelForCausalLM.from_pretrained(str(smol), dtype=torch.float32), base_tok, chunks, cfg, log)
         tokenizer = load_tokenizer(cfg.model_init_dir)
+        before = measure_cached("expanded vocabulary, step 0", (cfg.model_init_dir / ".demo_key").read_text(),
+                                lambda: load_model(cfg.model_init_dir), tokenizer, chunks, cfg, log)
         model = load_model(cfg.model_init_dir)
-        before = measure("expanded vocabulary, step 0", model, tokenizer, chunks, cfg, log)
 
         shutil.rmtree(cfg.train.output_dir, ignore_errors=True)  # a fresh, timed run every time
         log(f"training: {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, "

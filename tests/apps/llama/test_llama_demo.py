@@ -34,3 +34,28 @@ def test_table_lists_every_category():
     m = {"bpc": {"zh": {"bpc": 10.5, "char_ppl": 1448.2}, "en": {"bpc": 1.2, "char_ppl": 2.3}}}
     text = table([("before", m), ("after", m)], ["zh", "en"])
     assert "zh bpc" in text and "en bpc" in text and text.count("10.500") == 2
+
+
+def test_before_measurements_are_cached_by_model_and_settings(tiny_run):
+    """The *before* rows are measured once; a second demo run reads them without building the model."""
+    from apps.llama.demo import measure_cached
+    from apps.llama.evaluate import load_heldout_chunks
+    from apps.llama.pretrain import load_model
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, _ = tiny_run
+    cfg.generate.max_new_tokens = 4
+    chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, 600)
+    tokenizer = load_tokenizer(cfg.model_init_dir)
+    loads = []
+
+    def loader():
+        loads.append(1)
+        return load_model(cfg.model_init_dir)
+
+    logs = []
+    first = measure_cached("step 0", "key-a", loader, tokenizer, chunks, cfg, logs.append)
+    again = measure_cached("step 0", "key-a", loader, tokenizer, chunks, cfg, logs.append)
+    assert again == first and len(loads) == 1 and "cached" in logs[-1]
+    measure_cached("step 0", "key-a", loader, tokenizer, chunks[:-1], cfg, logs.append)  # other text: measured anew
+    assert len(loads) == 2
