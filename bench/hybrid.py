@@ -32,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
-from timing import time_round_robin  # bench/timing.py
+from timing import boost_variant, time_round_robin  # bench/timing.py
 
 VARIANTS = {
     2: {"ddp": None, "tp2": dict(tp_size=2), "sp2-split_gather": dict(tp_size=2, sequence_parallelism="split_gather"),
@@ -52,22 +52,7 @@ def config():
 
 def build(name: str, layout: dict | None, batch: int, seq: int):
     """A `step()` for one variant on this rank's share of the global batch."""
-    import torch.distributed as dist
-    from transformers import LlamaForCausalLM
-
-    from phalanx.booster import Booster
-    from phalanx.booster.plugins import DDPPlugin
-    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config())
-    plugin = DDPPlugin(max_norm=1.0) if layout is None else HybridParallelPlugin(max_norm=1.0, **layout)
-    booster = Booster(plugin)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    model, optimizer, *_ = booster.boost(model, optimizer)
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randint(0, 8192, (batch, seq), generator=g)
-    x = x.chunk(plugin.dp_size)[plugin.dp_rank] if layout is not None else x.chunk(dist.get_world_size())[dist.get_rank()]
+    booster, model, optimizer, x = boost_variant(config(), layout, batch, seq)
 
     def step():
         booster.backward(model(input_ids=x, labels=x).loss, optimizer)

@@ -26,3 +26,25 @@ def time_round_robin(steps_of: dict[str, Callable[[], None]], rounds: int, steps
                 wall[name].append(time.perf_counter() - t0)
                 cpu[name].append(c1 - c0)
     return wall, cpu
+
+
+def boost_variant(config, layout: dict | None, batch: int, seq: int):
+    """The benches' common set-up: a Llama from `config` (seed 0) boosted with DDPPlugin (layout
+    None) or HybridParallelPlugin(**layout), AdamW, clipping at 1.0, and this rank's share of one
+    fixed global batch of token ids. Returns (booster, model, optimizer, input_ids)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import DDPPlugin
+    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    plugin = DDPPlugin(max_norm=1.0) if layout is None else HybridParallelPlugin(max_norm=1.0, **layout)
+    booster = Booster(plugin)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+    return booster, model, optimizer, x.chunk(plugin.dp_size)[plugin.dp_rank]

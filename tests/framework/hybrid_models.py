@@ -12,7 +12,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt")
 VOCAB = {"gpt2": 125, "opt": 127}
 
 
-def config(family: str):
+def config(family: str, layers: int = 2):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB.get(family, 128))
@@ -20,14 +20,14 @@ def config(family: str):
         cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
                "qwen3": tf.Qwen3Config}[family]
         extra = {"head_dim": 8} if family == "qwen3" else {}
-        cfg = cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        cfg = cls(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=1 if family == "mistral" else 2, max_position_embeddings=64,
                   tie_word_embeddings=False, **extra, **common)
     elif family == "gpt2":
-        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+        cfg = tf.GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
                             embd_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
     elif family == "opt":
-        cfg = tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        cfg = tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=layers, num_attention_heads=4,
                            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                            pad_token_id=1, bos_token_id=0, eos_token_id=0, **common)
     else:
@@ -36,11 +36,11 @@ def config(family: str):
     return cfg
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, layers: int = 2):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config(family))
+    return AutoModelForCausalLM.from_config(config(family, layers))
 
 
 # one column-parallel weight, one row-parallel weight and one norm weight per family

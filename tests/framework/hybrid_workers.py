@@ -20,9 +20,10 @@ def make_optimizer(model, kind: str = "sgd"):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=1e-6)
 
 
-def reference(family: str, steps: int = 1, kind: str = "sgd", max_norm: float | None = None) -> dict:
+def reference(family: str, steps: int = 1, kind: str = "sgd", max_norm: float | None = None,
+              layers: int = 2) -> dict:
     """Plain torch, one process, the whole batch."""
-    model = hm.build(family)
+    model = hm.build(family, layers=layers)
     opt = make_optimizer(model, kind)
     losses, grads, norms = [], {}, []
     for i, batch in enumerate(hm.tokens(family, steps=steps)):
@@ -41,13 +42,13 @@ def reference(family: str, steps: int = 1, kind: str = "sgd", max_norm: float | 
             "logits": logits, "norms": norms}
 
 
-def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 0):
+def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 0, layers: int = 2):
     from phalanx.booster import Booster
     from phalanx.booster.plugins import Plugin
     from phalanx.booster.plugins.hybrid import HybridParallelPlugin
 
     booster = Booster(layout if isinstance(layout, Plugin) else HybridParallelPlugin(**layout))
-    model = model if model is not None else hm.build(family, seed)
+    model = model if model is not None else hm.build(family, seed, layers)
     optimizer = make_optimizer(model, kind)
     model, optimizer, *_ = booster.boost(model, optimizer)
     return booster, model, optimizer
@@ -151,16 +152,18 @@ def one_step(family: str, layout: dict, ref: dict) -> dict:
             "logits": (logits - ref["logits"]).abs().max().item()}
 
 
-def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES) -> dict:
-    """{layout name: {family: differences}} for one step of every family under every layout."""
+def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES, step=None, layers: int = 2) -> dict:
+    """{layout name: {family: differences}} for one step (`step(family, layout, ref)`, default
+    `one_step`) of every family under every layout, against one reference per clipping value."""
+    step = step or one_step
     out: dict = {}
     for family in families:
         refs: dict = {}
         for name, layout in layouts.items():
             max_norm = layout.get("max_norm")
             if max_norm not in refs:
-                refs[max_norm] = reference(family, max_norm=max_norm)
-            out.setdefault(name, {})[family] = one_step(family, layout, refs[max_norm])
+                refs[max_norm] = reference(family, max_norm=max_norm, layers=layers)
+            out.setdefault(name, {})[family] = step(family, layout, refs[max_norm])
     return out
 
 
@@ -168,11 +171,15 @@ def train_steps(booster, model, optimizer, batches) -> list[float]:
     losses = []
     for batch in batches:
         local = local_rows(booster, batch)
-        out = model(input_ids=local, labels=local)
-        booster.backward(out.loss, optimizer)
+        if getattr(model, "phalanx_pipeline", None) is not None:  # pp_size > 1
+            loss = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), model, None,
+                                            optimizer)["loss"]
+        else:
+            loss = model(input_ids=local, labels=local).loss
+            booster.backward(loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(_dp_mean(booster, out.loss.item()))
+        losses.append(_dp_mean(booster, loss.item()))
     return losses
 
 
@@ -337,19 +344,23 @@ def error_suite() -> dict:
     return out
 
 
-def precision_suite(families=("llama", "gpt2")) -> dict:
-    """bf16 and fp16 under tp=2 with ZeRO-2, two AdamW steps: losses near the fp32 reference, the
-    relative error of the whole update, the compute dtype and the dtype of the saved weights."""
+def precision_suite(families=("llama", "gpt2"), layout: dict | None = None, layers: int = 2) -> dict:
+    """bf16 and fp16 under `layout` (default tp=2 with ZeRO-2), two AdamW steps: losses near the fp32
+    reference, the relative error of the whole update, the compute dtype and the dtype of the saved
+    weights (compared on rank 0, where a pipelined model's state dict is complete)."""
+    layout = layout or dict(tp_size=2, zero_stage=2)
     out = {}
     for family in families:
-        ref = reference(family, steps=2, kind="adamw")
-        initial = {n: p.detach().clone() for n, p in hm.build(family).named_parameters()}
+        ref = reference(family, steps=2, kind="adamw", layers=layers)
+        initial = {n: p.detach().clone() for n, p in hm.build(family, layers=layers).named_parameters()}
         ref_update = torch.cat([(ref["params"][n] - initial[n]).reshape(-1) for n in initial])
         for precision in ("bf16", "fp16"):
-            booster, model, optimizer = boost(family, dict(tp_size=2, zero_stage=2, precision=precision),
-                                              kind="adamw")
+            booster, model, optimizer = boost(family, dict(layout, precision=precision), kind="adamw",
+                                              layers=layers)
             losses = train_steps(booster, model, optimizer, hm.tokens(family, steps=2))
             state = booster.plugin.full_model_state_dict(model)
+            if not all(n in state for n in initial):  # another pipeline rank's part: rank 0 has all
+                continue
             update = torch.cat([(state[n] - initial[n]).reshape(-1) for n in initial])
             out[f"{family}/{precision}"] = {
                 "loss_rel": max(abs(a - b) / b for a, b in zip(losses, ref["losses"])),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -68,9 +68,21 @@ class Booster:
         with self.plugin.no_sync(model, optimizer):
             yield
 
-    def execute_pipeline(self, *args, **kwargs):
-        raise NotImplementedError(f"{self.plugin.name} has no pipeline stages; pipeline parallelism comes with "
-                                  "HybridParallelPlugin(pp_size>1)")
+    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Any = None, optimizer: Any = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Forward and backward of one batch (`next(data_iter)`: a dict with input_ids[, labels], a tensor,
+        or an (input_ids, labels) pair) through the pipeline schedule. Returns {"loss": the batch's
+        loss on every rank, "outputs": the last stage's logits if asked for (None elsewhere)}; then call
+        `optimizer.step()` as usual. `criterion(logits, labels)` replaces the causal-LM loss (a mean
+        per microbatch). Only `HybridParallelPlugin(pp_size>1)` has pipeline stages."""
+        run = getattr(self.plugin, "execute_pipeline", None)
+        if run is None:
+            raise NotImplementedError(f"{self.plugin.name} has no pipeline stages; pipeline parallelism comes with "
+                                      "HybridParallelPlugin(pp_size>1)")
+        out = run(data_iter, model, criterion, optimizer, return_outputs=return_outputs)
+        if not return_loss:
+            out["loss"] = None
+        return out
 
     # ------------------------------------------------------------------ model
     def save_model(self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size: str | int = "2GB",
@@ -128,8 +140,12 @@ class Booster:
 
     # ------------------------------------------------------------------ whole training checkpoint
     def save_checkpoint(self, path: str | Path, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
-                        train_state: TrainState | None = None, tokenizer=None) -> Path:
-        """One atomic directory: model/ (HF layout), optimizer/, train_state.json, rng/."""
+                        train_state: TrainState | None = None, tokenizer=None,
+                        extra_writer: Callable[[Path], None] | None = None) -> Path:
+        """One atomic directory: model/ (HF layout), optimizer/, train_state.json, rng/.
+
+        extra_writer(tmp_dir), called on every rank, adds more state (e.g. EMA weights) inside the
+        same atomic directory, so it is covered by the manifest and appears only when complete."""
         path = Path(path)
         state = train_state or TrainState()
         state.world_size = dist.get_world_size()
@@ -146,6 +162,8 @@ class Booster:
                     dist.barrier()
                 save_fragments(self.plugin.optimizer_fragments(optimizer), tmp / OPTIM_DIR)
             save_rng_state(tmp, self.rank)
+            if extra_writer is not None:
+                extra_writer(tmp)
             if self.rank == 0:
                 state.save(tmp)
         return path

@@ -49,6 +49,9 @@ class Policy:
     projection (row parallel). mlp_column / mlp_row: MLP projections split by output / input
     features; mlp: the module that calls them (None when the layer calls them directly). per_head_params: parameters applied to every head separately (Qwen3's q/k norms):
     replicated, their gradients summed over the tensor-parallel group.
+    input_extras / output_extras: modules the base model applies between the embeddings and the
+    first layer (GPT-2's embedding dropout, OPT's project_in) / after the final norm (OPT's
+    project_out); the pipeline keeps them on the first / last stage only.
     heads(config) -> HeadCounts; attention_attrs(local HeadCounts) -> {attribute: value} to set on
     each attention module after sharding (the attributes its forward reads head counts from).
     """
@@ -70,6 +73,8 @@ class Policy:
     mlp_row: tuple[str, ...]
     mlp: str | None = "mlp"
     per_head_params: tuple[str, ...] = ()
+    input_extras: tuple[str, ...] = ()
+    output_extras: tuple[str, ...] = ()
     heads: Callable[[object], HeadCounts] = llama_like_heads
     attention_attrs: Callable[[HeadCounts], dict[str, int]] = llama_like_attention_attrs
     notes: str = field(default="", compare=False)

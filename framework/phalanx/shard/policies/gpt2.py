@@ -15,6 +15,7 @@ def _attrs(local: HeadCounts) -> dict[str, int]:
 GPT2 = register_policy(Policy(
     family="gpt2", model_types=("gpt2",),
     layers="transformer.h", embedding="transformer.wte", position_embeddings=("transformer.wpe",),
+    input_extras=("transformer.drop",),
     final_norm="transformer.ln_f", attention="attn", fused_qkv="attn.c_attn", out_proj="attn.c_proj",
     mlp_column=("mlp.c_fc",), mlp_row=("mlp.c_proj",), heads=_heads, attention_attrs=_attrs,
 ))

@@ -15,7 +15,8 @@ def _attrs(local: HeadCounts) -> dict[str, int]:
 OPT = register_policy(Policy(
     family="opt", model_types=("opt",),
     layers="model.decoder.layers", embedding="model.decoder.embed_tokens",
-    position_embeddings=("model.decoder.embed_positions",), final_norm="model.decoder.final_layer_norm",
+    position_embeddings=("model.decoder.embed_positions",),
+    input_extras=("model.decoder.project_in",), output_extras=("model.decoder.project_out",), final_norm="model.decoder.final_layer_norm",
     attention="self_attn", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
     out_proj="self_attn.out_proj", mlp_column=("fc1",), mlp_row=("fc2",), mlp=None, heads=_heads, attention_attrs=_attrs,
 ))

@@ -1,0 +1,164 @@
+"""Running one training step through the pipeline: torch.distributed.pipelining's schedules over
+our stage modules.
+
+`PipelineRunner` wraps this rank's `StageModule`s in torch's `PipelineStage`s on the pipeline
+process group and builds the named schedule once (the user never builds one). `run(input_ids,
+labels)` cuts the batch into microbatches, lets the schedule run forward and backward, and
+returns the loss of the whole batch on every pipeline rank (broadcast from the last stage).
+
+The loss is token-weighted over the whole batch: each microbatch contributes Σ(its token
+losses) / (tokens of the whole batch), the schedule does not rescale gradients
+(`scale_grads=False`), so the accumulated gradient is the full-batch mean's gradient even when
+ignore-index labels leave microbatches with different token counts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
+
+from phalanx.launch import collective
+from phalanx.pipeline.layout import StageLayout, check_microbatches
+from phalanx.pipeline.stage import StageModule
+from phalanx.shard.loss import CausalLMLoss
+
+_TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                    "zero_bubble": ScheduleZBVZeroBubble}
+IGNORE_INDEX = -100
+
+
+class _MicrobatchLoss:
+    """The schedule's loss function: causal-LM loss of one microbatch over the tokens of the whole
+    batch (or a user criterion's value / microbatches), times the fp16 loss scale."""
+
+    def __init__(self, lm_loss: CausalLMLoss, microbatches: int):
+        self.lm_loss = lm_loss
+        self.microbatches = microbatches
+        self.tokens: torch.Tensor | None = None
+        self.criterion: Callable | None = None
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.criterion is not None:
+            loss = self.criterion(logits, labels) / self.microbatches
+        else:
+            loss = self.lm_loss(logits, labels, num_items_in_batch=self.tokens)
+        return loss * self.scale if self.scale != 1.0 else loss
+
+
+class _Busy:
+    """Seconds this rank spent computing inside the schedule (forward, backward, weight
+    gradients); the rest of a step is bubble and communication (`bench/pipeline.py`)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, stage: PipelineStage) -> None:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            fn = getattr(stage, name, None)
+            if fn is not None:
+                setattr(stage, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return run
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule that runs them."""
+
+    def __init__(self, stages: list[StageModule], layout: StageLayout, *, pp_group, microbatches: int,
+                 device: torch.device, lm_loss: CausalLMLoss):
+        check_microbatches(layout.schedule, layout.pp, microbatches)
+        self.stages = stages
+        self.layout = layout
+        self.group = pp_group
+        self.microbatches = microbatches
+        self.loss = _MicrobatchLoss(lm_loss, microbatches)
+        self.busy = _Busy()
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.last_rank = dist.get_global_rank(pp_group, layout.rank_of(layout.num_stages - 1))
+        self.pipeline_stages = [PipelineStage(s, s.index, layout.num_stages, device, group=pp_group) for s in stages]
+        for stage in self.pipeline_stages:
+            self.busy.wrap(stage)
+        cls = _TORCH_SCHEDULES[layout.schedule]
+        first = self.pipeline_stages if layout.virtual > 1 else self.pipeline_stages[0]
+        self.schedule = cls(first, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False)
+
+    def _head(self):
+        return next((s.head for s in self.stages if s.is_last), None)
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, criterion: Callable | None = None,
+            return_outputs: bool = False, loss_scale: float = 1.0) -> dict:
+        """One forward+backward of the whole (data-parallel rank's) batch. Returns {"loss": the
+        batch's loss on every pipeline rank, "outputs": the last stage's logits or None}."""
+        labels = input_ids if labels is None else labels
+        batch = input_ids.shape[0]
+        if batch % self.microbatches:
+            raise ValueError(f"the batch of {batch} rows does not split into num_microbatches={self.microbatches}: "
+                             f"{batch} % {self.microbatches} = {batch % self.microbatches}; use a batch size that is a "
+                             f"multiple of {self.microbatches} (per data-parallel rank)")
+        shifted = labels[..., 1:]
+        self.loss.tokens = (shifted != IGNORE_INDEX).sum().clamp(min=1).float()
+        self.loss.criterion = criterion
+        self.loss.scale = loss_scale
+        head = self._head()
+        local = getattr(head, "local_output", None)
+        if head is not None and local is not None:
+            head.local_output = not return_outputs  # the loss needs no gathered logits
+        losses: list[torch.Tensor] = []
+        device = self.pipeline_stages[0].device
+        try:
+            outputs = self.schedule.step(input_ids.to(device), target=labels.to(device), losses=losses,
+                                         return_outputs=return_outputs)
+        finally:
+            if head is not None and local is not None:
+                head.local_output = local
+        value = torch.zeros(1, dtype=torch.float32, device=device)
+        if self.has_last:
+            value += sum(float(x.detach()) for x in losses) / loss_scale
+        if dist.get_world_size(self.group) > 1:
+            with collective("pp.broadcast_loss"):
+                dist.broadcast(value, src=self.last_rank, group=self.group)
+        return {"loss": value[0], "outputs": outputs if self.has_last and return_outputs else None}
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages; they run only inside `booster.execute_pipeline`."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        raise RuntimeError("a pipeline-parallel model (pp_size > 1) holds only some layers on each rank: run it with "
+                           "booster.execute_pipeline(iter(dataloader), model, criterion, optimizer); save it and load "
+                           "it with pp_size=1 for generation")
+
+
+def batch_tensors(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids, labels or None) from a dict, a tensor or an (input_ids, labels) pair."""
+    if isinstance(batch, dict):
+        if "input_ids" not in batch:
+            raise ValueError(f"execute_pipeline: the batch has keys {sorted(batch)} but no 'input_ids'")
+        if batch.get("attention_mask") is not None and not bool(batch["attention_mask"].all()):
+            raise ValueError("execute_pipeline takes no padding attention_mask: pack sequences, or mark padding in "
+                             "labels with -100 (the loss is token-weighted)")
+        return batch["input_ids"], batch.get("labels")
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(f"execute_pipeline: a batch must be a dict with input_ids[, labels], a tensor or a pair, "
+                    f"not {type(batch).__name__}")

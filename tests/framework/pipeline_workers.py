@@ -1,0 +1,117 @@
+"""What the pipeline tests run on each rank: one spawn loops over families and layouts and
+returns plain numbers (largest differences from one plain process); the asserts live in
+test_pipeline.py. Models have 4 decoder layers so that pp=2 with 2 stages per rank
+(interleaved, zero_bubble) has a layer per stage."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hybrid_models as hm
+import hybrid_workers as hw
+
+LAYERS = 4
+
+
+def pipeline_step(family: str, layout: dict, ref: dict) -> dict:
+    """Differences of one execute_pipeline + SGD step under `layout` from the reference (the
+    weights are compared on rank 0, where `full_model_state_dict` is complete)."""
+    booster, model, optimizer = hw.boost(family, layout, layers=LAYERS)
+    loss = hw.train_steps(booster, model, optimizer, hm.tokens(family))[0]
+    state = booster.plugin.full_model_state_dict(model)
+    param = hw._max_diff(state, ref["params"]) if dist.get_rank() == 0 else (0.0, "")
+    return {"loss": abs(loss - ref["losses"][0]),
+            "norm": abs(optimizer.last_grad_norm - ref["norms"][0]) / ref["norms"][0], "ref_norm": ref["norms"][0],
+            "param": param[0], "param_at": param[1], "saved_keys": sorted(state) == sorted(ref["params"])
+            if dist.get_rank() == 0 else True}
+
+
+def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES) -> dict:
+    """{layout name: {family: differences}} of `pipeline_step`."""
+    return hw.equivalence_suite(layouts, families, step=pipeline_step, layers=LAYERS)
+
+
+def checkpoint_suite(directory: str, save_layout: dict, load_layouts: dict, families=("llama", "gpt2")) -> dict:
+    """One AdamW step under `save_layout` (pipelined), then a training checkpoint: its model
+    directory opened by `from_pretrained` and loaded under tp2 gives the single-process logits
+    after that step; each of `load_layouts` resumes model and optimizer state and takes the second
+    step, compared with two uninterrupted single-process steps (loss; weights on rank 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.checkpoint import TrainState
+
+    out: dict = {}
+    for family in families:
+        ref1 = hw.reference(family, kind="adamw", layers=LAYERS)
+        ref2 = hw.reference(family, steps=2, kind="adamw", layers=LAYERS)
+        batches = hm.tokens(family, steps=2)
+        booster, model, optimizer = hw.boost(family, save_layout, kind="adamw", layers=LAYERS)
+        hw.train_steps(booster, model, optimizer, batches[:1])
+        path = f"{directory}/{family}"
+        booster.save_checkpoint(path, model, optimizer, train_state=TrainState(step=1))
+        fresh = hm.tokens(family, seed=11)[0]
+        tp_booster, tp_model, _ = hw.boost(family, dict(tp_size=2), seed=5, layers=LAYERS)
+        tp_booster.load_model(tp_model, f"{path}/model")
+        plain = AutoModelForCausalLM.from_pretrained(f"{path}/model")
+        with torch.no_grad():
+            out.setdefault("logits", {})[family] = {
+                "tp2": (tp_model(input_ids=fresh).logits - ref1["logits"]).abs().max().item(),
+                "plain": (plain(input_ids=fresh).logits - ref1["logits"]).abs().max().item()}
+        for name, layout in load_layouts.items():
+            booster, model, optimizer = hw.boost(family, layout, kind="adamw", seed=99, layers=LAYERS)
+            booster.load_checkpoint(path, model, optimizer)
+            losses = hw.train_steps(booster, model, optimizer, batches[1:])
+            state = booster.plugin.full_model_state_dict(model)
+            out.setdefault(name, {})[family] = {
+                "loss": abs(losses[0] - ref2["losses"][1]),
+                "param": hw._max_diff(state, ref2["params"])[0] if dist.get_rank() == 0 else 0.0}
+    return out
+
+
+def error_suite() -> dict:
+    """Layouts refused at boost or at execute_pipeline, with the model untouched where refused at boost."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+    out: dict = {}
+    model = hm.build("llama", layers=LAYERS)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        Booster(HybridParallelPlugin(pp_size=2, pp_schedule="interleaved", virtual_stages=4,
+                                     num_microbatches=2)).boost(model)
+    except ValueError as exc:
+        out["too_many_stages"] = str(exc)
+    after = dict(model.named_parameters())
+    out["untouched"] = set(after) == set(before) and all(torch.equal(before[n], after[n]) for n in before)
+    booster, model, optimizer = hw.boost("llama", dict(pp_size=2, num_microbatches=2), layers=LAYERS)
+    batch = hm.tokens("llama", batch=3)[0]
+    try:
+        booster.execute_pipeline(iter([batch]), model, None, optimizer)
+    except ValueError as exc:
+        out["batch"] = str(exc)
+    try:
+        model(input_ids=batch)
+    except RuntimeError as exc:
+        out["forward"] = str(exc)
+    return out
+
+
+def masked_labels_step(layout: dict, family: str = "llama") -> dict:
+    """Labels with -100 spread unevenly over the rows (so microbatches hold different token counts):
+    the pipelined loss and step must equal one process's token mean over the whole batch."""
+    batch = hm.tokens(family)[0]
+    labels = batch.clone()
+    labels[0, 6:] = -100
+    labels[1, :13] = -100
+    model = hm.build(family, layers=LAYERS)
+    optimizer = hw.make_optimizer(model)
+    loss = model(input_ids=batch, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    booster, model, optimizer = hw.boost(family, layout, layers=LAYERS)
+    out = booster.execute_pipeline(iter([{"input_ids": batch, "labels": labels}]), model, None, optimizer)
+    optimizer.step()
+    state = booster.plugin.full_model_state_dict(model)
+    return {"loss": abs(out["loss"].item() - loss.item()),
+            "param": hw._max_diff(state, ref)[0] if dist.get_rank() == 0 else 0.0}
