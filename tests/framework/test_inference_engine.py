@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import inference_models as im
-from phalanx.inference import LLM, SamplingParams
+from phalanx.inference import LLM, SamplingParams, packed_linear
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
 
@@ -170,6 +170,32 @@ def test_weights_from_a_live_module_and_reload(llama, tokenizer):
         eng.load_weights(other.state_dict())
     with pytest.raises(ValueError, match="do not belong"):
         LLM.from_model(im.make_model("llama", num_hidden_layers=1), tokenizer).load_weights({"model.layers.5.mlp.up_proj.weight": torch.zeros(1)})
+
+
+def _unpacked(eng: LLM) -> LLM:
+    """The engine with its packed matmul weights dropped: every matmul runs plain F.linear."""
+    for layer in eng.runner.model.layers:
+        layer.packed = {}
+    eng.runner.model._lm_head_packed = None
+    return eng
+
+
+def test_bf16_packed_weights_give_the_same_tokens_and_follow_reloads(llama, tokenizer):
+    """On CPU, bf16 matmul weights are packed once for oneDNN: the tokens equal plain F.linear's,
+    and load_weights repacks (a stale packed copy would keep generating with the old weights)."""
+    path, _ = llama
+    prompts = im.mixed_prompts(4, seed=14, low=3, high=30)
+    eng = engine(path, dtype="bfloat16")
+    if not packed_linear.can_pack(eng.runner.model.lm_head):
+        pytest.skip("this torch build has no oneDNN")
+    assert all(set(layer.packed) == {"qkv", "o", "gate_up", "down"} for layer in eng.runner.model.layers)
+    packed = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    assert packed == [o.token_ids for o in _unpacked(engine(path, dtype="bfloat16")).generate(prompts, GREEDY)]
+    other = im.make_model("llama", seed=11)
+    eng.load_weights(other.state_dict())
+    want = _unpacked(LLM.from_model(other, tokenizer, dtype="bfloat16", num_blocks=96, block_size=8))
+    reloaded = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    assert reloaded == [o.token_ids for o in want.generate(prompts, GREEDY)] and reloaded != packed
 
 
 def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):

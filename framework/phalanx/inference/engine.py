@@ -116,6 +116,7 @@ class LLM:
         self.runner = ModelRunner(self.spec, engine_config=self.config, tp=self.tp, device=self.device,
                                   dtype=self.dtype, max_model_len=self.max_model_len)
         load_weights(self.runner.model, weights, strict=True)
+        self.runner.model.pack_weights()
         self.draft_runner = None
         self.speculator = None
         if draft_model is not None and self.tp.is_driver:
@@ -151,6 +152,7 @@ class LLM:
         runner = ModelRunner(spec, engine_config=self.config, tp=TPGroup(1), device=self.device,
                              dtype=self.dtype, max_model_len=self.max_model_len)
         load_weights(runner.model, weights, strict=True)
+        runner.model.pack_weights()
         return runner
 
     def _num_blocks(self) -> int:
@@ -357,6 +359,7 @@ class LLM:
                                "requests in flight: their cached keys/values come from the old weights; "
                                "finish or abort them first")
         loaded = load_weights(self.runner.model, state_dict_source(weights), strict=strict)
+        self.runner.model.pack_weights()
         self.block_manager.reset_prefix_cache()
         return len(loaded)
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from phalanx.inference import packed_linear
 from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store
 from phalanx.inference.kernels import rms_norm, swiglu
 
@@ -147,6 +148,11 @@ class DecoderLayer(nn.Module):
         self.eps = spec.rms_norm_eps
         self.sliding_window = sliding_window
         self.inter = inter
+        self.packed: dict[str, object] = {}  # "qkv", "o", "gate_up", "down" -> packed weight (CPU bf16)
+
+    def linear(self, name: str, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        weight, b = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias") if bias else None
+        return packed_linear.linear(x, weight, b, self.packed.get(name))
 
 
 class LlamaModel(nn.Module):
@@ -164,6 +170,7 @@ class LlamaModel(nn.Module):
         self.norm = _param(spec.hidden_size)
         self.lm_head = _param(self.vocab_shard, spec.hidden_size)
         nn.init.zeros_(self.lm_head)  # rows past the vocabulary (padding of the last shard) stay 0
+        self._lm_head_packed = None
 
     # -- forward ---------------------------------------------------------------------------------
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,19 +189,19 @@ class LlamaModel(nn.Module):
                 residual, x = h, rms_norm(h, layer.input_norm, layer.eps)
             else:
                 x, residual = rms_norm(h, layer.input_norm, layer.eps, residual=residual)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.linear("qkv", x)
             qk = qkv[:, :layer.q_size + layer.kv_size].view(n, layer.heads + layer.kv_heads, layer.head_dim)
             q, k = qk[:, :layer.heads], qk[:, layer.heads:]
             v = qkv[:, layer.q_size + layer.kv_size:].view(n, layer.kv_heads, layer.head_dim)
             rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
                            skips_slots=batch.skips_slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
-            h = self._reduce(F.linear(attn.view(n, layer.q_size), layer.o_weight))
+            h = self._reduce(layer.linear("o", attn.view(n, layer.q_size), bias=False))  # bias after the reduce
             if layer.o_bias is not None:
                 h = h + layer.o_bias
             x, residual = rms_norm(h, layer.post_norm, layer.eps, residual=residual)
-            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            h = self._reduce(F.linear(swiglu(gate_up[:, :layer.inter], gate_up[:, layer.inter:]), layer.down_weight))
+            gate_up = layer.linear("gate_up", x)
+            h = self._reduce(layer.linear("down", swiglu(gate_up[:, :layer.inter], gate_up[:, layer.inter:]), bias=False))
             if layer.down_bias is not None:
                 h = h + layer.down_bias
         if residual is None:
@@ -203,7 +210,15 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [M, vocab_shard]."""
-        return F.linear(hidden, self.lm_head)
+        return packed_linear.linear(hidden, self.lm_head, packed=self._lm_head_packed)
+
+    def pack_weights(self) -> None:
+        """(Re)build the packed copies of the matmul weights (see `packed_linear`); call after
+        every change to the weights."""
+        for layer in self.layers:
+            layer.packed = {name: p for name in ("qkv", "o", "gate_up", "down")
+                            if (p := packed_linear.pack(getattr(layer, f"{name}_weight"))) is not None}
+        self._lm_head_packed = packed_linear.pack(self.lm_head)
 
     # -- weights ---------------------------------------------------------------------------------
     def weight_targets(self, name: str) -> list[tuple[torch.Tensor, int | None, int, int]]:
