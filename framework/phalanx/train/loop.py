@@ -29,7 +29,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,13 +62,30 @@ FP16_MAX_NONFINITE_STEPS = 10
 EvalFn = Callable[[nn.Module, int], Mapping[str, Any]]
 
 
+class TrainHook(Protocol):
+    """What `fit(..., hooks=[...])` calls; see `phalanx.train.EMA` for one."""
+    name: str  # its directory inside each checkpoint
+
+    def bind(self, model: nn.Module) -> Any: ...
+    def after_step(self, step: int) -> None: ...
+    def save(self, directory: Path) -> None: ...  # called on every rank (collectives allowed)
+    def load(self, directory: Path) -> None: ...
+
+
+def _hooks_writer(hooks: Sequence[TrainHook]) -> Callable[[Path], None]:
+    def write(checkpoint_dir: Path) -> None:
+        for hook in hooks:
+            hook.save(checkpoint_dir / hook.name)
+    return write
+
+
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite; raised before that step changes anything."""
 
 
 def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Callable | None = None,
         loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None, flops_per_token: float | None = None,
-        *, tokenizer: Any = None) -> TrainResult:
+        *, tokenizer: Any = None, hooks: Sequence[TrainHook] = ()) -> TrainResult:
     """Train `model` on `train_dataset` as `cfg` says; see docs/training.md.
 
     model: the user's model (a Hugging Face causal LM for the default loss). It is trained in
@@ -82,6 +99,9 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     flops_per_token: training FLOPs per token (or per sample when batches have no input_ids) for
         the MFU meter; default: estimated from a causal LM's config.
     tokenizer: optional; saved into every checkpoint's model/ directory.
+    hooks: objects that follow the training (e.g. `phalanx.train.EMA`): `bind(boosted_model)` once
+        the layout is applied, `after_step(step)` after every optimizer step, and `save(dir)` /
+        `load(dir)` with every checkpoint (in `<checkpoint>/<hook.name>/`, so resume is exact).
     """
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"fit expects a TrainConfig, got {type(cfg).__name__}")
@@ -119,6 +139,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     model_b, optim_b, _, loader_b, scheduler = booster.boost(train_module, optimizer, None, loader, scheduler,
                                                              seed=cfg.seed)
     batches = MicroBatches(loader_b)
+    for hook in hooks:
+        hook.bind(model_b)
 
     # 4. The output directory, and resume.
     if rank == 0:
@@ -128,6 +150,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     if resume_from is not None:
         state = booster.load_checkpoint(resume_from, model_b, optim_b, scheduler)
         batches.load_state_dict(state.sampler)
+        for hook in hooks:
+            hook.load(resume_from / hook.name)
         if state.world_size != dist.get_world_size():
             log.warning(f"resuming a {state.world_size}-rank checkpoint on {dist.get_world_size()} ranks: the data "
                         "position is carried over, the per-rank RNG streams restart")
@@ -175,7 +199,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
                                         "train_config": config_to_dict(cfg)})
         with quiet_hf_progress():
             path = booster.save_checkpoint(checkpoint_path(output_dir, at_step), model_b, optim_b, scheduler,
-                                           train_state, tokenizer=tokenizer)
+                                           train_state, tokenizer=tokenizer,
+                                           extra_writer=_hooks_writer(hooks) if hooks else None)
         pruned = prune_checkpoints(output_dir, cfg.keep_last)
         log.info(f"saved {path}" + (f" (pruned {len(pruned)} older)" if pruned else ""))
         return path
@@ -201,6 +226,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
                 scheduler.step()
             optim_b.zero_grad()
+            for hook in hooks:
+                hook.after_step(step)
             meter.step(tokens, time.perf_counter() - t0, flops)
             tokens_seen += tokens
             losses.append(loss)

@@ -120,7 +120,9 @@ class FSDPPlugin(Plugin):
             else:
                 kwargs["offload_policy"] = CPUOffloadPolicy()
         blocks = transformer_blocks(hf_model)
-        for block in blocks:
+        # Innermost first: blocks can nest (a UNet's down block holds a ModuleList of resnets), and
+        # FSDP2 must wrap a child before its parent. For flat transformer layers the order is moot.
+        for block in reversed(blocks):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
         wrapper = ModelWrapper(model, model)

@@ -1,0 +1,154 @@
+"""The parts of a Stable Diffusion pipeline: built small from the config, or loaded from a local
+diffusers directory; and the pipeline saved so plain diffusers opens it.
+
+    parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
+    pipe = make_pipeline(parts, "dpm")
+    save_pipeline(pipe, "runs/x/pipeline")
+    StableDiffusionPipeline.from_pretrained("runs/x/pipeline", trust_remote_code=True)  # TAEF2 is a custom component
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig, NoiseConfig, resolve
+from .taef2 import TAEF2Autoencoder
+
+TAEF2_FILES = ("taef2_encoder.safetensors", "taef2_decoder.safetensors")
+SCHEDULERS = {"ddim": "DDIMScheduler", "dpm": "DPMSolverMultistepScheduler", "ddpm": "DDPMScheduler"}
+
+
+@dataclass
+class Components:
+    unet: Any
+    text_encoder: Any
+    tokenizer: Any
+    vae: Any
+    noise_scheduler: Any  # DDPM, for training
+
+
+def load_taef2(directory: str | Path, scaling_factor: float = 1.0) -> TAEF2Autoencoder:
+    """TAEF2 from its two original safetensors files (keys `<layer index>.<...>` of each half)."""
+    from safetensors.torch import load_file
+
+    directory = resolve(directory)
+    missing = [f for f in TAEF2_FILES if not (directory / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"TAEF2 weights {missing} not found in {directory}: set model.vae to the folder that "
+                                "holds taef2_encoder.safetensors and taef2_decoder.safetensors")
+    vae = TAEF2Autoencoder(scaling_factor=scaling_factor)
+    state = {}
+    for half, name in zip(("encoder", "decoder"), TAEF2_FILES):
+        state.update({f"{half}.{k}": v.float() for k, v in load_file(str(directory / name)).items()})
+    vae.load_state_dict(state, strict=True)
+    return vae.eval().requires_grad_(False)
+
+
+def build_tokenizer(mcfg: ModelConfig):
+    from transformers import CLIPTokenizer
+
+    directory = resolve(mcfg.tokenizer_dir)
+    if not (directory / "vocab.json").is_file():
+        raise FileNotFoundError(f"no tokenizer in {directory}: run `python -m apps.diffusion.build_tokenizer` "
+                                "or set model.tokenizer_dir")
+    return CLIPTokenizer.from_pretrained(str(directory), model_max_length=mcfg.max_prompt_tokens)
+
+
+def build_text_encoder(mcfg: ModelConfig, tokenizer):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=mcfg.text_hidden_size,
+                            intermediate_size=4 * mcfg.text_hidden_size, num_hidden_layers=mcfg.text_layers,
+                            num_attention_heads=mcfg.text_heads, max_position_embeddings=mcfg.max_prompt_tokens,
+                            projection_dim=mcfg.text_hidden_size, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModel(config)
+
+
+def build_unet(mcfg: ModelConfig, latent_channels: int, latent_size: int, cross_attention_dim: int):
+    from diffusers import UNet2DConditionModel
+
+    levels = len(mcfg.unet_channels)
+    # Attention at every level but the first (full-resolution attention costs most on CPU).
+    down = ["DownBlock2D"] + ["CrossAttnDownBlock2D"] * (levels - 1)
+    up = ["CrossAttnUpBlock2D"] * (levels - 1) + ["UpBlock2D"]
+    return UNet2DConditionModel(sample_size=latent_size, in_channels=latent_channels, out_channels=latent_channels,
+                                block_out_channels=tuple(mcfg.unet_channels), down_block_types=tuple(down),
+                                up_block_types=tuple(up), layers_per_block=mcfg.unet_layers_per_block,
+                                cross_attention_dim=cross_attention_dim,
+                                attention_head_dim=mcfg.unet_attention_head_dim, norm_num_groups=mcfg.unet_norm_groups)
+
+
+def build_noise_scheduler(ncfg: NoiseConfig):
+    from diffusers import DDPMScheduler
+
+    return DDPMScheduler(num_train_timesteps=ncfg.num_train_timesteps, beta_schedule=ncfg.beta_schedule,
+                         beta_start=0.00085, beta_end=0.012, prediction_type=ncfg.prediction_type,
+                         steps_offset=1, clip_sample=False)
+
+
+def load_components(mcfg: ModelConfig, ncfg: NoiseConfig, resolution: int) -> Components:
+    """From `pretrained_dir` / `init_from` (a diffusers directory) if set, else built from the config
+    (UNet and text encoder randomly initialised; TAEF2 with its pretrained weights)."""
+    source = mcfg.init_from or mcfg.pretrained_dir
+    if source:
+        pipe = open_pipeline(source)
+        noise = build_noise_scheduler(ncfg)
+        if pipe.scheduler.config.get("prediction_type", "epsilon") != ncfg.prediction_type:
+            raise ValueError(f"{source} was trained for prediction_type={pipe.scheduler.config.prediction_type!r} but "
+                             f"noise.prediction_type={ncfg.prediction_type!r}: set the config to match the weights")
+        return Components(pipe.unet, pipe.text_encoder, pipe.tokenizer, pipe.vae, noise)
+    tokenizer = build_tokenizer(mcfg)
+    text_encoder = build_text_encoder(mcfg, tokenizer)
+    vae = load_taef2(mcfg.vae, scaling_factor=mcfg.vae_scaling_factor or 1.0)
+    unet = build_unet(mcfg, vae.config.latent_channels, resolution // 8, mcfg.text_hidden_size)
+    return Components(unet, text_encoder, tokenizer, vae, build_noise_scheduler(ncfg))
+
+
+def open_pipeline(directory: str | Path, dtype: torch.dtype = torch.float32):
+    """A local diffusers Stable Diffusion directory (ours or a real SD 1.5 / 2.1 one)."""
+    from diffusers import StableDiffusionPipeline
+
+    directory = resolve(directory)
+    if not (directory / "model_index.json").is_file():
+        raise FileNotFoundError(f"{directory} is not a diffusers pipeline directory (no model_index.json): point "
+                                "model.pretrained_dir / model.init_from at a saved pipeline")
+    return StableDiffusionPipeline.from_pretrained(str(directory), dtype=dtype, safety_checker=None,
+                                                   requires_safety_checker=False, trust_remote_code=True)
+
+
+def make_scheduler(kind: str, train_scheduler):
+    import diffusers
+
+    if kind not in SCHEDULERS:
+        raise ValueError(f"scheduler {kind!r}: choose one of {', '.join(SCHEDULERS)}")
+    return getattr(diffusers, SCHEDULERS[kind]).from_config(train_scheduler.config)
+
+
+def make_pipeline(parts: Components, scheduler: str = "dpm"):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+                                   unet=parts.unet, scheduler=make_scheduler(scheduler, parts.noise_scheduler),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save_pipeline(pipe, directory: str | Path) -> Path:
+    """`pipe.save_pretrained`, plus the TAEF2 class file as a custom component when it is the VAE."""
+    directory = Path(directory)
+    pipe.save_pretrained(str(directory), safe_serialization=True)
+    if isinstance(pipe.vae, TAEF2Autoencoder):
+        module = Path(__file__).with_name("taef2.py")
+        shutil.copyfile(module, directory / "vae" / module.name)
+        index_path = directory / "model_index.json"
+        index = json.loads(index_path.read_text())
+        index["vae"] = [module.stem, TAEF2Autoencoder.__name__]  # diffusers imports vae/taef2.py
+        index_path.write_text(json.dumps(index, indent=2))
+    return directory

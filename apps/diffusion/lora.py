@@ -1,0 +1,45 @@
+"""LoRA adapters (peft) on the attention projections, saved in the diffusers format.
+
+    add_lora(unet, rank=4)                                 # to_q / to_k / to_v / to_out.0 of every attention
+    save_lora(out_dir, unet, text_encoder_or_None)         # out_dir/pytorch_lora_weights.safetensors
+    pipe.load_lora_weights(out_dir)                        # plain diffusers reads it back
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+def _config(rank: int, alpha: int | None, targets: list[str]):
+    from peft import LoraConfig
+
+    # gaussian init of A, zero B: the adapted model starts exactly at the base model.
+    return LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian", target_modules=targets)
+
+
+def add_lora(model: nn.Module, rank: int, alpha: int | None = None, text_encoder: bool = False) -> nn.Module:
+    """Freeze `model` and add trainable LoRA adapters (the UNet's attention, or a CLIP text encoder's)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank={rank}: must be at least 1")
+    model.requires_grad_(False)
+    model.add_adapter(_config(rank, alpha, TEXT_TARGETS if text_encoder else UNET_TARGETS))
+    return model
+
+
+def save_lora(directory: str | Path, unet: nn.Module, text_encoder: nn.Module | None = None) -> Path:
+    """The adapters only, as diffusers' `StableDiffusionPipeline.save_lora_weights` writes them."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    directory = Path(directory)
+    unet_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    text_layers = (convert_state_dict_to_diffusers(get_peft_model_state_dict(text_encoder))
+                   if text_encoder is not None else None)
+    StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=unet_layers,
+                                              text_encoder_lora_layers=text_layers, safe_serialization=True)
+    return directory

@@ -1,0 +1,79 @@
+"""The training objective as an `nn.Module`, so its forward is the boosted model's forward (DDP's
+hooks fire, FSDP gathers) and `fit` can train it with `loss_fn=diffusion_loss`.
+
+Per sample: draw t ~ U{0..T-1} and noise ~ N(0, I) (plus `noise_offset` x N(0,1) per channel),
+noisy = sqrt(a_t) x0 + sqrt(1-a_t) noise, and regress the UNet's output on the target (the
+noise for epsilon-prediction, v = sqrt(a_t) noise - sqrt(1-a_t) x0 for v-prediction) with MSE.
+Min-SNR (Hang et al. 2023) weighs each sample by min(SNR_t, gamma) / SNR_t (epsilon) or
+min(SNR_t, gamma) / (SNR_t + 1) (v). Caption dropout replaces prompts by the empty prompt here,
+on the training RNG stream, so exact resume covers it. With prior preservation the loss is
+mean(instance losses) + prior_loss_weight x mean(class-image losses), as in DreamBooth.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import NoiseConfig
+
+
+class DiffusionTrainModel(nn.Module):
+    """UNet (+ text encoder) and the noise schedule; `forward(latents, prompt_ids, is_prior?)` -> loss."""
+
+    def __init__(self, unet: nn.Module, text_encoder: nn.Module, noise_scheduler, ncfg: NoiseConfig,
+                 empty_prompt_ids: torch.Tensor, caption_dropout: float = 0.0, train_text_encoder: bool = False,
+                 prior_loss_weight: float = 1.0):
+        super().__init__()
+        self.unet, self.text_encoder = unet, text_encoder
+        has_adapters = any("lora_" in n for n, _ in text_encoder.named_parameters())
+        if not (train_text_encoder and has_adapters):  # LoRA adapters keep their own requires_grad
+            self.text_encoder.requires_grad_(train_text_encoder)
+        self.train_text_encoder = train_text_encoder
+        self.noise_scheduler = noise_scheduler  # DDPM config; not a module, not saved with the weights
+        self.ncfg, self.caption_dropout, self.prior_loss_weight = ncfg, caption_dropout, prior_loss_weight
+        self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.float().clone(), persistent=False)
+        self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
+
+    def encode_prompts(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        with contextlib.nullcontext() if self.train_text_encoder else torch.no_grad():
+            return self.text_encoder(prompt_ids)[0]
+
+    def forward(self, latents: torch.Tensor, prompt_ids: torch.Tensor, is_prior: torch.Tensor | None = None,
+                timesteps: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+        b = latents.shape[0]
+        if self.training and self.caption_dropout > 0:
+            drop = torch.rand(b, device=latents.device) < self.caption_dropout
+            prompt_ids = torch.where(drop[:, None], self.empty_prompt_ids.expand(b, -1), prompt_ids)
+        if noise is None:
+            noise = torch.randn_like(latents)
+            if self.ncfg.noise_offset:
+                noise = noise + self.ncfg.noise_offset * torch.randn(b, latents.shape[1], 1, 1, device=latents.device)
+        if timesteps is None:
+            timesteps = torch.randint(0, self.ncfg.num_train_timesteps, (b,), device=latents.device)
+        a = self.alphas_cumprod[timesteps].view(b, 1, 1, 1)
+        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+        target = noise if self.ncfg.prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * latents
+        hidden = self.encode_prompts(prompt_ids).to(self.unet.dtype)
+        pred = self.unet(noisy.to(self.unet.dtype), timesteps, hidden).sample
+        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        per_sample = per_sample * self.snr_weights(timesteps)
+        if is_prior is None or not bool(is_prior.any()):
+            return per_sample.mean()
+        return per_sample[~is_prior].mean() + self.prior_loss_weight * per_sample[is_prior].mean()
+
+    def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        if self.ncfg.snr_gamma is None:
+            return torch.ones(timesteps.shape, device=timesteps.device)
+        a = self.alphas_cumprod[timesteps]
+        snr = a / (1 - a)
+        clipped = snr.clamp(max=self.ncfg.snr_gamma)
+        return clipped / snr if self.ncfg.prediction_type == "epsilon" else clipped / (snr + 1)
+
+
+def diffusion_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """`loss_fn` for fit: the boosted DiffusionTrainModel called on the batch's keys."""
+    return model(**batch)

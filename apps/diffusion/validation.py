@@ -1,0 +1,103 @@
+"""Validation during training: a fixed-noise loss and an image grid for fixed prompts.
+
+`validation_eval_fn(...)` returns the `eval_fn(model, step)` that `phalanx.train.fit` calls every
+`validation.every` steps and at the end. Every rank runs it (FSDP gathers inside forward); rank
+0 writes `<output_dir>/validation/step-NNNNNN.png` and, with `train.wandb`, logs the grid.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .components import Components, make_pipeline
+from .config import ValidationConfig
+
+
+def image_grid(images: list, captions: list[str] | None = None, columns: int | None = None):
+    """PIL images (equal size) in a grid, each with its caption underneath when given."""
+    from PIL import Image, ImageDraw
+
+    columns = columns or min(len(images), 4)
+    rows = (len(images) + columns - 1) // columns
+    w, h = images[0].size
+    label = 14 if captions else 0
+    grid = Image.new("RGB", (columns * w, rows * (h + label)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, im in enumerate(images):
+        x, y = (i % columns) * w, (i // columns) * (h + label)
+        grid.paste(im, (x, y))
+        if captions:
+            draw.text((x + 2, y + h + 1), captions[i][: w // 6], fill="black")
+    return grid
+
+
+@torch.no_grad()
+def generate(parts: Components, prompts: list[str], vcfg: ValidationConfig, seed: int | None = None) -> list:
+    pipe = make_pipeline(parts, vcfg.scheduler)
+    generator = torch.Generator("cpu").manual_seed(vcfg.seed if seed is None else seed)
+    size = parts.unet.config.sample_size * 8
+    return pipe(prompts, num_inference_steps=vcfg.num_inference_steps, guidance_scale=vcfg.guidance_scale,
+                generator=generator, height=size, width=size).images
+
+
+@torch.no_grad()
+def fixed_noise_loss(model: nn.Module, batch: dict[str, torch.Tensor], num_timesteps: int, seed: int = 0) -> float:
+    """The loss on a fixed batch, fixed noise and evenly spread timesteps: comparable across steps."""
+    g = torch.Generator("cpu").manual_seed(seed)
+    latents = batch["latents"]
+    noise = torch.randn(latents.shape, generator=g).to(latents.device)
+    t = torch.linspace(0, num_timesteps - 1, len(latents)).long().to(latents.device)
+    return float(model(latents, batch["prompt_ids"], timesteps=t, noise=noise))
+
+
+def validation_eval_fn(parts: Components, vcfg: ValidationConfig, prompts: list[str], output_dir: Path,
+                       val_batch: dict[str, torch.Tensor] | None, ema=None, use_wandb: bool = False):
+    def eval_fn(model: nn.Module, step: int) -> dict[str, float]:
+        swap = ema.swapped() if ema is not None and vcfg.use_ema else contextlib.nullcontext()
+        metrics: dict[str, float] = {}
+        with swap:
+            if val_batch is not None:
+                metrics["loss"] = fixed_noise_loss(model, val_batch, model.ncfg.num_train_timesteps)
+            with root_unsharded(model):  # after the loss: the root's forward reshards at its end
+                images = generate(parts, prompts, vcfg) if prompts else []
+        if images and (not dist.is_initialized() or dist.get_rank() == 0):
+            path = save_grid(images, prompts, output_dir / "validation" / f"step-{step:06d}.png")
+            if use_wandb:
+                _wandb_image(path, step)
+        metrics["images"] = float(len(images))
+        return metrics
+    return eval_fn
+
+
+@contextlib.contextmanager
+def root_unsharded(model: nn.Module):
+    """Under FSDP2 the pipeline calls sub-modules (text encoder, UNet) directly, not the root's
+    forward: gather the root's own parameters (embeddings, ...) first; the nested FSDP units
+    gather theirs in their own forward hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
+def save_grid(images: list, prompts: list[str], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images, prompts).save(path)
+    return path
+
+
+def _wandb_image(path: Path, step: int) -> None:
+    import wandb  # only when train.wandb is on; fit has started the run
+
+    if wandb.run is not None:
+        wandb.log({"validation/grid": wandb.Image(str(path))}, step=step)
