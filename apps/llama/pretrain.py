@@ -56,7 +56,11 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
                          f"{len(tokenizer)} tokens: re-run init_model after expand_vocab")
     rows = TokenRows(cfg.data_dir / "train")
     eval_fn = None
-    if with_eval:
+    pipelined = cfg.train.plugin == "hybrid" and cfg.train.plugin_options.get("pp_size", 1) > 1
+    if with_eval and pipelined:  # each rank holds only its stages: evaluate the saved checkpoints
+        print("pipeline parallel: no held-out evaluation inside training; run `python -m apps.llama.evaluate "
+              "--model <checkpoint>/model` on a saved checkpoint", flush=True)
+    elif with_eval:
         chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
         eval_fn = bpc_eval_fn(tokenizer, chunks, cfg.eval) if chunks else None
     return fit(cfg.train, model, rows, eval_fn=eval_fn, tokenizer=tokenizer)

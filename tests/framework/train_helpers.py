@@ -105,6 +105,29 @@ def rank_each_plugin(output_root: str, plugins: tuple[str, ...], steps: int = 4)
     return out
 
 
+HYBRID_LAYOUTS = {  # name: (plugin options, padded data?)
+    "tp2": (dict(tp_size=2), True),
+    "pp2": (dict(pp_size=2, num_microbatches=2, pp_schedule="1f1b"), True),
+    "dp2-zero1": (dict(zero_stage=1), True),
+    # Ulysses refuses a padding attention_mask (it would have to be split with the sequence)
+    "sp2-ulysses": (dict(sp_size=2, sequence_parallelism="ulysses"), False),
+}
+
+
+def rank_hybrid_layouts(output_root: str, layouts: dict, steps: int = 4):
+    """fit through HybridParallelPlugin layouts on 2 ranks, and DDP on the same global batch of 8
+    (padded data has uneven target tokens, so the weighting across ranks and microbatches matters)."""
+    out = {}
+    runs = {"ddp-padded": (None, True), "ddp-packed": (None, False), **layouts}
+    for name, (options, pad) in runs.items():
+        dp = 2 if options is None or name.startswith("dp2") else 1
+        overrides = dict(plugin="ddp") if options is None else dict(plugin="hybrid", plugin_options=options)
+        result, _ = train(Path(output_root) / name, dataset_kwargs=dict(pad=pad), max_steps=steps,
+                          micro_batch_size=8 // dp, save_every=steps, **overrides)
+        out[name] = {"losses": result.losses, "ckpt": str(result.checkpoint_dir), "padded": pad}
+    return out
+
+
 # ---- the victim of the interrupted-save test ---------------------------------------------------
 
 def kill_during_save(output_dir: str) -> None:

@@ -49,7 +49,7 @@ from phalanx.train.checkpointing import (existing_checkpoints, prune_checkpoints
 from phalanx.train.config import TrainConfig
 from phalanx.train.data import MicroBatches, check_dataset, check_first_sample, default_collate
 from phalanx.train.evaluate import eval_mode, eval_results
-from phalanx.train.losses import CausalLMLoss
+from phalanx.train.losses import CausalLMLoss, check_causal_lm
 from phalanx.train.optim import build_lr_scheduler, build_optimizer
 from phalanx.train.result import TrainResult
 from phalanx.train.step import LossFn, step_flops_estimator, train_step
@@ -113,9 +113,17 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     output_dir = Path(cfg.output_dir)
 
     # 1. Everything that can be wrong with the inputs fails here, before any file is touched.
-    train_module = CausalLMLoss(model, chunk_size=cfg.loss_chunk_size) if loss_fn is None else model
+    _check_pipeline_options(cfg, loss_fn, eval_fn)
+    plugin = _make_plugin(cfg)
+    # A tensor/sequence-parallel plugin installs a vocabulary-parallel loss in the model itself;
+    # every other layout gets the fused head + cross-entropy wrapper.
+    model_computes_loss = loss_fn is None and getattr(plugin, "model_computes_causal_lm_loss", False)
+    if model_computes_loss:
+        check_causal_lm(model)
+    train_module = CausalLMLoss(model, chunk_size=cfg.loss_chunk_size) if loss_fn is None and not model_computes_loss \
+        else model
     step_flops = step_flops_estimator(model, flops_per_token)
-    booster = Booster(_make_plugin(cfg))
+    booster = Booster(plugin)
     dp_size = booster.plugin.dp_size
     check_dataset(train_dataset, cfg.micro_batch_size, dp_size)
     collate_fn = collate_fn or default_collate
@@ -211,7 +219,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
             t0 = time.perf_counter()
             micro = [_to_device(next(batches), ctx.device) for _ in range(cfg.grad_accum_steps)]
             loss, tokens, flops = train_step(booster, model_b, optim_b, micro, loss_fn, dp_size, step_flops,
-                                              ctx.device)
+                                              ctx.device, model_computes_loss=model_computes_loss)
             if not math.isfinite(loss):
                 nonfinite_streak += 1
                 if cfg.precision != "fp16" or nonfinite_streak >= FP16_MAX_NONFINITE_STEPS:
@@ -283,6 +291,25 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
 
 # ---------------------------------------------------------------------------------------------
 # Helpers of the loop above.
+
+def _check_pipeline_options(cfg: TrainConfig, loss_fn, eval_fn) -> None:
+    """What a pipelined model (hybrid pp_size > 1) cannot do in fit, refused before any work."""
+    pp_size = cfg.plugin_options.get("pp_size", 1) if cfg.plugin == "hybrid" else 1
+    if pp_size == 1:
+        return
+    problems = []
+    if cfg.grad_accum_steps != 1:
+        problems.append(f"grad_accum_steps={cfg.grad_accum_steps}: use grad_accum_steps=1 and let the schedule "
+                        "accumulate (plugin_options.num_microbatches)")
+    if loss_fn is not None:
+        problems.append("loss_fn: a pipeline trains with the built-in causal-LM loss (or call "
+                        "booster.execute_pipeline with a criterion yourself)")
+    if eval_fn is not None:
+        problems.append("eval_fn: each rank holds only its stages of the model; pass no eval_fn and evaluate "
+                        "a saved checkpoint instead")
+    if problems:
+        raise ConfigError(f"train config with plugin 'hybrid' and pp_size={pp_size}: " + "; ".join(problems))
+
 
 def _make_plugin(cfg: TrainConfig):
     try:

@@ -26,17 +26,22 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
-def next_token_targets(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Targets aligned with each position: targets[:, t] = labels[:, t + 1]; the last position
-    has no next token and is ignored. Without "labels", the inputs are the labels, with padding
-    (attention_mask == 0) ignored -- the Hugging Face convention."""
+def causal_lm_labels(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The batch's labels in the Hugging Face convention (aligned with input_ids, not shifted):
+    "labels" if present, else the inputs with padding (attention_mask == 0) ignored."""
     labels = batch.get("labels")
     if labels is None:
         labels = batch["input_ids"]
         mask = batch.get("attention_mask")
         if mask is not None:
             labels = labels.masked_fill(mask == 0, ignore_index)
-    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    return labels
+
+
+def next_token_targets(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets aligned with each position: targets[:, t] = labels[:, t + 1]; the last position
+    has no next token and is ignored (labels as in `causal_lm_labels`)."""
+    return F.pad(causal_lm_labels(batch, ignore_index)[:, 1:], (0, 1), value=ignore_index)
 
 
 def count_target_tokens(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> int:

@@ -1,5 +1,13 @@
 """One optimizer step's forward and backward passes, and what they are worth (loss, tokens,
-FLOPs) summed over the data-parallel ranks. The normalisation is explained in `loop.py`."""
+FLOPs) summed over the data-parallel ranks. The normalisation is explained in `loop.py`.
+
+Three ways to get the causal-LM loss (`loss_fn is None`), all token-weighted over the global batch:
+the `CausalLMLoss` wrapper (fused head + cross-entropy) for the data-parallel plugins; the model's
+own forward with labels for a tensor/sequence-parallel model, whose plugin installs a
+vocabulary-parallel `loss_function`; and `booster.execute_pipeline` for a pipelined one.
+Ranks that hold the same data (tensor, sequence and pipeline peers) count it once: world-wide sums
+are divided by `world_size / dp_size`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -11,19 +19,24 @@ from torch import nn
 
 from phalanx.booster import Booster
 from phalanx.observe import causal_lm_flops_per_token
-from phalanx.train.losses import IGNORE_INDEX, count_target_tokens
+from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, count_target_tokens
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 StepFlops = Callable[[list], float]
 
 
 def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[dict], loss_fn: LossFn | None,
-               dp_size: int, step_flops: StepFlops | None, device: torch.device) -> tuple[float, int, float | None]:
+               dp_size: int, step_flops: StepFlops | None, device: torch.device, *,
+               model_computes_loss: bool = False) -> tuple[float, int, float | None]:
     """Forward and backward over the micro-batches; returns (global loss, global tokens, global
-    model FLOPs). Gradient synchronisation runs only with the last micro-batch."""
+    model FLOPs). Gradient synchronisation runs only with the last micro-batch.
+
+    model_computes_loss: the boosted model is the Hugging Face model itself, whose forward with
+    `labels` returns the mean token loss (the hybrid plugin's vocabulary-parallel loss)."""
+    replicas = dist.get_world_size() // dp_size
     if loss_fn is None:
         local_targets = sum(count_target_tokens(b, IGNORE_INDEX) for b in micro)
-        global_targets = all_reduce_sum([float(local_targets)], device)[0]
+        global_targets = all_reduce_sum([float(local_targets)], device)[0] / replicas
         if global_targets == 0:
             raise ValueError("every label of this step's global batch is ignore_index (-100): the data has no "
                              "target tokens; check the labels / attention_mask produced by the dataset")
@@ -32,20 +45,52 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
         scale, denominator = 1.0 / len(micro), float(len(micro) * dp_size)
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro):
-        sync = booster.no_sync(model, optimizer) if i < len(micro) - 1 else contextlib.nullcontext()
-        with sync:
-            raw = model(**batch) if loss_fn is None else loss_fn(model, batch)
-            if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
-                raise TypeError(f"the loss must be a scalar tensor, got {type(raw).__name__} "
-                                f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else ''}")
-            booster.backward(raw * scale, optimizer)
-        loss_sum += raw.detach().double()
+    if getattr(model, "phalanx_pipeline", None) is not None:
+        loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, loss_fn, scale)
+    else:
+        for i, batch in enumerate(micro):
+            sync = booster.no_sync(model, optimizer) if i < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                if loss_fn is not None:
+                    raw = loss_fn(model, batch)
+                elif model_computes_loss:
+                    raw = _model_loss_sum(model, batch)
+                else:
+                    raw = model(**batch)
+                if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
+                    raise TypeError(f"the loss must be a scalar tensor, got {type(raw).__name__} "
+                                    f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else ''}")
+                booster.backward(raw * scale, optimizer)
+            loss_sum += raw.detach().double()
 
     local_tokens = sum(tokens_in(b) for b in micro)
     local_flops = step_flops(micro) if step_flops is not None else 0.0
-    total_loss, tokens, flops = all_reduce_sum([loss_sum, float(local_tokens), local_flops], device)
-    return total_loss / denominator, int(tokens), (flops if step_flops is not None else None)
+    total_loss, tokens, flops = (v / replicas for v in all_reduce_sum([loss_sum, float(local_tokens), local_flops],
+                                                                      device))
+    return total_loss / denominator, int(round(tokens)), (flops if step_flops is not None else None)
+
+
+def _model_loss_sum(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """Sum of the batch's token losses from a model whose forward computes the mean loss."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    out = model(**inputs, labels=causal_lm_labels(batch), use_cache=False)
+    return out.loss * count_target_tokens(batch)
+
+
+def _pipeline_loss_sum(booster: Booster, model: nn.Module, optimizer: Any, micro: list[dict],
+                       loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+    """One `execute_pipeline` for the step (the schedule splits it into its own microbatches).
+
+    The pipeline's loss is this rank's token mean; weighting its gradient by local tokens x
+    `scale` (= dp / global tokens) makes the data-parallel average the global token mean."""
+    if len(micro) != 1 or loss_fn is not None:
+        raise ValueError("a pipelined model trains with grad_accum_steps=1 and the built-in causal-LM loss: "
+                         "accumulation happens inside the schedule (plugin_options.num_microbatches)")
+    batch = micro[0]
+    tokens = count_target_tokens(batch)
+    pipeline_batch = {"input_ids": batch["input_ids"], "labels": causal_lm_labels(batch)}
+    out = booster.execute_pipeline(iter([pipeline_batch]), model, None, optimizer, loss_weight=scale * tokens)
+    return out["loss"].detach().double() * tokens
 
 
 def all_reduce_sum(values: list, device: torch.device) -> list[float]:

@@ -19,7 +19,15 @@ def test_every_shipped_config_loads(path):
     cfg = load_recipe(path)
     assert cfg.train.output_dir == str(Path(cfg.work_dir).expanduser() / "pretrain")
     assert cfg.tokenizer.domain_sources and cfg.data.sources
-    assert cfg.train.plugin in {"ddp", "fsdp", "zero1", "zero2"}
+    assert cfg.train.plugin in {"ddp", "fsdp", "zero1", "zero2", "hybrid"}
+    if cfg.train.plugin == "hybrid":  # the options are HybridParallelPlugin's own keywords
+        import inspect
+
+        from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+        accepted = set(inspect.signature(HybridParallelPlugin).parameters)
+        assert set(cfg.train.plugin_options) <= accepted, set(cfg.train.plugin_options) - accepted
+        assert cfg.train.grad_accum_steps == 1 or cfg.train.plugin_options.get("pp_size", 1) == 1
 
 
 def test_configs_named_by_the_issue_exist():

@@ -141,6 +141,9 @@ class HybridParallelPlugin(Plugin):
     """
 
     name = "hybrid"
+    # The sharded model's forward computes the causal-LM loss (vocabulary-parallel, sequence-aware)
+    # from `labels`; phalanx.train uses it instead of its fused-head wrapper.
+    model_computes_causal_lm_loss = True
 
     def __init__(self, tp_size: int = 1, sp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
                  precision: str = "fp32", sequence_parallelism: str | None = None, max_norm: float | None = None,
@@ -340,8 +343,9 @@ class HybridParallelPlugin(Plugin):
         return optimizer.clip_grad_norm(max_norm)
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion=None, optimizer=None, *,
-                         return_outputs: bool = False) -> dict:
-        """One batch through the schedule (see `Booster.execute_pipeline`). Microbatches accumulate
+                         return_outputs: bool = False, loss_weight: float = 1.0) -> dict:
+        """One batch through the schedule (see `Booster.execute_pipeline`); `loss_weight` multiplies
+        the gradients, not the returned loss (phalanx.train's token weighting). Microbatches accumulate
         locally; then the tied embedding copies and the tensor-parallel partial gradients are
         summed and ZeRO reduces once, as after one ordinary backward."""
         runner = getattr(model, "phalanx_pipeline", None)
@@ -351,7 +355,7 @@ class HybridParallelPlugin(Plugin):
         input_ids, labels = batch_tensors(next(data_iter))
         optimizer = optimizer or getattr(model, "phalanx_optimizer", None)
         scaler = getattr(optimizer, "scaler", None)
-        scale = scaler.scale if scaler is not None and scaler.enabled else 1.0
+        scale = (scaler.scale if scaler is not None and scaler.enabled else 1.0) * loss_weight
         with self.no_sync(model, optimizer):
             out = runner.run(input_ids, labels, criterion=criterion, return_outputs=return_outputs, loss_scale=scale)
         self._finish_pipeline_grads(model, optimizer)
