@@ -27,12 +27,16 @@ install-dev: $(VENV)/bin/python
 demo: install
 	$(PY) -m apps.llama.demo
 
-# Installs what the tests need and runs the whole suite (GPU tests are deselected).
+# Installs what the tests need and runs the whole suite (GPU tests are deselected). The Triton
+# kernel tests run in a process of their own: without a GPU they need Triton's interpreter, which
+# Triton fixes process-wide when its language module is first imported.
 test: install-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/kernels
+	$(PY) -m pytest -q tests/kernels
 
 test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --ignore=tests/kernels
+	$(PY) -m pytest -q -m "not slow" tests/kernels
 
 bench: install-dev
 	$(PY) bench/train_throughput.py

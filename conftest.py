@@ -15,3 +15,16 @@ for key, value in {
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
 }.items():
     os.environ.setdefault(key, value)
+
+# Triton decides between its interpreter and its compiler from TRITON_INTERPRET, and some imports
+# (torch.distributed.pipelining pulls in triton through torch._inductor) read it as soon as
+# triton is imported, so without a GPU it is set here, before any test module is collected.
+# tests/kernels/conftest.py explains how the kernel tests use it.
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
