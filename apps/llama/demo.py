@@ -120,8 +120,6 @@ def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log) -> dic
     from .evaluate import bits_per_char, format_results
     from .generate import sample
 
-    if callable(model):  # a loader: the model is only built when the measurement is not cached
-        model = model()
     start = time.perf_counter()
     bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.autocast_bf16)
     samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate)
@@ -148,7 +146,7 @@ def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cf
 
         log(f"{label}: {format_results(result['bpc'])}  (cached)")
         return result
-    result = measure(label, load_model, tokenizer, chunks, cfg, log)
+    result = measure(label, load_model(), tokenizer, chunks, cfg, log)  # built only when not cached
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, ensure_ascii=False))
