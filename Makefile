@@ -27,16 +27,12 @@ install-dev: $(VENV)/bin/python
 demo: install
 	$(PY) -m apps.llama.demo
 
-# Installs what the tests need and runs the whole suite (GPU tests are deselected). The Triton
-# kernel tests run in a process of their own: without a GPU they need Triton's interpreter, which
-# Triton fixes process-wide when its language module is first imported.
+# Installs what the tests need and runs the whole suite (GPU tests are deselected).
 test: install-dev
-	$(PY) -m pytest -q --ignore=tests/kernels
-	$(PY) -m pytest -q tests/kernels
+	$(PY) -m pytest -q
 
 test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow" --ignore=tests/kernels
-	$(PY) -m pytest -q -m "not slow" tests/kernels
+	$(PY) -m pytest -q -m "not slow"
 
 bench: install-dev
 	$(PY) bench/train_throughput.py

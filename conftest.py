@@ -16,10 +16,12 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
-# Triton decides between its interpreter and its compiler from TRITON_INTERPRET, and some imports
-# (torch.distributed.pipelining pulls in triton through torch._inductor) read it as soon as
-# triton is imported, so without a GPU it is set here, before any test module is collected.
-# tests/kernels/conftest.py explains how the kernel tests use it.
+# Triton decides between its interpreter and its compiler from TRITON_INTERPRET when its language
+# module is imported, and test modules collected before tests/kernels import it (test_pipeline:
+# torch.distributed.pipelining pulls in triton through torch._inductor). Set later, the kernel
+# tests failed with "Cannot call @triton.jit'd outside of the scope of a kernel"; so without a
+# GPU it is set here, before any test module is collected (tests/kernels/conftest.py explains how
+# the kernel tests use it).
 if "TRITON_INTERPRET" not in os.environ:
     try:
         import torch
