@@ -57,18 +57,15 @@ def make_prompts(n: int, vocab: int, low: int, high: int, seed: int = 0) -> list
 
 
 def run_hf(model, prompts, new_tokens: int):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    from phalanx.testing import left_padded
+
+    ids, mask = left_padded(prompts)
     with torch.inference_mode():
         start, cpu = time.perf_counter(), time.process_time()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return elapsed, cpu, out[:, width:].tolist()
+    return elapsed, cpu, out[:, ids.shape[1]:].tolist()
 
 
 def run_ours(engine, prompts, new_tokens: int):

@@ -66,6 +66,18 @@ def _batch(rank: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
+def _raw_step(module, x):
+    """One plain-torch training step of a wrapped model (the baselines' AdamW + clipping)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def step():
+        module(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def build_variant(name: str, batch: int, seq: int):
     """A ready-to-call `step()` for one variant: forward, loss, backward, clip to 1.0, AdamW."""
     import torch.distributed as dist
@@ -84,14 +96,7 @@ def build_variant(name: str, batch: int, seq: int):
         with warnings.catch_warnings():  # the same settings as DDPPlugin; the argument is being renamed
             warnings.simplefilter("ignore", FutureWarning)
             ddp = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01)
-
-        def step():
-            ddp(input_ids=x, labels=x).loss.backward()
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
+        return _raw_step(ddp, x)
 
     if name == "raw_fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -100,14 +105,7 @@ def build_variant(name: str, batch: int, seq: int):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-
-        def step():
-            model(input_ids=x, labels=x).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
+        return _raw_step(model, x)
 
     from phalanx.booster import Booster
     from phalanx.booster.plugins import make_plugin

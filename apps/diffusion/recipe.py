@@ -77,9 +77,8 @@ def export_pipeline(cfg: RecipeConfig, checkpoint_dir: Path, out_dir: Path) -> P
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
     model = build_train_model(cfg, parts)
     load_trained_weights(model, checkpoint_dir, with_ema=cfg.ema.enabled)
-    parts.vae.register_to_config(scaling_factor=_saved_scaling_factor(checkpoint_dir, parts))
-    return save_pipeline(make_pipeline(parts.__class__(model.unet, model.text_encoder, parts.tokenizer, parts.vae,
-                                                       parts.noise_scheduler), "dpm"), out_dir)
+    parts.vae.register_to_config(scaling_factor=saved_scaling_factor(checkpoint_dir, parts))
+    return save_pipeline(make_pipeline(parts, "dpm"), out_dir)  # `model` trains parts' own UNet / text encoder
 
 
 SCALE_FILE = "latent_scaling_factor.txt"
@@ -91,7 +90,7 @@ def record_scaling_factor(output_dir: Path, factor: float) -> None:
         (output_dir / SCALE_FILE).write_text(repr(factor))
 
 
-def _saved_scaling_factor(checkpoint_dir: Path, parts: Components) -> float:
+def saved_scaling_factor(checkpoint_dir: Path, parts: Components) -> float:
     path = checkpoint_dir.parent.parent / SCALE_FILE
     return float(path.read_text()) if path.is_file() else float(parts.vae.config.scaling_factor)
 

@@ -22,7 +22,7 @@ from .data import LatentCaptionDataset, PriorPreservationDataset, cached_latents
 from .lora import add_lora, save_lora
 from .loss import diffusion_loss
 from .recipe import (build_train_model, cache_dir, is_main, latent_scaling_factor, load_trained_weights, make_ema,
-                     record_scaling_factor, run_script)
+                     record_scaling_factor, run_script, saved_scaling_factor)
 from .validation import generate, validation_eval_fn
 
 LORA_DIR = "lora"
@@ -93,6 +93,7 @@ def export(cfg: RecipeConfig, checkpoint_dir: Path) -> Path:
     if cfg.dreambooth.lora_rank:
         te = model.text_encoder if cfg.model.train_text_encoder else None
         return save_lora(Path(cfg.train.output_dir) / LORA_DIR, model.unet, te)
+    parts.vae.register_to_config(scaling_factor=saved_scaling_factor(checkpoint_dir, parts))
     return save_pipeline(make_pipeline(parts, "dpm"), cfg.final_path)
 
 

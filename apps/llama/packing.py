@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-IGNORE_INDEX = -100
+from phalanx.train.losses import IGNORE_INDEX
 
 
 class SequencePacker:

@@ -56,8 +56,7 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
                          f"{len(tokenizer)} tokens: re-run init_model after expand_vocab")
     rows = TokenRows(cfg.data_dir / "train")
     eval_fn = None
-    pipelined = cfg.train.plugin == "hybrid" and cfg.train.plugin_options.get("pp_size", 1) > 1
-    if with_eval and pipelined:  # each rank holds only its stages: evaluate the saved checkpoints
+    if with_eval and cfg.train.pp_size > 1:  # each rank holds only its stages: evaluate the saved checkpoints
         print("pipeline parallel: no held-out evaluation inside training; run `python -m apps.llama.evaluate "
               "--model <checkpoint>/model` on a saved checkpoint", flush=True)
     elif with_eval:

@@ -100,18 +100,15 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
     """transformers' greedy continuations of a left-padded batch, cut after the first EOS."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    from phalanx.testing import left_padded
+
+    ids, mask = left_padded(prompts)
     with torch.no_grad():
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0)
     eos = model.generation_config.eos_token_id
     result = []
-    for row in out[:, width:].tolist():
+    for row in out[:, ids.shape[1]:].tolist():
         if eos in row:
             row = row[:row.index(eos) + 1]
         result.append(row)

@@ -39,7 +39,7 @@ def test_two_ranks_match_one_process_and_resume_exactly(first_session, tmp_path)
     assert first[1]["straight"] == straight  # every rank reports the same global losses
 
     # 2 ranks x micro-batch 2 == 1 process x micro-batch 4 (same samples, token-weighted mean)
-    for a, b in zip(straight, single.losses):
+    for a, b in zip(straight, single.losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (straight, single.losses)
 
     # the half run is the straight run's first half; the restarted run is its second half
@@ -64,7 +64,7 @@ def test_fit_runs_every_plugin_to_the_same_result(first_session):
     reference = _weights(ddp["ckpt"])
     for name in PLUGINS:
         got = results[name]
-        for a, b in zip(got["losses"], ddp["losses"]):
+        for a, b in zip(got["losses"], ddp["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], ddp["losses"])
         assert abs(got["eval"] - ddp["eval"]) <= 1e-5 * ddp["eval"], name
         for key, value in _weights(got["ckpt"]).items():
@@ -83,10 +83,14 @@ def test_fit_through_hybrid_layouts_matches_ddp(tmp_path):
         reference = _weights(ddp["ckpt"])
         for a, b in zip(got["losses"], ddp["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (name, got["losses"], ddp["losses"])
-        # 4 AdamW steps: sub-1e-6 differences in the gradients of near-zero elements become
-        # visible in their normalised updates, so the weights get a looser bound than the losses.
+        # The gradient norm of every step checks the scale of the gradients (AdamW's update would
+        # hide a uniform scale error, e.g. data counted once per tensor-parallel rank).
+        assert len(got["grad_norms"]) == len(ddp["grad_norms"]) == len(ddp["losses"])
+        for a, b in zip(got["grad_norms"], ddp["grad_norms"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, got["grad_norms"], ddp["grad_norms"])
+        # After 4 AdamW steps (lr 1e-2) a 1e-7 gradient difference on a near-zero element moves its
+        # normalised update by up to ~1e-5, so the weights are compared at 1e-4 (measured <= 1.3e-5).
         worst = max((value - reference[key]).abs().max().item() for key, value in _weights(got["ckpt"]).items())
-        print(f"fit/hybrid {name}: max weight difference vs DDP {worst:.2e}")
         assert worst <= 1e-4, (name, worst)
 
 

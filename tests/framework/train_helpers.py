@@ -6,6 +6,7 @@ Run as a script it is the "killed in the middle of a save" victim:
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -124,7 +125,9 @@ def rank_hybrid_layouts(output_root: str, layouts: dict, steps: int = 4):
         overrides = dict(plugin="ddp") if options is None else dict(plugin="hybrid", plugin_options=options)
         result, _ = train(Path(output_root) / name, dataset_kwargs=dict(pad=pad), max_steps=steps,
                           micro_batch_size=8 // dp, save_every=steps, **overrides)
-        out[name] = {"losses": result.losses, "ckpt": str(result.checkpoint_dir), "padded": pad}
+        norms = [r["grad_norm"] for r in map(json.loads, Path(result.metrics_path).read_text().splitlines())
+                 if r.get("grad_norm") is not None]
+        out[name] = {"losses": result.losses, "grad_norms": norms, "ckpt": str(result.checkpoint_dir), "padded": pad}
     return out
 
 

@@ -135,7 +135,6 @@ class Sampler:
             tokens = logits.float().max(dim=-1).indices.tolist()
             return SampleOutput(tokens, [None] * len(rows), [None] * len(rows))
         raw = logits.float()
-        needs_penalty = any(r.params.repetition_penalty != 1.0 or r.banned for r in rows)
         work = apply_penalties(raw.clone(), rows) if needs_penalty else raw
         tokens = work.max(dim=-1).indices
         if not all(r.params.greedy for r in rows):

@@ -57,6 +57,12 @@ class TrainConfig:
     num_workers: int = 0                # DataLoader worker processes per rank
     loss_chunk_size: int | None = None  # tokens per chunk of the fused LM-head loss (None: kernel default)
 
+    @property
+    def pp_size(self) -> int:
+        """pp_size of a hybrid layout (1 without a pipeline): each rank then holds only its stages,
+        so fit takes no eval_fn and recipes evaluate saved checkpoints instead."""
+        return int(self.plugin_options.get("pp_size", 1)) if self.plugin == "hybrid" else 1
+
     def validate(self) -> None:
         """Raise ConfigError naming the first key whose value cannot work."""
         def need(ok: bool, key: str, why: str) -> None:

@@ -294,7 +294,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
 
 def _check_pipeline_options(cfg: TrainConfig, loss_fn, eval_fn) -> None:
     """What a pipelined model (hybrid pp_size > 1) cannot do in fit, refused before any work."""
-    pp_size = cfg.plugin_options.get("pp_size", 1) if cfg.plugin == "hybrid" else 1
+    pp_size = cfg.pp_size
     if pp_size == 1:
         return
     problems = []

@@ -35,7 +35,8 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
     `labels` returns the mean token loss (the hybrid plugin's vocabulary-parallel loss)."""
     replicas = dist.get_world_size() // dp_size
     if loss_fn is None:
-        local_targets = sum(count_target_tokens(b, IGNORE_INDEX) for b in micro)
+        targets = [count_target_tokens(b, IGNORE_INDEX) for b in micro]  # counted once per micro-batch
+        local_targets = sum(targets)
         global_targets = all_reduce_sum([float(local_targets)], device)[0] / replicas
         if global_targets == 0:
             raise ValueError("every label of this step's global batch is ignore_index (-100): the data has no "
@@ -46,7 +47,7 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     if getattr(model, "phalanx_pipeline", None) is not None:
-        loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, loss_fn, scale)
+        loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, targets, scale)
     else:
         for i, batch in enumerate(micro):
             sync = booster.no_sync(model, optimizer) if i < len(micro) - 1 else contextlib.nullcontext()
@@ -54,7 +55,7 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
                 if loss_fn is not None:
                     raw = loss_fn(model, batch)
                 elif model_computes_loss:
-                    raw = _model_loss_sum(model, batch)
+                    raw = _model_loss_sum(model, batch, targets[i])
                 else:
                     raw = model(**batch)
                 if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
@@ -70,24 +71,21 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
     return total_loss / denominator, int(round(tokens)), (flops if step_flops is not None else None)
 
 
-def _model_loss_sum(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """Sum of the batch's token losses from a model whose forward computes the mean loss."""
+def _model_loss_sum(model: nn.Module, batch: Mapping[str, Any], targets: int) -> torch.Tensor:
+    """Sum of the batch's `targets` token losses from a model whose forward computes their mean."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     out = model(**inputs, labels=causal_lm_labels(batch), use_cache=False)
-    return out.loss * count_target_tokens(batch)
+    return out.loss * targets
 
 
-def _pipeline_loss_sum(booster: Booster, model: nn.Module, optimizer: Any, micro: list[dict],
-                       loss_fn: LossFn | None, scale: float) -> torch.Tensor:
+def _pipeline_loss_sum(booster: Booster, model: nn.Module, optimizer: Any, micro: list[dict], targets: list[int],
+                       scale: float) -> torch.Tensor:
     """One `execute_pipeline` for the step (the schedule splits it into its own microbatches).
 
     The pipeline's loss is this rank's token mean; weighting its gradient by local tokens x
     `scale` (= dp / global tokens) makes the data-parallel average the global token mean."""
-    if len(micro) != 1 or loss_fn is not None:
-        raise ValueError("a pipelined model trains with grad_accum_steps=1 and the built-in causal-LM loss: "
-                         "accumulation happens inside the schedule (plugin_options.num_microbatches)")
-    batch = micro[0]
-    tokens = count_target_tokens(batch)
+    (batch,) = micro  # fit refused grad_accum_steps > 1 and loss_fn with a pipeline (loop._check_pipeline_options)
+    (tokens,) = targets
     pipeline_batch = {"input_ids": batch["input_ids"], "labels": causal_lm_labels(batch)}
     out = booster.execute_pipeline(iter([pipeline_batch]), model, None, optimizer, loss_weight=scale * tokens)
     return out["loss"].detach().double() * tokens

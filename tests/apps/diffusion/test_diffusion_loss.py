@@ -73,6 +73,7 @@ def test_prior_preservation_batches_and_loss():
 
 
 def test_caption_dropout_uses_the_empty_prompt_only_in_training():
+    torch.manual_seed(0)  # dropout 0.999 on 2 captions: fixed so the test never flakes
     model = make(NoiseConfig(), caption_dropout=0.999)
     seen = []
     model.text_encoder.forward = lambda ids: (seen.append(ids.clone()) or (ids.float().unsqueeze(-1),))

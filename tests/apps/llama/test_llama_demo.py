@@ -1,6 +1,8 @@
 """The demo's own helpers (the full demo needs the SmolLM2 download, so it is not run here)."""
 from __future__ import annotations
 
+import copy
+
 
 def test_cached_step_runs_once_per_key(tmp_path):
     from apps.llama.demo import cached
@@ -43,7 +45,7 @@ def test_before_measurements_are_cached_by_model_and_settings(tiny_run):
     from apps.llama.pretrain import load_model
     from apps.llama.tokenizer_io import load_tokenizer
 
-    cfg, _ = tiny_run
+    cfg = copy.deepcopy(tiny_run[0])  # the session's config is shared with other tests
     cfg.generate.max_new_tokens = 4
     chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, 600)
     tokenizer = load_tokenizer(cfg.model_init_dir)
