@@ -7,12 +7,11 @@ repository root, so the commands work from any directory.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from phalanx.config import ConfigError, load_config
+from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,8 +147,4 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def parse_args(description: str, argv: list[str] | None = None) -> RecipeConfig:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", "-c", required=True, help="recipe YAML, e.g. apps/diffusion/configs/tiny_emoji.yaml")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=50 train.plugin=zero2")
-    args = parser.parse_args(argv)
-    return load_recipe(args.config, args.overrides)
+    return parse_config_args(description, load_recipe, argv, example="apps/diffusion/configs/tiny_emoji.yaml")[0]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from phalanx.config import ConfigError, load_config
+from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train.config import TrainConfig
 
 from .corpus import SourceConfig, resolve_path
@@ -164,13 +164,7 @@ class RecipeConfig:
 def parse_args(description: str, argv: list[str] | None = None,
                extra: "Callable[[argparse.ArgumentParser], None] | None" = None) -> tuple[RecipeConfig, argparse.Namespace]:
     """`--config FILE key=value ...` → (RecipeConfig, namespace). `extra(parser)` adds step options."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", "-c", required=True, help="recipe YAML, e.g. apps/llama/configs/tiny.yaml")
-    if extra is not None:
-        extra(parser)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 data.seq_len=256")
-    args = parser.parse_args(argv)
-    return load_recipe(args.config, args.overrides), args
+    return parse_config_args(description, load_recipe, argv, example="apps/llama/configs/tiny.yaml", extra=extra)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> RecipeConfig:

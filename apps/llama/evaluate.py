@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from phalanx.booster import unwrap_model
+
 LN2 = math.log(2.0)
 
 
@@ -67,62 +69,93 @@ def load_heldout_chunks(data_dir: str | Path, chunk_chars: int, max_chars_per_ca
     return make_chunks(ds["text"], ds["category"], chunk_chars, max_chars_per_category)
 
 
-def _unwrap(model):
-    """The Hugging Face model inside DDP/compile wrappers (FSDP2 and ZeRO keep the module itself)."""
-    while hasattr(model, "module") and not hasattr(model, "get_output_embeddings"):
-        model = model.module
-    return getattr(model, "_orig_mod", model)
-
-
 @torch.no_grad()
 def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
                   autocast_bf16: bool = False) -> dict[str, dict[str, float]]:
     """Per category: bits per character, character perplexity, token loss (nats), chars, tokens.
 
-    Logits are computed one row at a time from the final hidden states, so memory stays at one
-    [seq, vocab] block even for large vocabularies.
+    A plain (or DDP/ZeRO/FSDP) model is scored row by row from its final hidden states, so memory
+    stays at one [seq, vocab] block even for large vocabularies. A model boosted with the hybrid
+    plugin (tensor / sequence / pipeline parallel) is scored through `phalanx.train.eval_loss_sum`
+    (its own vocabulary-parallel loss, or a forward-only pipeline pass), one category per batch.
+    Every rank scores every chunk, so all ranks run the same forwards and return the same numbers.
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    prefix = tokenizer.eos_token_id
     encoded = tokenizer([c.text for c in chunks], add_special_tokens=False)["input_ids"]
-    order = sorted(range(len(chunks)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+    sharded = getattr(model, "phalanx_boosted", None) is not None
+    # similar lengths share a batch; the sharded path also keeps categories apart
+    order = sorted(range(len(chunks)), key=lambda i: (chunks[i].category if sharded else "", len(encoded[i])))
     nll: dict[str, float] = {}
-    chars: dict[str, int] = {}
     tokens: dict[str, int] = {}
-    head = model.get_output_embeddings()
-    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    score = _batch_nll_sharded if sharded else _batch_nll_rows
     try:
-        for start in range(0, len(order), batch_size):
-            batch = order[start:start + batch_size]
-            seqs = [[prefix] + encoded[i] for i in batch]
-            width = max(len(s) for s in seqs)
-            ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, s in enumerate(seqs):
-                ids[r, :len(s)] = torch.tensor(s)
-                mask[r, :len(s)] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
-                for r, i in enumerate(batch):
-                    n = len(seqs[r])
-                    logits = head(hidden[r, :n - 1].to(head.weight.dtype)).float()  # the loss itself in fp32
-                    loss = F.cross_entropy(logits, ids[r, 1:n], reduction="sum").item()
-                    cat = chunks[i].category
-                    nll[cat] = nll.get(cat, 0.0) + loss
-                    chars[cat] = chars.get(cat, 0) + len(chunks[i].text)
-                    tokens[cat] = tokens.get(cat, 0) + n - 1
+        for batch in _batches(order, chunks, batch_size, by_category=sharded):
+            seqs = [[tokenizer.eos_token_id] + encoded[i] for i in batch]
+            for i, loss, n in score(model, seqs, batch, tokenizer.pad_token_id, autocast_bf16):
+                cat = chunks[i].category
+                nll[cat] = nll.get(cat, 0.0) + loss
+                tokens[cat] = tokens.get(cat, 0) + n
     finally:
         model.train(was_training)
+    chars: dict[str, int] = {}
+    for c in chunks:
+        chars[c.category] = chars.get(c.category, 0) + len(c.text)
     out = {}
     for cat in nll:
         bpc = nll[cat] / LN2 / chars[cat]
         out[cat] = {"bpc": bpc, "char_ppl": 2.0 ** bpc, "token_loss": nll[cat] / tokens[cat],
                     "chars": chars[cat], "tokens": tokens[cat]}
     return out
+
+
+def _batches(order: list[int], chunks: list[Chunk], batch_size: int, by_category: bool):
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) == batch_size or (by_category and chunks[i].category != chunks[batch[0]].category)):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def _right_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = torch.tensor(s)
+        mask[r, :len(s)] = 1
+    return ids, mask
+
+
+def _batch_nll_rows(model, seqs, batch, pad_id, autocast_bf16):
+    """(chunk index, summed NLL in nats, target tokens) per row, the loss in fp32 row by row."""
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in _right_padded(seqs, pad_id))
+    head = model.get_output_embeddings()
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
+        for r, i in enumerate(batch):
+            n = len(seqs[r])
+            logits = head(hidden[r, :n - 1].to(head.weight.dtype)).float()  # the loss itself in fp32
+            yield i, F.cross_entropy(logits, ids[r, 1:n], reduction="sum").item(), n - 1
+
+
+def _batch_nll_sharded(model, seqs, batch, pad_id, autocast_bf16):
+    """The whole batch's NLL through the parallel layout's own loss, attributed to its first chunk
+    (batches hold one category; per-chunk numbers are not needed)."""
+    from phalanx.train import eval_loss_sum
+
+    device = next(model.parameters()).device
+    ids, mask = _right_padded(seqs, pad_id)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        loss = eval_loss_sum(model, {"input_ids": ids.to(device), "labels": labels.to(device)})
+    yield batch[0], float(loss), sum(len(s) - 1 for s in seqs)
 
 
 def flat_metrics(results: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -9,10 +9,11 @@ tokens the held-out part of each corpus takes, measured per character so tokeniz
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
+
+from phalanx.checkpoint import atomic_directory
 
 from .config import RecipeConfig, parse_args
 from .corpus import domain_text, read_documents, is_heldout, resolve_path
@@ -105,25 +106,21 @@ def expand_vocab(cfg: RecipeConfig) -> dict:
     start = time.perf_counter()
     texts = domain_text(tcfg.domain_sources, cfg.holdout_fraction, tcfg.max_training_chars)
     out = cfg.tokenizer_dir
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    added = (_expand_sentencepiece if kind == "sentencepiece" else _expand_bpe)(cfg, texts, tmp)
-    base_tok, new_tok = load_tokenizer(tcfg.base), load_tokenizer(tmp)
-    report = {
-        "kind": kind,
-        "base": str(tcfg.base),
-        "base_vocab": len(base_tok),
-        "expanded_vocab": len(new_tok),
-        "added_tokens": len(added),
-        "domain_training_chars": sum(len(t) for t in texts),
-        "seconds": round(time.perf_counter() - start, 1),
-        "heldout": compression_report(base_tok, new_tok, heldout_by_category(cfg)),
-        "sample_new_tokens": [new_tok.convert_tokens_to_string([t]) if kind == "bpe" else t for t in added[:40]],
-    }
-    (tmp / "expansion_report.json").write_text(json.dumps(report, ensure_ascii=False, indent=2), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        added = (_expand_sentencepiece if kind == "sentencepiece" else _expand_bpe)(cfg, texts, tmp)
+        base_tok, new_tok = load_tokenizer(tcfg.base), load_tokenizer(tmp)
+        report = {
+            "kind": kind,
+            "base": str(tcfg.base),
+            "base_vocab": len(base_tok),
+            "expanded_vocab": len(new_tok),
+            "added_tokens": len(added),
+            "domain_training_chars": sum(len(t) for t in texts),
+            "seconds": round(time.perf_counter() - start, 1),
+            "heldout": compression_report(base_tok, new_tok, heldout_by_category(cfg)),
+            "sample_new_tokens": [new_tok.convert_tokens_to_string([t]) if kind == "bpe" else t for t in added[:40]],
+        }
+        (tmp / "expansion_report.json").write_text(json.dumps(report, ensure_ascii=False, indent=2), encoding="utf-8")
     return report
 
 

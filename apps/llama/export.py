@@ -9,11 +9,12 @@ and needs nothing from Phalanx.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from phalanx.checkpoint import atomic_directory
 
 from .config import parse_args
 from .generate import resolve_model_dir
@@ -29,19 +30,16 @@ def export_model(model_dir: Path, out: Path, tokenizer_dir: Path, dtype: str = "
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype] or "auto")
     tokenizer = load_tokenizer(model_dir if (model_dir / "tokenizer_config.json").exists() else tokenizer_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    info = {"source": str(model_dir), "dtype": str(model.dtype).replace("torch.", ""),
-            "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}
-    state_file = model_dir.parent / "train_state.json"
-    if state_file.is_file():
-        info["train_state"] = json.loads(state_file.read_text())
-        info["train_state"].pop("extra", None)
-    (tmp / "export_info.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        info = {"source": str(model_dir), "dtype": str(model.dtype).replace("torch.", ""),
+                "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer)}
+        state_file = model_dir.parent / "train_state.json"
+        if state_file.is_file():
+            info["train_state"] = json.loads(state_file.read_text())
+            info["train_state"].pop("extra", None)
+        (tmp / "export_info.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
     return out
 
 

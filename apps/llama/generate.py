@@ -22,9 +22,9 @@ from .tokenizer_io import load_tokenizer
 def sample(model, tokenizer, prompts: list[str], gcfg: GenerateConfig) -> list[str]:
     """The continuation of each prompt (prompt text excluded)."""
     from .chat import ensure_chat_template
-    from .evaluate import _unwrap
+    from phalanx.booster import unwrap_model
 
-    model = _unwrap(model)
+    model = unwrap_model(model)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -15,11 +15,12 @@ which avoids any decode/re-encode whitespace quirks.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from phalanx.checkpoint import atomic_directory
 
 from .config import RecipeConfig, parse_args
 from .corpus import resolve_path
@@ -110,19 +111,16 @@ def init_model(cfg: RecipeConfig) -> dict:
         model.generation_config.pad_token_id = new_tok.pad_token_id
 
     out = cfg.model_init_dir
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    new_tok.save_pretrained(str(tmp))
-    report = {
-        "base": cfg.model.base or "from config",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_before": len(base_tok), "vocab_after": rows, "new_rows": len(new_ids),
-        "mean_pieces_per_new_token": round(sum(len(v) for v in pieces.values()) / max(len(pieces), 1), 2),
-    }
-    (tmp / "init_report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(str(tmp))
+        new_tok.save_pretrained(str(tmp))
+        report = {
+            "base": cfg.model.base or "from config",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "vocab_before": len(base_tok), "vocab_after": rows, "new_rows": len(new_ids),
+            "mean_pieces_per_new_token": round(sum(len(v) for v in pieces.values()) / max(len(pieces), 1), 2),
+        }
+        (tmp / "init_report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
     return report
 
 

@@ -16,13 +16,14 @@ Rows are generated as a stream (`Dataset.from_generator`), so memory stays flat 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
+
+from phalanx.checkpoint import atomic_directory
 
 from .config import RecipeConfig, parse_args
 from .corpus import Document, is_heldout, read_documents
@@ -106,30 +107,26 @@ def prepare_pretrain(cfg: RecipeConfig) -> dict:
     tokenizer = load_tokenizer(cfg.tokenizer_dir)
     _quiet_datasets()
     out = cfg.data_dir
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    stats: Counter = Counter()
-    seq_len, drop = cfg.data.seq_len, cfg.data.drop_last_partial
-    with tempfile.TemporaryDirectory(prefix="phalanx-prep-", dir=tmp) as cache:
-        if cfg.data.per_category_bins:
-            bins = {}
-            for category in _categories(cfg):
-                def gen(category=category):
-                    yield from packed_rows(tokenizer, _train_documents(cfg, category), seq_len, drop, stats)
-                bins[category] = _dataset(gen, f"bin-{zlib.crc32(category.encode())}", cache)
-            DatasetDict(bins).save_to_disk(str(tmp / "train"))
-        else:
-            def gen():
-                yield from packed_rows(tokenizer, _train_documents(cfg, None), seq_len, drop, stats)
-            _dataset(gen, "packed", cache).save_to_disk(str(tmp / "train"))
-    heldout = [d for s in cfg.data.sources for d in read_documents(s) if is_heldout(d.text, cfg.holdout_fraction)]
-    Dataset.from_dict({"text": [d.text for d in heldout], "category": [d.category for d in heldout]}).save_to_disk(str(tmp / "heldout"))
-    summary = {"seq_len": seq_len, "tokenizer": str(cfg.tokenizer_dir), "per_category_bins": cfg.data.per_category_bins,
-               **dict(sorted(stats.items())), "heldout_documents": len(heldout)}
-    (tmp / "stats.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        stats: Counter = Counter()
+        seq_len, drop = cfg.data.seq_len, cfg.data.drop_last_partial
+        with tempfile.TemporaryDirectory(prefix="phalanx-prep-", dir=tmp) as cache:
+            if cfg.data.per_category_bins:
+                bins = {}
+                for category in _categories(cfg):
+                    def gen(category=category):
+                        yield from packed_rows(tokenizer, _train_documents(cfg, category), seq_len, drop, stats)
+                    bins[category] = _dataset(gen, f"bin-{zlib.crc32(category.encode())}", cache)
+                DatasetDict(bins).save_to_disk(str(tmp / "train"))
+            else:
+                def gen():
+                    yield from packed_rows(tokenizer, _train_documents(cfg, None), seq_len, drop, stats)
+                _dataset(gen, "packed", cache).save_to_disk(str(tmp / "train"))
+        heldout = [d for s in cfg.data.sources for d in read_documents(s) if is_heldout(d.text, cfg.holdout_fraction)]
+        Dataset.from_dict({"text": [d.text for d in heldout], "category": [d.category for d in heldout]}).save_to_disk(str(tmp / "heldout"))
+        summary = {"seq_len": seq_len, "tokenizer": str(cfg.tokenizer_dir), "per_category_bins": cfg.data.per_category_bins,
+                   **dict(sorted(stats.items())), "heldout_documents": len(heldout)}
+        (tmp / "stats.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
     return summary
 
 
@@ -160,19 +157,15 @@ def prepare_sft(cfg: RecipeConfig, tokenizer_dir: str | Path | None = None) -> d
             stats[f"{split}/target_tokens"] += sum(label >= 0 for label in labels)
             rows[split].extend(packers[split].add(ids, labels))
     out = cfg.sft_data_dir
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for split, packer in packers.items():
-        rows[split].extend(packer.finish())
-        stats[f"{split}/rows"] = len(rows[split])
-        data = {k: [r[k] for r in rows[split]] for k in ("input_ids", "labels")}
-        Dataset.from_dict(data, features=_features()).save_to_disk(str(tmp / split))
-    tokenizer.save_pretrained(str(tmp / "tokenizer"))  # with the chat template used for the labels
-    summary = {"seq_len": scfg.seq_len, "packed": scfg.pack, **dict(sorted(stats.items()))}
-    (tmp / "stats.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_directory(out) as tmp:
+        for split, packer in packers.items():
+            rows[split].extend(packer.finish())
+            stats[f"{split}/rows"] = len(rows[split])
+            data = {k: [r[k] for r in rows[split]] for k in ("input_ids", "labels")}
+            Dataset.from_dict(data, features=_features()).save_to_disk(str(tmp / split))
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))  # with the chat template used for the labels
+        summary = {"seq_len": scfg.seq_len, "packed": scfg.pack, **dict(sorted(stats.items()))}
+        (tmp / "stats.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return summary
 
 

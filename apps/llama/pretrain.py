@@ -27,7 +27,8 @@ def bpc_eval_fn(tokenizer, chunks: list[Chunk], ecfg: EvalConfig) -> Callable:
     """eval_fn(model, step) for fit: bits per character (and char perplexity, token loss) per category.
 
     Every rank scores the same chunks, so the number of forward passes is equal on all ranks
-    (FSDP gathers parameters inside forward) and every rank returns the same numbers."""
+    (FSDP gathers parameters inside forward; tensor and pipeline peers run together) and every
+    rank returns the same numbers."""
     def eval_fn(model, step: int) -> dict[str, float]:
         return flat_metrics(bits_per_char(model, tokenizer, chunks, ecfg.batch_size, ecfg.autocast_bf16))
     return eval_fn
@@ -56,10 +57,7 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
                          f"{len(tokenizer)} tokens: re-run init_model after expand_vocab")
     rows = TokenRows(cfg.data_dir / "train")
     eval_fn = None
-    if with_eval and cfg.train.pp_size > 1:  # each rank holds only its stages: evaluate the saved checkpoints
-        print("pipeline parallel: no held-out evaluation inside training; run `python -m apps.llama.evaluate "
-              "--model <checkpoint>/model` on a saved checkpoint", flush=True)
-    elif with_eval:
+    if with_eval:
         chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
         eval_fn = bpc_eval_fn(tokenizer, chunks, cfg.eval) if chunks else None
     return fit(cfg.train, model, rows, eval_fn=eval_fn, tokenizer=tokenizer)

@@ -41,9 +41,7 @@ def sft(cfg: RecipeConfig, model=None):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the SFT "
                          f"tokenizer {len(tokenizer)} tokens: prepare the SFT data with the model's own tokenizer")
     train_rows, heldout = TokenRows(data_dir / "train"), TokenRows(data_dir / "heldout")
-    # Under a pipeline each rank holds only its stages: no in-loop evaluation (as in pretrain).
-    eval_fn = causal_lm_eval(heldout, batch_size=cfg.eval.batch_size) \
-        if len(heldout) and cfg.sft.pp_size == 1 else None
+    eval_fn = causal_lm_eval(heldout, batch_size=cfg.eval.batch_size) if len(heldout) else None
     return fit(cfg.sft, model, train_rows, eval_fn=eval_fn, tokenizer=tokenizer)
 
 

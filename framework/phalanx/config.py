@@ -7,12 +7,13 @@ ones) or a value of the wrong type.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 import yaml
 
@@ -221,3 +222,18 @@ def config_to_dict(obj: Any) -> dict[str, Any]:
             return {k: convert(x) for k, x in v.items()}
         return v
     return {k: convert(v) for k, v in dataclasses.asdict(obj).items()}
+
+
+def parse_config_args(description: str, load: Callable[[str, list[str]], Any], argv: list[str] | None = None, *,
+                      example: str = "", extra: Callable[[argparse.ArgumentParser], None] | None = None
+                      ) -> tuple[Any, argparse.Namespace]:
+    """The command line every recipe step shares: `--config FILE [step options] key=value ...`.
+    Returns (`load(config_path, overrides)`, the parsed namespace); `extra(parser)` adds the
+    step's own options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", "-c", required=True, help=f"recipe YAML{', e.g. ' + example if example else ''}")
+    if extra is not None:
+        extra(parser)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-4 train.plugin=zero2")
+    args = parser.parse_args(argv)
+    return load(args.config, args.overrides), args

@@ -20,7 +20,21 @@ def pipeline_step(family: str, layout: dict, ref: dict) -> dict:
     loss = hw.train_steps(booster, model, optimizer, hm.tokens(family))[0]
     state = booster.plugin.full_model_state_dict(model)
     param = hw._max_diff(state, ref["params"]) if dist.get_rank() == 0 else (0.0, "")
-    return {"loss": abs(loss - ref["losses"][0]),
+    # forward-only after the step, on a batch of another shape than training's (3 rows of 10)
+    fresh = hm.tokens(family, seed=11)[0][:3, :10]
+    ref_logits = ref["logits"][:3, :10]
+    ref_eval = torch.nn.functional.cross_entropy(ref_logits[:, :-1].reshape(-1, ref_logits.shape[-1]),
+                                                 fresh[:, 1:].reshape(-1)).item()
+    ev = booster.execute_pipeline(iter([fresh]), model, forward_only=True, return_outputs=True)
+    # the logits live on the last stage's ranks: every rank reports the largest difference and
+    # how many ranks had logits
+    logits = torch.tensor([0.0 if ev["outputs"] is None else (ev["outputs"] - ref_logits).abs().max().item(),
+                           float(ev["outputs"] is not None)])
+    dist.all_reduce(logits[:1], op=dist.ReduceOp.MAX)
+    dist.all_reduce(logits[1:])
+    return {"eval_loss": abs(ev["loss"].item() - ref_eval), "eval_logits": logits[0].item(),
+            "eval_logit_ranks": int(logits[1].item()),
+            "loss": abs(loss - ref["losses"][0]),
             "norm": abs(optimizer.last_grad_norm - ref["norms"][0]) / ref["norms"][0], "ref_norm": ref["norms"][0],
             "param": param[0], "param_at": param[1], "saved_keys": sorted(state) == sorted(ref["params"])
             if dist.get_rank() == 0 else True}

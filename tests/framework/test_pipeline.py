@@ -1,6 +1,7 @@
 """Pipeline parallelism (HybridParallelPlugin(pp_size=2)) on gloo ranks against one plain process,
 every family with a shard policy (Llama, Mistral, Qwen2, Qwen3, GPT-2 and OPT with tied heads),
-4 decoder layers, one `execute_pipeline` + SGD step on the whole batch.
+4 decoder layers, one `execute_pipeline` + SGD step on the whole batch, then a forward-only
+`execute_pipeline` (evaluation) on a batch of another shape.
 
 2 ranks: pp2 under each schedule (GPipe, 1F1B, interleaved 1F1B, ZB-V zero bubble), with
 clipping, ZeRO-1 and activation checkpointing in some; bf16/fp16; -100 labels; checkpoints saved under pp2 and loaded under tp2, by
@@ -48,6 +49,9 @@ def _check(results: dict, layouts: dict, families=hm.FAMILIES) -> None:
             assert d["norm"] <= TOL, f"{where}: gradient norm differs by {d['norm']} (relative)"
             assert d["param"] <= TOL, f"{where}: {d['param_at']} differs by {d['param']} after one step"
             assert d["saved_keys"], f"{where}: the gathered state dict does not have the model's names"
+            assert d["eval_loss"] <= TOL, f"{where}: forward-only loss differs by {d['eval_loss']}"
+            assert d["eval_logits"] <= TOL, f"{where}: forward-only logits differ by {d['eval_logits']}"
+            assert d["eval_logit_ranks"] >= 1, f"{where}: no rank returned the forward-only logits"
             if layouts[layout].get("max_norm"):
                 assert d["ref_norm"] > CLIP, f"{where}: the clipping case does not clip"
 

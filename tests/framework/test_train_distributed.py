@@ -73,8 +73,9 @@ def test_fit_runs_every_plugin_to_the_same_result(first_session):
 
 def test_fit_through_hybrid_layouts_matches_ddp(tmp_path):
     """fit with plugin="hybrid": tensor parallel (vocabulary-parallel loss inside the model),
-    pipeline (one execute_pipeline per step, gradients weighted by each rank's tokens), Ulysses
-    sequence parallel and ZeRO-1 data parallel give DDP's losses and weights on the same data."""
+    pipeline (one execute_pipeline per step, gradients weighted by each rank's tokens; forward-only
+    schedule for eval), Ulysses sequence parallel and ZeRO-1 data parallel give DDP's losses,
+    weights and held-out eval on the same data."""
     results = spawn(th.rank_hybrid_layouts, 2, str(tmp_path), th.HYBRID_LAYOUTS, timeout=600)[0]
     references = {padded: results.pop(f"ddp-{'padded' if padded else 'packed'}") for padded in (True, False)}
     assert set(results) == set(th.HYBRID_LAYOUTS)
@@ -92,6 +93,11 @@ def test_fit_through_hybrid_layouts_matches_ddp(tmp_path):
         # normalised update by up to ~1e-5, so the weights are compared at 1e-4 (measured <= 1.3e-5).
         worst = max((value - reference[key]).abs().max().item() for key, value in _weights(got["ckpt"]).items())
         assert worst <= 1e-4, (name, worst)
+        # the held-out eval (tensor-parallel loss, forward-only pipeline, replicas scoring the same
+        # batches) equals DDP's at both evaluations
+        assert len(got["evals"]) == len(ddp["evals"]) == 2, (name, got["evals"], ddp["evals"])
+        for a, b in zip(got["evals"], ddp["evals"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, got["evals"], ddp["evals"])
 
 
 def test_fit_refuses_what_a_pipeline_cannot_do(tmp_path):
@@ -99,7 +105,8 @@ def test_fit_refuses_what_a_pipeline_cannot_do(tmp_path):
     from phalanx.train import causal_lm_eval
 
     cfg = th.config(tmp_path, plugin="hybrid", grad_accum_steps=2, plugin_options=dict(pp_size=2, num_microbatches=2))
-    with pytest.raises(ConfigError, match="grad_accum_steps=2.*eval_fn"):
+    with pytest.raises(ConfigError, match="grad_accum_steps=2.*loss_fn"):
         from phalanx.train import fit
-        fit(cfg, th.tiny_llama(), th.ArithmeticSequences(), eval_fn=causal_lm_eval(th.ArithmeticSequences(n=8)))
+        fit(cfg, th.tiny_llama(), th.ArithmeticSequences(), loss_fn=lambda model, batch: model(**batch).loss,
+            eval_fn=causal_lm_eval(th.ArithmeticSequences(n=8)))
     assert not any(tmp_path.iterdir())

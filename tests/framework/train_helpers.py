@@ -117,17 +117,25 @@ HYBRID_LAYOUTS = {  # name: (plugin options, padded data?)
 
 def rank_hybrid_layouts(output_root: str, layouts: dict, steps: int = 4):
     """fit through HybridParallelPlugin layouts on 2 ranks, and DDP on the same global batch of 8
-    (padded data has uneven target tokens, so the weighting across ranks and microbatches matters)."""
+    (padded data has uneven target tokens, so the weighting across ranks and microbatches matters),
+    with a held-out eval of 10 samples in batches of 3 (uneven; a pipeline pads 3 and 1 rows up
+    to its 2 microbatches) at steps 2 and 4."""
+    from phalanx.train import causal_lm_eval, fit
+
     out = {}
     runs = {"ddp-padded": (None, True), "ddp-packed": (None, False), **layouts}
     for name, (options, pad) in runs.items():
         dp = 2 if options is None or name.startswith("dp2") else 1
         overrides = dict(plugin="ddp") if options is None else dict(plugin="hybrid", plugin_options=options)
-        result, _ = train(Path(output_root) / name, dataset_kwargs=dict(pad=pad), max_steps=steps,
-                          micro_batch_size=8 // dp, save_every=steps, **overrides)
-        norms = [r["grad_norm"] for r in map(json.loads, Path(result.metrics_path).read_text().splitlines())
-                 if r.get("grad_norm") is not None]
-        out[name] = {"losses": result.losses, "grad_norms": norms, "ckpt": str(result.checkpoint_dir), "padded": pad}
+        cfg = config(Path(output_root) / name, max_steps=steps, micro_batch_size=8 // dp, save_every=steps,
+                     eval_every=2, **overrides)
+        result = fit(cfg, tiny_llama(seed=0), ArithmeticSequences(pad=pad),
+                     eval_fn=causal_lm_eval(ArithmeticSequences(n=10, seed=3, pad=pad), batch_size=3))
+        records = list(map(json.loads, Path(result.metrics_path).read_text().splitlines()))
+        norms = [r["grad_norm"] for r in records if r.get("grad_norm") is not None]
+        evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+        out[name] = {"losses": result.losses, "grad_norms": norms, "ckpt": str(result.checkpoint_dir), "padded": pad,
+                     "evals": evals}
     return out
 
 

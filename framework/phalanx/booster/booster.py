@@ -69,19 +69,22 @@ class Booster:
             yield
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Any = None, optimizer: Any = None,
-                         return_loss: bool = True, return_outputs: bool = False, loss_weight: float = 1.0) -> dict:
+                         return_loss: bool = True, return_outputs: bool = False, loss_weight: float = 1.0,
+                         forward_only: bool = False) -> dict:
         """Forward and backward of one batch (`next(data_iter)`: a dict with input_ids[, labels], a tensor,
         or an (input_ids, labels) pair) through the pipeline schedule. Returns {"loss": the batch's
         loss on every rank, "outputs": the last stage's logits if asked for (None elsewhere)}; then call
         `optimizer.step()` as usual. `criterion(logits, labels)` replaces the causal-LM loss (a mean
         per microbatch). `loss_weight` scales the gradients (not the returned loss): phalanx.train
-        uses it to weight ranks by their share of the global batch's tokens. Only
-        `HybridParallelPlugin(pp_size>1)` has pipeline stages."""
+        uses it to weight ranks by their share of the global batch's tokens. `forward_only=True`
+        evaluates: no backward, no gradients, the batch through the stages as one piece, any shape.
+        Only `HybridParallelPlugin(pp_size>1)` has pipeline stages."""
         run = getattr(self.plugin, "execute_pipeline", None)
         if run is None:
             raise NotImplementedError(f"{self.plugin.name} has no pipeline stages; pipeline parallelism comes with "
                                       "HybridParallelPlugin(pp_size>1)")
-        out = run(data_iter, model, criterion, optimizer, return_outputs=return_outputs, loss_weight=loss_weight)
+        out = run(data_iter, model, criterion, optimizer, return_outputs=return_outputs, loss_weight=loss_weight,
+                  forward_only=forward_only)
         if not return_loss:
             out["loss"] = None
         return out

@@ -30,6 +30,8 @@ from phalanx.shard.loss import CausalLMLoss
 _TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                     "zero_bubble": ScheduleZBVZeroBubble}
 IGNORE_INDEX = -100
+_MAX_DIMS = 6  # activations sent by pipeline evaluation: [batch, seq, hidden] in practice
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class _MicrobatchLoss:
@@ -125,13 +127,80 @@ class PipelineRunner:
         finally:
             if head is not None and local is not None:
                 head.local_output = local
+        return {"loss": self._batch_loss(losses, loss_scale, device),
+                "outputs": outputs if self.has_last and return_outputs else None}
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                 criterion: Callable | None = None, return_outputs: bool = False) -> dict:
+        """One forward of the whole batch, no backward, with the same token-weighted loss as `run`.
+
+        The batch goes through the stages in order as one piece, each activation sent with its
+        shape: torch's schedules fix activation shapes at their first step, while evaluation
+        batches differ in rows and length. There is no overlap between stages, which an
+        evaluation does not need. Returns {"loss" on every pipeline rank, "outputs": the last
+        stage's logits if asked for}."""
+        labels = input_ids if labels is None else labels
+        device = self.pipeline_stages[0].device
+        me = dist.get_rank(self.group)
+        last = self.layout.num_stages - 1
+        by_index = {s.index: s for s in self.stages}
+        head = self._head()
+        local = getattr(head, "local_output", None)
+        if head is not None and local is not None:
+            head.local_output = not return_outputs  # the loss needs no gathered logits
+        x, losses = input_ids.to(device), []
+        try:
+            for index in range(self.layout.num_stages):
+                if self.layout.rank_of(index) != me:
+                    continue
+                if index > 0 and self.layout.rank_of(index - 1) != me:
+                    x = self._receive(self.layout.rank_of(index - 1), device)
+                x = by_index[index](x)
+                if index < last and self.layout.rank_of(index + 1) != me:
+                    self._send(x, self.layout.rank_of(index + 1))
+        finally:
+            if head is not None and local is not None:
+                head.local_output = local
+        if self.has_last:
+            labels = labels.to(device)
+            if criterion is not None:
+                losses.append(criterion(x, labels))
+            else:
+                tokens = (labels[..., 1:] != IGNORE_INDEX).sum().clamp(min=1).float()
+                losses.append(self.loss.lm_loss(x, labels, num_items_in_batch=tokens))
+        return {"loss": self._batch_loss(losses, 1.0, device),
+                "outputs": x if self.has_last and return_outputs else None}
+
+    def _send(self, x: torch.Tensor, stage_rank: int) -> None:
+        """An activation to the pipeline rank `stage_rank`: its shape and dtype first, then the data."""
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(f"pipeline evaluation sends activations of at most {_MAX_DIMS} dimensions, got {x.dim()}")
+        header = [x.dim(), _DTYPES.index(x.dtype), *x.shape] + [0] * (_MAX_DIMS - x.dim())
+        dst = dist.get_global_rank(self.group, stage_rank)
+        with collective("pp.eval_send"):
+            dist.send(torch.tensor(header, dtype=torch.long, device=x.device), dst=dst, group=self.group)
+            dist.send(x.contiguous(), dst=dst, group=self.group)
+
+    def _receive(self, stage_rank: int, device) -> torch.Tensor:
+        src = dist.get_global_rank(self.group, stage_rank)
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.long, device=device)
+        with collective("pp.eval_receive"):
+            dist.recv(header, src=src, group=self.group)
+            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+            x = torch.empty(header[2:2 + ndim].tolist(), dtype=dtype, device=device)
+            dist.recv(x, src=src, group=self.group)
+        return x
+
+    def _batch_loss(self, losses: list[torch.Tensor], loss_scale: float, device) -> torch.Tensor:
+        """The batch's loss (the sum of the last stage's microbatch losses), on every pipeline rank."""
         value = torch.zeros(1, dtype=torch.float32, device=device)
         if self.has_last:
             value += sum(float(x.detach()) for x in losses) / loss_scale
         if dist.get_world_size(self.group) > 1:
             with collective("pp.broadcast_loss"):
                 dist.broadcast(value, src=self.last_rank, group=self.group)
-        return {"loss": value[0], "outputs": outputs if self.has_last and return_outputs else None}
+        return value[0]
 
 
 class PipelineModel(nn.Module):

@@ -11,11 +11,12 @@ resume, logging, metrics, wandb, throughput/MFU and the loss plot. See docs/trai
 from phalanx.train.config import TrainConfig
 from phalanx.train.data import default_collate
 from phalanx.train.ema import EMA
-from phalanx.train.evaluate import causal_lm_eval
+from phalanx.train.evaluate import causal_lm_eval, data_replica, eval_loss_sum
 from phalanx.train.losses import CausalLMLoss
 from phalanx.train.loop import NonFiniteLossError, TrainHook, fit
 from phalanx.train.optim import build_lr_scheduler, build_optimizer, warmup_cosine
 from phalanx.train.result import TrainResult
 
-__all__ = ["TrainConfig", "fit", "TrainResult", "CausalLMLoss", "causal_lm_eval", "default_collate",
+__all__ = ["TrainConfig", "fit", "TrainResult", "CausalLMLoss", "causal_lm_eval", "eval_loss_sum", "data_replica",
+           "default_collate",
            "NonFiniteLossError", "TrainHook", "EMA", "build_optimizer", "build_lr_scheduler", "warmup_cosine"]

@@ -2,9 +2,15 @@
 
     fit(cfg, model, train_set, eval_fn=causal_lm_eval(val_set, batch_size=8))
 
-`causal_lm_eval`: mean next-token loss and perplexity on held-out data. Each data-parallel rank
-evaluates every world-size-th batch and the sums are all-reduced, so the result is the
-token-weighted mean over the whole eval set, whatever the number of ranks.
+`causal_lm_eval`: mean next-token loss and perplexity on held-out data. Each data replica
+evaluates every dp-size-th batch and the sums are all-reduced, so the result is the
+token-weighted mean over the whole eval set, whatever the number of ranks and the layout.
+
+`eval_loss_sum(model, batch)` scores one batch under any plugin: the fused head loss for
+data-parallel plugins, the model's own (vocabulary-parallel) loss for tensor/sequence-parallel
+models, and a forward-only pipeline schedule for pipelined ones (every rank of a pipeline calls
+it with the same batch; each gets the batch's loss). `data_replica(model)` says which batches a
+rank should take: tensor, sequence and pipeline peers must score the same ones.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from phalanx.train.data import default_collate
-from phalanx.train.losses import IGNORE_INDEX, causal_lm_loss_sum, next_token_targets
+from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, causal_lm_loss_sum, next_token_targets
 
 
 def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | None = None,
@@ -31,24 +37,59 @@ def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | Non
 
     @torch.no_grad()
     def eval_fn(model: nn.Module, step: int) -> dict[str, float]:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        replica, replicas = data_replica(model)
         world = dist.get_world_size() if dist.is_initialized() else 1
         device = next(model.parameters()).device
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         for i, batch in enumerate(loader):
             if max_batches is not None and i >= max_batches:
                 break
-            if i % world != rank:
+            if i % replicas != replica:
                 continue
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            totals[0] += causal_lm_loss_sum(model, batch, ignore_index=ignore_index).double()
+            totals[0] += eval_loss_sum(model, batch, ignore_index=ignore_index).double()
             totals[1] += (next_token_targets(batch, ignore_index) != ignore_index).sum()
         if world > 1:
             dist.all_reduce(totals)
+            totals /= world // replicas  # every rank of a replica counted the same batches
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(totals[1].item())}
 
     return eval_fn
+
+
+def data_replica(model: nn.Module) -> tuple[int, int]:
+    """(this rank's data replica, number of replicas): the data-parallel rank and size under the
+    hybrid plugin, the global rank and world size otherwise."""
+    marked = getattr(model, "phalanx_data_replica", None)
+    if marked is not None:
+        return marked
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@torch.no_grad()
+def eval_loss_sum(model: nn.Module, batch: Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Sum of the batch's next-token losses (fp32 scalar) under the user's (boosted) causal LM,
+    whatever the plugin (see the module doc). Padding: an attention_mask with zeros only at the
+    end of rows (right padding) is turned into ignored labels for a pipeline."""
+    labels = causal_lm_labels(batch, ignore_index)
+    runner = getattr(model, "phalanx_pipeline", None)
+    boosted = getattr(model, "phalanx_boosted", None)  # set by the hybrid plugin
+    if runner is None and boosted is None:
+        return causal_lm_loss_sum(model, batch, ignore_index=ignore_index)
+    targets = (labels[:, 1:] != ignore_index).sum()
+    if runner is not None:
+        mask = batch.get("attention_mask")
+        if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError("a pipeline evaluates without an attention_mask, so padding must be at the end of rows "
+                             "(right padding, ignored through the labels); this batch has padding before real tokens")
+        mean = runner.evaluate(batch["input_ids"], labels)["loss"]
+    else:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        mean = boosted(**inputs, labels=labels, use_cache=False).loss
+    return mean.float() * targets
 
 
 @contextlib.contextmanager

@@ -95,7 +95,9 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
         boosted model (call it like the original). Default: next-token loss of a causal LM through
         the fused linear + cross-entropy kernel, batch {"input_ids", "labels"?, "attention_mask"?}.
     eval_fn: eval_fn(model, step) -> {name: number}, given the original model in eval mode under
-        no_grad, every `eval_every` steps and at the end. See `phalanx.train.causal_lm_eval`.
+        no_grad, every `eval_every` steps and at the end. See `phalanx.train.causal_lm_eval`; under
+        tensor, sequence or pipeline parallelism score batches with `phalanx.train.eval_loss_sum`
+        (a pipelined rank's model holds only its stages) and split them by `data_replica(model)`.
     flops_per_token: training FLOPs per token (or per sample when batches have no input_ids) for
         the MFU meter; default: estimated from a causal LM's config.
     tokenizer: optional; saved into every checkpoint's model/ directory.
@@ -113,7 +115,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     output_dir = Path(cfg.output_dir)
 
     # 1. Everything that can be wrong with the inputs fails here, before any file is touched.
-    _check_pipeline_options(cfg, loss_fn, eval_fn)
+    _check_pipeline_options(cfg, loss_fn)
     plugin = _make_plugin(cfg)
     # A tensor/sequence-parallel plugin installs a vocabulary-parallel loss in the model itself;
     # every other layout gets the fused head + cross-entropy wrapper.
@@ -292,7 +294,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
 # ---------------------------------------------------------------------------------------------
 # Helpers of the loop above.
 
-def _check_pipeline_options(cfg: TrainConfig, loss_fn, eval_fn) -> None:
+def _check_pipeline_options(cfg: TrainConfig, loss_fn) -> None:
     """What a pipelined model (hybrid pp_size > 1) cannot do in fit, refused before any work."""
     pp_size = cfg.pp_size
     if pp_size == 1:
@@ -304,9 +306,6 @@ def _check_pipeline_options(cfg: TrainConfig, loss_fn, eval_fn) -> None:
     if loss_fn is not None:
         problems.append("loss_fn: a pipeline trains with the built-in causal-LM loss (or call "
                         "booster.execute_pipeline with a criterion yourself)")
-    if eval_fn is not None:
-        problems.append("eval_fn: each rank holds only its stages of the model; pass no eval_fn and evaluate "
-                        "a saved checkpoint instead")
     if problems:
         raise ConfigError(f"train config with plugin 'hybrid' and pp_size={pp_size}: " + "; ".join(problems))
 

@@ -98,27 +98,42 @@ def test_generate_prints_samples_from_the_latest_checkpoint(trained, capsys):
     assert printed.startswith("--- 春风\n春风") and len(printed.splitlines()) >= 2
 
 
-def _plugin_ranks(overrides: list[str], plugins: list[str], out_dir: str) -> dict:
+# name: overrides of one 2-rank layout (the hybrid ones: tensor parallel, and a pipeline whose
+# evaluation runs forward-only through the stages)
+LAYOUTS = {
+    "ddp": ["train.plugin=ddp"], "fsdp": ["train.plugin=fsdp"], "zero1": ["train.plugin=zero1"],
+    "tp2": ["train.plugin=hybrid", "train.plugin_options={tp_size: 2}", "train.micro_batch_size=8"],
+    "pp2": ["train.plugin=hybrid", "train.plugin_options={pp_size: 2, num_microbatches: 2}",
+            "train.micro_batch_size=8"],
+}
+
+
+def _plugin_ranks(overrides: list[str], layouts: dict[str, list[str]], out_dir: str) -> dict:
     from apps.llama.config import load_recipe
     from apps.llama.pretrain import pretrain
 
     out = {}
-    for plugin in plugins:
-        cfg = load_recipe(TINY, overrides + [f"train.plugin={plugin}", f"train.output_dir={out_dir}/{plugin}"])
+    for name, extra in layouts.items():
+        cfg = load_recipe(TINY, overrides + extra + [f"train.output_dir={out_dir}/{name}"])
         result = pretrain(cfg)
-        out[plugin] = {"losses": result.losses, "eval": result.last_eval}
+        out[name] = {"losses": result.losses, "eval": result.last_eval}
     return out
 
 
 def test_every_plugin_trains_and_evaluates(tiny_run, tmp_path):
-    """ddp, FSDP2 and ZeRO-1 on 2 ranks: the recipe's eval (every rank scores the same chunks)
-    works under each layout and the loss falls."""
+    """ddp, FSDP2, ZeRO-1, tp2 and pp2 on 2 ranks (global batch 8 everywhere): the recipe's eval
+    (every rank scores the same chunks) works under each layout, gives every rank the same numbers
+    and, under tensor and pipeline parallelism, DDP's; the loss falls."""
     from phalanx.testing import spawn
 
     cfg, _ = tiny_run
     overrides = [f"work_dir={cfg.work_dir}", *TRAIN_OVERRIDES, "train.max_steps=4", "train.eval_every=2",
                  "train.save_every=0", "eval.max_chars_per_category=300"]
-    results = spawn(_plugin_ranks, 2, overrides, ["ddp", "fsdp", "zero1"], str(tmp_path), timeout=600)
-    for plugin, r in results[0].items():
-        assert r["losses"][-1] < r["losses"][0], (plugin, r["losses"])
-        assert r["eval"]["zh/bpc"] > 0 and r["eval"] == results[1][plugin]["eval"], plugin
+    results = spawn(_plugin_ranks, 2, overrides, LAYOUTS, str(tmp_path), timeout=600)
+    ddp = results[0]["ddp"]
+    for name, r in results[0].items():
+        assert r["losses"][-1] < r["losses"][0], (name, r["losses"])
+        assert r["eval"]["zh/bpc"] > 0 and r["eval"] == results[1][name]["eval"], name
+        if name in ("tp2", "pp2"):  # the same global batches as DDP's 2 x 4
+            for key, value in ddp["eval"].items():
+                assert abs(r["eval"][key] - value) <= 1e-4 * abs(value), (name, key, r["eval"][key], value)

@@ -246,6 +246,7 @@ class HybridParallelPlugin(Plugin):
             model.loss_function = CausalLMLoss(head, self.tp_group, seq_group)
         self._sync_replicas(model, plan)
         wrapper = ModelWrapper(HybridModel(model, plan, seq, self.tp_group), model)
+        self._mark_for_evaluation(model, wrapper)
         object.__setattr__(wrapper, "phalanx_plan", plan)
         object.__setattr__(wrapper, "_names_before_sharding", names_before)
         log.info("%s: %s", self.describe(), policy.family)
@@ -278,12 +279,25 @@ class HybridParallelPlugin(Plugin):
         runner = PipelineRunner(stages, layout, pp_group=self.pp_group, microbatches=self.num_microbatches,
                                 device=self.device, lm_loss=CausalLMLoss(head, self.tp_group))
         wrapper = ModelWrapper(PipelineModel(stages), model)
+        self._mark_for_evaluation(model, wrapper, runner)
         for key, value in (("phalanx_plan", plan), ("_names_before_sharding", names_before),
                            ("phalanx_pipeline", runner), ("_pp_aliases", aliases), ("_pp_tied", tied)):
             object.__setattr__(wrapper, key, value)
         log.info("%s: %s, stages %s on this rank (layers %s)", self.describe(), policy.family,
                  [s.index for s in stages], [s.layer_ids for s in stages])
         return wrapper
+
+    def _mark_for_evaluation(self, model: nn.Module, wrapper: ModelWrapper, runner: PipelineRunner | None = None) -> None:
+        """Tell evaluation code (`phalanx.train.eval_loss_sum`, `causal_lm_eval`) how to score the
+        user's model: which data replica this rank is (tensor, sequence and pipeline peers must see
+        the same batches), the boosted model to call (it cuts batches into sequence shards), whose
+        forward computes the (vocabulary-parallel) loss from labels, and, with pp, the pipeline
+        runner that holds the stages this rank's trimmed model lacks. (Plain attributes, not
+        submodules: the boosted model holds the user's model.)"""
+        object.__setattr__(model, "phalanx_data_replica", (self.dp_rank, self.dp_size))
+        object.__setattr__(model, "phalanx_boosted", wrapper)
+        if runner is not None:
+            object.__setattr__(model, "phalanx_pipeline", runner)
 
     def _sync_replicas(self, model: nn.Module, plan: TPPlan) -> None:
         """Start every replica from the same values: replicated pieces from the first tp rank, all
@@ -343,16 +357,19 @@ class HybridParallelPlugin(Plugin):
         return optimizer.clip_grad_norm(max_norm)
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion=None, optimizer=None, *,
-                         return_outputs: bool = False, loss_weight: float = 1.0) -> dict:
+                         return_outputs: bool = False, loss_weight: float = 1.0, forward_only: bool = False) -> dict:
         """One batch through the schedule (see `Booster.execute_pipeline`); `loss_weight` multiplies
         the gradients, not the returned loss (phalanx.train's token weighting). Microbatches accumulate
         locally; then the tied embedding copies and the tensor-parallel partial gradients are
-        summed and ZeRO reduces once, as after one ordinary backward."""
+        summed and ZeRO reduces once, as after one ordinary backward. `forward_only`: the loss
+        (and logits) of the batch without a backward, for evaluation."""
         runner = getattr(model, "phalanx_pipeline", None)
         if runner is None:
             raise ValueError("execute_pipeline needs a model boosted with HybridParallelPlugin(pp_size>1); "
                              "with pp_size=1 call the model and booster.backward")
         input_ids, labels = batch_tensors(next(data_iter))
+        if forward_only:
+            return runner.evaluate(input_ids, labels, criterion=criterion, return_outputs=return_outputs)
         optimizer = optimizer or getattr(model, "phalanx_optimizer", None)
         scaler = getattr(optimizer, "scaler", None)
         scale = (scaler.scale if scaler is not None and scaler.enabled else 1.0) * loss_weight
