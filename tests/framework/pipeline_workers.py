@@ -107,6 +107,15 @@ def error_suite() -> dict:
         model(input_ids=batch)
     except RuntimeError as exc:
         out["forward"] = str(exc)
+    from phalanx.booster import unwrap_model
+    from phalanx.train import eval_loss_sum
+
+    mask = torch.ones_like(batch)
+    mask[0, :2] = 0  # left padding: a pipeline evaluates without a mask, so it must refuse it
+    try:
+        eval_loss_sum(unwrap_model(model), {"input_ids": batch, "attention_mask": mask})
+    except ValueError as exc:
+        out["left_padding"] = str(exc)
     return out
 
 

@@ -106,6 +106,7 @@ def test_impossible_layouts_stop_before_work():
         "too_many_stages": "pp_size × virtual stages = 2 × 4 = 8 pipeline stages but the model has only 4",
         "batch": "3 % 2 = 1",
         "forward": "booster.execute_pipeline",
+        "left_padding": "padding must be at the end of rows",
     }
     for key, text in expected.items():
         assert text in r[key], f"{key}: {r[key]!r} does not say {text!r}"

@@ -41,10 +41,18 @@ class PrefillSegment:
     end: int
     context_len: int  # tokens visible to the segment's last query (cached prefix + segment)
     block_table: torch.Tensor | None  # None when the segment is a whole fresh prompt
+    _masks: dict = field(default_factory=dict)
 
     @property
     def fresh(self) -> bool:
         return self.block_table is None
+
+    def window_mask(self, window: int, device) -> torch.Tensor:
+        """[n, context] boolean mask of a sliding window (built once per step and window, shared by
+        all layers)."""
+        if window not in self._masks:
+            self._masks[window] = _window_mask(self.end - self.start, self.context_len, window, device)
+        return self._masks[window]
 
 
 @dataclass
@@ -152,7 +160,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=gqa)
         out[rows] = ob.transpose(1, 2).reshape(g.num_seqs * g.q_len, *q.shape[1:])
     for seg in batch.prefills:
-        n = seg.end - seg.start
         qs = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if seg.fresh:
             ks = k[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
@@ -161,7 +168,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ks = _gather(k_cache, seg.block_table)[:, :seg.context_len].unsqueeze(0)
             vs = _gather(v_cache, seg.block_table)[:, :seg.context_len].unsqueeze(0)
         if sliding_window is not None and seg.context_len > sliding_window:
-            mask = _window_mask(n, seg.context_len, sliding_window, q.device)
+            mask = seg.window_mask(sliding_window, q.device)
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
         else:
             os_ = flash_attention(qs, ks, vs, causal=True)

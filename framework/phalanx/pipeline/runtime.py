@@ -88,7 +88,6 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.loss = _MicrobatchLoss(lm_loss, microbatches)
         self.busy = _Busy()
-        self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of(layout.num_stages - 1))
         self.pipeline_stages = [PipelineStage(s, s.index, layout.num_stages, device, group=pp_group) for s in stages]

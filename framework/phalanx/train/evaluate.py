@@ -8,7 +8,7 @@ token-weighted mean over the whole eval set, whatever the number of ranks and th
 
 `eval_loss_sum(model, batch)` scores one batch under any plugin: the fused head loss for
 data-parallel plugins, the model's own (vocabulary-parallel) loss for tensor/sequence-parallel
-models, and a forward-only pipeline schedule for pipelined ones (every rank of a pipeline calls
+models, and a forward-only pass through the stages for pipelined ones (every rank of a pipeline calls
 it with the same batch; each gets the batch's loss). `data_replica(model)` says which batches a
 rank should take: tensor, sequence and pipeline peers must score the same ones.
 """
@@ -80,6 +80,8 @@ def eval_loss_sum(model: nn.Module, batch: Mapping[str, Any], *, ignore_index: i
     if runner is None and boosted is None:
         return causal_lm_loss_sum(model, batch, ignore_index=ignore_index)
     targets = (labels[:, 1:] != ignore_index).sum()
+    if int(targets) == 0:  # the same batch on every peer, so all of them skip it together
+        return torch.zeros((), dtype=torch.float32, device=labels.device)
     if runner is not None:
         mask = batch.get("attention_mask")
         if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
