@@ -142,6 +142,7 @@ class RecipeConfig:
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> RecipeConfig:
     cfg = load_config(RecipeConfig, resolve(path) if path is not None else None, overrides)
     cfg.train.output_dir = str(resolve(cfg.train.output_dir))
+    cfg.train.eval_every = cfg.validation.every  # the loop's eval is the validation grid
     cfg.validate()
     return cfg
 

@@ -111,7 +111,6 @@ def train(cfg: RecipeConfig):
     ema = make_ema(cfg)
     eval_fn = validation_eval_fn(parts, cfg.validation, cfg.dreambooth.validation_prompts, Path(cfg.train.output_dir),
                                  None, ema, cfg.train.wandb)
-    cfg.train.eval_every = cfg.validation.every
     result = fit(cfg.train, model, dataset, collate_fn=collate_prior, loss_fn=diffusion_loss, eval_fn=eval_fn,
                  tokenizer=parts.tokenizer, hooks=[ema] if ema else [])
     out = export(cfg, result.checkpoint_dir) if is_main() else None

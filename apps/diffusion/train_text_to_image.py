@@ -49,7 +49,6 @@ def train(cfg: RecipeConfig):
     val_batch = {"latents": dataset.latents[:n], "prompt_ids": dataset.prompt_ids[:n]}
     eval_fn = validation_eval_fn(parts, cfg.validation, cfg.validation.prompts, Path(cfg.train.output_dir),
                                  val_batch, ema, cfg.train.wandb)
-    cfg.train.eval_every = cfg.validation.every
     result = fit(cfg.train, model, dataset, loss_fn=diffusion_loss, eval_fn=eval_fn, tokenizer=parts.tokenizer,
                  hooks=[ema] if ema else [])
     final = None
