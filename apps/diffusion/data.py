@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
+
+from phalanx.launch import barrier
+from phalanx.observe import is_main_process
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -81,15 +83,14 @@ def cached_latents(vae, paths: list[Path], resolution: int, cache_dir: Path, bac
     key = hashlib.sha256(json.dumps([[str(p) for p in paths], resolution, list(background),
                                      type(vae).__name__, _weights_fingerprint(vae)]).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"latents-{resolution}px-{key}.safetensors"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_main_process()
     if rank0 and not path.is_file():
         latents = encode_images(vae, paths, resolution, background)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         save_file({"latents": latents.contiguous()}, str(tmp))
         tmp.replace(path)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
     return load_file(str(path))["latents"]
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from phalanx.observe import is_main_process
 from phalanx.train import EMA
 
 from .components import Components, load_components, make_pipeline, save_pipeline
@@ -18,10 +18,6 @@ CACHE_DIR = "cache"
 
 def cache_dir(cfg: RecipeConfig) -> Path:
     return resolve(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.train.output_dir) / CACHE_DIR
-
-
-def is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def latent_scaling_factor(cfg: RecipeConfig, parts: Components, latents: torch.Tensor) -> float:
@@ -51,6 +47,21 @@ def build_train_model(cfg: RecipeConfig, parts: Components, prior_loss_weight: f
 
 def make_ema(cfg: RecipeConfig) -> EMA | None:
     return EMA(decay=cfg.ema.decay, warmup=cfg.ema.warmup) if cfg.ema.enabled else None
+
+
+def fit_with_validation(cfg: RecipeConfig, parts: Components, model, dataset, prompts: list[str],
+                        val_batch: dict | None = None, collate_fn=None):
+    """`phalanx.train.fit` with the EMA hook (when enabled) and the validation grid as eval."""
+    from phalanx.train import fit
+
+    from .loss import diffusion_loss
+    from .validation import validation_eval_fn
+
+    ema = make_ema(cfg)
+    eval_fn = validation_eval_fn(parts, cfg.validation, prompts, Path(cfg.train.output_dir), val_batch, ema,
+                                 cfg.train.wandb)
+    return fit(cfg.train, model, dataset, collate_fn=collate_fn, loss_fn=diffusion_loss, eval_fn=eval_fn,
+               tokenizer=parts.tokenizer, hooks=[ema] if ema else [])
 
 
 def load_trained_weights(model: torch.nn.Module, checkpoint_dir: Path, with_ema: bool) -> None:
@@ -85,7 +96,7 @@ SCALE_FILE = "latent_scaling_factor.txt"
 
 
 def record_scaling_factor(output_dir: Path, factor: float) -> None:
-    if is_main():
+    if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / SCALE_FILE).write_text(repr(factor))
 
@@ -106,7 +117,7 @@ def run_script(description: str, train_fn, argv: list[str] | None = None) -> Non
     launch(seed=cfg.train.seed)
     try:
         result, _ = train_fn(cfg)
-        if is_main() and result.losses:
+        if is_main_process() and result.losses:
             print(f"done at step {result.final_step}: loss {result.losses[0]:.4f} (first step) -> "
                   f"{result.losses[-1]:.4f} (last); eval {result.last_eval}")
     finally:

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch.distributed as dist
+
+from phalanx.launch import barrier
+from phalanx.observe import is_main_process
 
 from .components import load_components, make_pipeline, save_pipeline
 from .config import RecipeConfig, resolve
 from .data import LatentCaptionDataset, PriorPreservationDataset, cached_latents, collate_prior, image_files, tokenize
 from .lora import add_lora, save_lora
-from .loss import diffusion_loss
-from .recipe import (build_train_model, cache_dir, is_main, latent_scaling_factor, load_trained_weights, make_ema,
+from .recipe import (build_train_model, cache_dir, fit_with_validation, latent_scaling_factor, load_trained_weights,
                      record_scaling_factor, run_script, saved_scaling_factor)
-from .validation import generate, validation_eval_fn
+from .validation import generate
 
 LORA_DIR = "lora"
 
@@ -33,7 +34,7 @@ def class_images(cfg: RecipeConfig, parts) -> list[Path]:
     db = cfg.dreambooth
     folder = resolve(db.class_dir) if db.class_dir else Path(cfg.train.output_dir) / "class_images"
     have = sorted(folder.glob("*.png")) if folder.is_dir() else []
-    if is_main() and len(have) < db.num_class_images:
+    if is_main_process() and len(have) < db.num_class_images:
         folder.mkdir(parents=True, exist_ok=True)
         vcfg = cfg.validation
         steps = type(vcfg)(**{**vcfg.__dict__, "num_inference_steps": db.class_generation_steps})
@@ -41,8 +42,7 @@ def class_images(cfg: RecipeConfig, parts) -> list[Path]:
             image = generate(parts, [db.class_prompt], steps, seed=10_000 + i)[0]
             image.save(folder / f"{i:04d}.png")
         print(f"generated {db.num_class_images - len(have)} class images for {db.class_prompt!r} in {folder}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
     return sorted(folder.glob("*.png"))[: db.num_class_images]
 
 
@@ -99,7 +99,6 @@ def export(cfg: RecipeConfig, checkpoint_dir: Path) -> Path:
 
 def train(cfg: RecipeConfig):
     from phalanx.launch import seed_everything
-    from phalanx.train import fit
 
     if not (cfg.model.init_from or cfg.model.pretrained_dir):
         raise ValueError("DreamBooth fine-tunes an existing pipeline: set model.init_from (e.g. the tiny_emoji run's "
@@ -108,12 +107,9 @@ def train(cfg: RecipeConfig):
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
     dataset = prepare_dataset(cfg, parts)
     model = dreambooth_model(cfg, parts)
-    ema = make_ema(cfg)
-    eval_fn = validation_eval_fn(parts, cfg.validation, cfg.dreambooth.validation_prompts, Path(cfg.train.output_dir),
-                                 None, ema, cfg.train.wandb)
-    result = fit(cfg.train, model, dataset, collate_fn=collate_prior, loss_fn=diffusion_loss, eval_fn=eval_fn,
-                 tokenizer=parts.tokenizer, hooks=[ema] if ema else [])
-    out = export(cfg, result.checkpoint_dir) if is_main() else None
+    result = fit_with_validation(cfg, parts, model, dataset, cfg.dreambooth.validation_prompts,
+                                 collate_fn=collate_prior)
+    out = export(cfg, result.checkpoint_dir) if is_main_process() else None
     if out is not None:
         print(f"saved {out}")
     return result, out

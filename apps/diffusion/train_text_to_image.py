@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from phalanx.observe import is_main_process
+
 from .components import load_components
 from .config import RecipeConfig, resolve
 from .data import LatentCaptionDataset, cached_latents, read_captioned_folder, tokenize
-from .loss import diffusion_loss
-from .recipe import (build_train_model, cache_dir, export_pipeline, is_main, latent_scaling_factor, make_ema,
+from .recipe import (build_train_model, cache_dir, export_pipeline, fit_with_validation, latent_scaling_factor,
                      record_scaling_factor, run_script)
-from .validation import validation_eval_fn
 
 VAL_SAMPLES = 16
 
@@ -37,22 +37,17 @@ def prepare_dataset(cfg: RecipeConfig, parts) -> LatentCaptionDataset:
 def train(cfg: RecipeConfig):
     """Train as `cfg` says; returns (TrainResult, path of the saved pipeline or None off rank 0)."""
     from phalanx.launch import seed_everything
-    from phalanx.train import fit
 
     t0 = time.perf_counter()
     seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
     dataset = prepare_dataset(cfg, parts)
     model = build_train_model(cfg, parts)
-    ema = make_ema(cfg)
     n = min(VAL_SAMPLES, len(dataset))
     val_batch = {"latents": dataset.latents[:n], "prompt_ids": dataset.prompt_ids[:n]}
-    eval_fn = validation_eval_fn(parts, cfg.validation, cfg.validation.prompts, Path(cfg.train.output_dir),
-                                 val_batch, ema, cfg.train.wandb)
-    result = fit(cfg.train, model, dataset, loss_fn=diffusion_loss, eval_fn=eval_fn, tokenizer=parts.tokenizer,
-                 hooks=[ema] if ema else [])
+    result = fit_with_validation(cfg, parts, model, dataset, cfg.validation.prompts, val_batch)
     final = None
-    if is_main():
+    if is_main_process():
         final = export_pipeline(cfg, result.checkpoint_dir, cfg.final_path)
         print(f"pipeline saved to {final} ({time.perf_counter() - t0:.0f} s in all)")
     return result, final

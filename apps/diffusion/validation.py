@@ -10,8 +10,9 @@ import contextlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from phalanx.observe import is_main_process
 
 from .components import Components, make_pipeline
 from .config import ValidationConfig
@@ -64,7 +65,7 @@ def validation_eval_fn(parts: Components, vcfg: ValidationConfig, prompts: list[
                 metrics["loss"] = fixed_noise_loss(model, val_batch, model.ncfg.num_train_timesteps)
             with root_unsharded(model):  # after the loss: the root's forward reshards at its end
                 images = generate(parts, prompts, vcfg) if prompts else []
-        if images and (not dist.is_initialized() or dist.get_rank() == 0):
+        if images and is_main_process():
             path = save_grid(images, prompts, output_dir / "validation" / f"step-{step:06d}.png")
             if use_wandb:
                 _wandb_image(path, step)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.booster import unwrap_model
+from phalanx.train.data import pad_rows
 
 LN2 = math.log(2.0)
 
@@ -121,20 +122,10 @@ def _batches(order: list[int], chunks: list[Chunk], batch_size: int, by_category
         yield batch
 
 
-def _right_padded(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, :len(s)] = torch.tensor(s)
-        mask[r, :len(s)] = 1
-    return ids, mask
-
-
 def _batch_nll_rows(model, seqs, batch, pad_id, autocast_bf16):
     """(chunk index, summed NLL in nats, target tokens) per row, the loss in fp32 row by row."""
     device = next(model.parameters()).device
-    ids, mask = (t.to(device) for t in _right_padded(seqs, pad_id))
+    ids, mask = (t.to(device) for t in pad_rows(seqs, pad_id))
     head = model.get_output_embeddings()
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
@@ -151,7 +142,7 @@ def _batch_nll_sharded(model, seqs, batch, pad_id, autocast_bf16):
     from phalanx.train import eval_loss_sum
 
     device = next(model.parameters()).device
-    ids, mask = _right_padded(seqs, pad_id)
+    ids, mask = pad_rows(seqs, pad_id)
     labels = ids.masked_fill(mask == 0, -100)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
         loss = eval_loss_sum(model, {"input_ids": ids.to(device), "labels": labels.to(device)})

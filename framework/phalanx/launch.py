@@ -122,6 +122,12 @@ def context() -> DistContext:
     return _CONTEXT
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for with one rank or no process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def shutdown() -> None:
     """Destroy the process group (call at the end of a script; safe to call twice)."""
     global _CONTEXT

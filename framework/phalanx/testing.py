@@ -133,10 +133,6 @@ def tiny_llama(seed: int = 0, **overrides: Any):
 def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token-id prompts left-padded to one width: how Hugging Face
     `generate` takes a batch (the baseline of the inference tests and bench/inference.py)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
+    from phalanx.train.data import pad_rows
+
+    return pad_rows(prompts, pad_id, side="left")

@@ -73,8 +73,8 @@ def test_fit_runs_every_plugin_to_the_same_result(first_session):
 
 def test_fit_through_hybrid_layouts_matches_ddp(tmp_path):
     """fit with plugin="hybrid": tensor parallel (vocabulary-parallel loss inside the model),
-    pipeline (one execute_pipeline per step, gradients weighted by each rank's tokens; forward-only
-    schedule for eval), Ulysses sequence parallel and ZeRO-1 data parallel give DDP's losses,
+    pipeline (one execute_pipeline per step, gradients weighted by each rank's tokens; a forward-only
+    pass for eval), Ulysses sequence parallel and ZeRO-1 data parallel give DDP's losses,
     weights and held-out eval on the same data."""
     results = spawn(th.rank_hybrid_layouts, 2, str(tmp_path), th.HYBRID_LAYOUTS, timeout=600)[0]
     references = {padded: results.pop(f"ddp-{'padded' if padded else 'packed'}") for padded in (True, False)}

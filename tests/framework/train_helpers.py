@@ -118,8 +118,8 @@ HYBRID_LAYOUTS = {  # name: (plugin options, padded data?)
 def rank_hybrid_layouts(output_root: str, layouts: dict, steps: int = 4):
     """fit through HybridParallelPlugin layouts on 2 ranks, and DDP on the same global batch of 8
     (padded data has uneven target tokens, so the weighting across ranks and microbatches matters),
-    with a held-out eval of 10 samples in batches of 3 (uneven; a pipeline pads 3 and 1 rows up
-    to its 2 microbatches) at steps 2 and 4."""
+    with a held-out eval of 10 samples in batches of 3 (uneven: 3, 3, 3, 1 rows, none a multiple of
+    the pipeline's 2 microbatches) at steps 2 and 4."""
     from phalanx.train import causal_lm_eval, fit
 
     out = {}

@@ -20,6 +20,8 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from phalanx.launch import barrier
+
 MANIFEST = "manifest.json"
 
 
@@ -85,11 +87,6 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 @contextlib.contextmanager
 def atomic_directory(path: str | Path, manifest_extra: dict | None = None) -> Iterator[Path]:
     """All ranks write into the yielded temporary directory; it becomes `path` atomically."""
@@ -101,14 +98,14 @@ def atomic_directory(path: str | Path, manifest_extra: dict | None = None) -> It
     if _is_main():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir(parents=True, exist_ok=False)
-    _barrier()
+    barrier()
     try:
         yield tmp
     except BaseException:
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _barrier()
+    barrier()
     if _is_main():
         write_manifest(tmp, manifest_extra)
         old = None
@@ -118,4 +115,4 @@ def atomic_directory(path: str | Path, manifest_extra: dict | None = None) -> It
         tmp.replace(path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()

@@ -14,11 +14,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from phalanx.checkpoint.train_state import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+from phalanx.launch import barrier
 
 
 def _from_rank0(value):
@@ -52,7 +48,7 @@ def remove_partial_saves(output_dir: str | Path) -> list[Path]:
             for path in sorted(root.glob("step-*.tmp-*")):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-    _barrier()
+    barrier()
     return removed
 
 
@@ -65,7 +61,7 @@ def prune_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
         for _, path in found[:-keep_last]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-    _barrier()
+    barrier()
     return removed
 
 

@@ -60,7 +60,7 @@ class TrainConfig:
     @property
     def pp_size(self) -> int:
         """pp_size of a hybrid layout (1 without a pipeline): each rank then holds only its stages,
-        so fit takes no eval_fn and recipes evaluate saved checkpoints instead."""
+        so fit trains with the built-in loss and one micro-batch per step (the schedule accumulates)."""
         return int(self.plugin_options.get("pp_size", 1)) if self.plugin == "hybrid" else 1
 
     def validate(self) -> None:

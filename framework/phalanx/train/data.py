@@ -16,6 +16,21 @@ from torch.utils.data import DataLoader, IterableDataset
 from phalanx.data.sampler import ResumableDistributedSampler
 
 
+def pad_rows(rows: list[list[int]], pad_id: int = 0, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of token-id lists padded to one width, on the right (scoring,
+    training) or on the left (how Hugging Face `generate` takes a batch)."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side={side!r}: choose 'left' or 'right'")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        cols = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+        ids[i, cols] = torch.tensor(r, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
 def default_collate(samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Stack samples that are dicts of equal-shape tensors (or lists of numbers) into a batch."""
     first = samples[0]

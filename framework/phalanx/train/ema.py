@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+
+from phalanx.observe import is_main_process
 
 EMA_FILE = "ema.safetensors"
 
@@ -68,7 +69,7 @@ class EMA:
     def bind(self, model: nn.Module) -> "EMA":
         """Track `model`'s trainable parameters (the boosted model, or a plain one). The average
         starts at the current weights."""
-        from phalanx.booster.plugins.base import unwrap_model
+        from phalanx.booster import unwrap_model
 
         module = unwrap_model(model)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -119,7 +120,7 @@ class EMA:
     def save(self, directory: Path) -> None:
         """Write `directory/ema.safetensors` from rank 0 (every rank must call: FSDP gathers)."""
         state = self.full_state_dict()
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_main_process():
             directory.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(directory / EMA_FILE),
                       metadata={"num_updates": str(self.num_updates), "decay": str(self.decay)})
@@ -133,10 +134,10 @@ class EMA:
         from safetensors import safe_open
         with safe_open(str(path), "pt") as f:
             self.num_updates = int(f.metadata().get("num_updates", 0))
-        state = load_file(str(path))
-        missing = [n for n in self._names if n not in state]
-        if missing:
-            raise KeyError(f"{path} lacks EMA weights for {missing[:3]}: it belongs to a different model")
+            missing = [n for n in self._names if n not in set(f.keys())]
+            if missing:
+                raise KeyError(f"{path} lacks EMA weights for {missing[:3]}: it belongs to a different model")
+            state = {n: f.get_tensor(n) for n in self._names}
         for n, s, p in zip(self._names, self._shadow, self._params):
             full = state[n].float()
             if hasattr(p, "to_local"):  # keep only this rank's shard of the full average

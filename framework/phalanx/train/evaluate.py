@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from phalanx.train.data import default_collate
-from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, causal_lm_loss_sum, next_token_targets
+from phalanx.train.losses import (IGNORE_INDEX, causal_lm_labels, causal_lm_loss_sum, count_target_tokens,
+                                  model_loss_sum, next_token_targets)
 
 
 def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | None = None,
@@ -74,24 +75,20 @@ def eval_loss_sum(model: nn.Module, batch: Mapping[str, Any], *, ignore_index: i
     """Sum of the batch's next-token losses (fp32 scalar) under the user's (boosted) causal LM,
     whatever the plugin (see the module doc). Padding: an attention_mask with zeros only at the
     end of rows (right padding) is turned into ignored labels for a pipeline."""
-    labels = causal_lm_labels(batch, ignore_index)
     runner = getattr(model, "phalanx_pipeline", None)
     boosted = getattr(model, "phalanx_boosted", None)  # set by the hybrid plugin
     if runner is None and boosted is None:
         return causal_lm_loss_sum(model, batch, ignore_index=ignore_index)
-    targets = (labels[:, 1:] != ignore_index).sum()
-    if int(targets) == 0:  # the same batch on every peer, so all of them skip it together
-        return torch.zeros((), dtype=torch.float32, device=labels.device)
-    if runner is not None:
-        mask = batch.get("attention_mask")
-        if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-            raise ValueError("a pipeline evaluates without an attention_mask, so padding must be at the end of rows "
-                             "(right padding, ignored through the labels); this batch has padding before real tokens")
-        mean = runner.evaluate(batch["input_ids"], labels)["loss"]
-    else:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        mean = boosted(**inputs, labels=labels, use_cache=False).loss
-    return mean.float() * targets
+    targets = count_target_tokens(batch, ignore_index)
+    if targets == 0:  # the same batch on every peer, so all of them skip it together
+        return torch.zeros((), dtype=torch.float32, device=batch["input_ids"].device)
+    if runner is None:
+        return model_loss_sum(boosted, batch, targets).float()
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError("a pipeline evaluates without an attention_mask, so padding must be at the end of rows "
+                         "(right padding, ignored through the labels); this batch has padding before real tokens")
+    return runner.evaluate(batch["input_ids"], causal_lm_labels(batch, ignore_index))["loss"].float() * targets
 
 
 @contextlib.contextmanager

@@ -44,6 +44,14 @@ def next_token_targets(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDE
     return F.pad(causal_lm_labels(batch, ignore_index)[:, 1:], (0, 1), value=ignore_index)
 
 
+def model_loss_sum(model: nn.Module, batch: Mapping[str, Any], targets: int) -> torch.Tensor:
+    """Sum of the batch's `targets` token losses from a model whose forward computes their mean from
+    `labels` (a tensor/sequence-parallel model: the hybrid plugin installs a vocabulary-parallel
+    loss in it)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    return model(**inputs, labels=causal_lm_labels(batch), use_cache=False).loss * targets
+
+
 def count_target_tokens(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> int:
     return int((next_token_targets(batch, ignore_index) != ignore_index).sum().item())
 

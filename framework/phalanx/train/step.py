@@ -19,7 +19,7 @@ from torch import nn
 
 from phalanx.booster import Booster
 from phalanx.observe import causal_lm_flops_per_token
-from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, count_target_tokens
+from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, count_target_tokens, model_loss_sum
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
 StepFlops = Callable[[list], float]
@@ -55,7 +55,7 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
                 if loss_fn is not None:
                     raw = loss_fn(model, batch)
                 elif model_computes_loss:
-                    raw = _model_loss_sum(model, batch, targets[i])
+                    raw = model_loss_sum(model, batch, targets[i])
                 else:
                     raw = model(**batch)
                 if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
@@ -69,13 +69,6 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
     total_loss, tokens, flops = (v / replicas for v in all_reduce_sum([loss_sum, float(local_tokens), local_flops],
                                                                       device))
     return total_loss / denominator, int(round(tokens)), (flops if step_flops is not None else None)
-
-
-def _model_loss_sum(model: nn.Module, batch: Mapping[str, Any], targets: int) -> torch.Tensor:
-    """Sum of the batch's `targets` token losses from a model whose forward computes their mean."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    out = model(**inputs, labels=causal_lm_labels(batch), use_cache=False)
-    return out.loss * targets
 
 
 def _pipeline_loss_sum(booster: Booster, model: nn.Module, optimizer: Any, micro: list[dict], targets: list[int],

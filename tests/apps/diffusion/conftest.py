@@ -2,15 +2,11 @@
 trained-for-2-steps pipeline shared by the tests of this folder."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from diffusion_tiny import tiny_config
-
-for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline")):
-    os.environ.setdefault(key, value)
 
 
 @pytest.fixture(scope="session")

@@ -58,24 +58,46 @@ def test_bad_decay_and_unbound_use_fail_clearly():
 
 
 def _ema_ranks(config: str, overrides: list[str]) -> dict:
-    """One rank: 2 steps of the tiny recipe with EMA; this rank's EMA and the weights it tracks."""
-    import torch.distributed as dist
-
+    """One rank: 2 steps of the tiny recipe with EMA. Returns this rank's own average (gathered
+    from its shards under FSDP) and the full weights it was updated from: at bind, then after each
+    step (recorded by the hook itself, on this rank, before anything is saved)."""
+    import apps.diffusion.recipe as recipe
     from apps.diffusion.config import load_recipe
     from apps.diffusion.train_text_to_image import train
+    from phalanx.train import EMA
 
-    cfg = load_recipe(config, overrides)
-    result, _ = train(cfg)
-    ema_file = result.checkpoint_dir / "ema" / "ema.safetensors"
-    from safetensors.torch import load_file
-    return {"rank": dist.get_rank(), "ema": load_file(str(ema_file)),
-            "model": load_file(str(result.checkpoint_dir / "model" / "model.safetensors"))}
+    seen: dict = {}
+
+    def full_weights(ema):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+                for n, p in zip(ema._names, ema._params)}
+
+    class RecordingEMA(EMA):
+        def bind(self, model):
+            out = super().bind(model)
+            seen["weights"], seen["decays"] = [full_weights(self)], []
+            return out
+
+        def update(self):
+            seen["decays"].append(self.current_decay())
+            super().update()
+            seen["weights"].append(full_weights(self))
+            seen["average"] = self.full_state_dict()  # a collective under FSDP: every rank updates
+
+    make_ema = recipe.make_ema
+    recipe.make_ema = lambda cfg: RecordingEMA(decay=cfg.ema.decay, warmup=cfg.ema.warmup)
+    try:
+        train(load_recipe(config, overrides))
+    finally:
+        recipe.make_ema = make_ema
+    return seen
 
 
 @pytest.mark.parametrize("plugin", ["zero2", "fsdp"])
 def test_ema_under_data_parallelism_tracks_the_synchronised_weights(tmp_path, plugin):
-    """2 ranks: after each step every rank holds the same weights, so the EMA (updated from them,
-    with no communication) is the same on both and follows the saved weights."""
+    """2 ranks: each rank's own average (FSDP: its shards, gathered) is exactly the running average
+    of the weights it saw at bind and after each step, and after each step every rank holds the
+    same weights, so the same average."""
     from phalanx.testing import spawn
 
     from diffusion_tiny import TINY, TINY_MODEL, TINY_RUN
@@ -84,12 +106,18 @@ def test_ema_under_data_parallelism_tracks_the_synchronised_weights(tmp_path, pl
                  "validation.prompts=[]", "ema.decay=0.5", "model.train_text_encoder=false",
                  f"train.output_dir={tmp_path}"]
     ranks = spawn(_ema_ranks, 2, str(TINY), overrides, timeout=300)
-    ema0, ema1 = ranks[0]["ema"], ranks[1]["ema"]
-    assert ema0.keys() == ema1.keys() and len(ema0) > 10
-    for k in ema0:
-        assert torch.equal(ema0[k], ema1[k]), f"EMA of {k} differs between ranks"
-    # EMA params are the trainable ones (the UNet); the frozen text encoder is not averaged.
-    assert all(k.startswith("unet.") for k in ema0)
-    model = ranks[0]["model"]
-    moved = [k for k in ema0 if not torch.equal(ema0[k], model[k])]
-    assert moved, "with decay 0.5 after 2 steps the average must lag the weights"
+    for r in ranks:
+        weights, decays, average = r["weights"], r["decays"], r["average"]
+        assert len(weights) == 3 and len(decays) == 2 and len(average) > 10
+        # EMA params are the trainable ones (the UNet); the frozen text encoder is not averaged.
+        assert all(k.startswith("unet.") for k in average)
+        assert any(not torch.equal(weights[2][k], weights[0][k]) for k in average), "training moved no weight"
+        for k in average:  # the running average of the weights this rank saw, lerp for lerp
+            expected = weights[0][k]
+            for decay, w in zip(decays, weights[1:]):
+                expected = expected.lerp(w[k], 1.0 - decay)
+            assert torch.equal(average[k], expected), f"EMA of {k} is not the average of the weights"
+    # every rank saw the same (synchronised) weights, so every rank holds the same average
+    for k in ranks[0]["average"]:
+        assert torch.equal(ranks[0]["average"][k], ranks[1]["average"][k]), f"EMA of {k} differs between ranks"
+        assert torch.equal(ranks[0]["weights"][2][k], ranks[1]["weights"][2][k]), k
