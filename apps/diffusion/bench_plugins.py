@@ -3,8 +3,8 @@
     python -m apps.diffusion.bench_plugins [--steps 15] [--rounds 2] [--plugins ddp zero2]
 
 Each (plugin, round) is a fresh 2-rank group (phalanx.testing.spawn, one thread per rank) that
-runs `train_text_to_image.train` on tiny_emoji.yaml for `--steps` steps (no validation images,
-no export), reusing the latent cache of the default run when it exists. Plugins alternate over
+runs `train_text_to_image.train` on tiny_emoji.yaml for `--steps` steps (no validation images;
+rank 0 saves the pipeline after the timed steps), reusing the latent cache of the default run when it exists. Plugins alternate over
 the rounds so load changes on a shared machine hit both. Reported: the best round's images/s
 (fit's throughput meter, the first step excluded by its window) and each rank's peak resident
 memory growth during training. Prints a table and a `BENCH_JSON {...}` line.

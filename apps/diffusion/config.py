@@ -121,7 +121,7 @@ class RecipeConfig:
         need(d.resolution % 8 == 0 and d.resolution >= 32, "data.resolution", d.resolution,
              "must be a multiple of 8 (the VAE downsamples 8x) and at least 32")
         down = 2 ** (len(m.unet_channels) - 1)
-        need(m.pretrained_dir is not None or (d.resolution // 8) % down == 0, "model.unet_channels", m.unet_channels,
+        need(m.pretrained_dir is not None or m.init_from is not None or (d.resolution // 8) % down == 0, "model.unet_channels", m.unet_channels,
              f"{len(m.unet_channels)} levels halve the {d.resolution // 8}px latent {len(m.unet_channels) - 1} times: "
              "use fewer levels or a larger data.resolution")
         need(all(c % m.unet_norm_groups == 0 for c in m.unet_channels), "model.unet_norm_groups", m.unet_norm_groups,

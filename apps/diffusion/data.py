@@ -140,6 +140,8 @@ class PriorPreservationDataset(Dataset):
 
 def collate_prior(samples: list[dict]) -> dict[str, torch.Tensor]:
     parts = [s["instance"] for s in samples] + [s["prior"] for s in samples if "prior" in s]
-    return {"latents": torch.stack([p["latents"] for p in parts]),
-            "prompt_ids": torch.stack([p["prompt_ids"] for p in parts]),
-            "is_prior": torch.tensor([False] * len(samples) + [True] * (len(parts) - len(samples)))}
+    batch = {"latents": torch.stack([p["latents"] for p in parts]),
+             "prompt_ids": torch.stack([p["prompt_ids"] for p in parts])}
+    if len(parts) > len(samples):  # no `is_prior` without class images: the loss then needs no split
+        batch["is_prior"] = torch.tensor([False] * len(samples) + [True] * (len(parts) - len(samples)))
+    return batch

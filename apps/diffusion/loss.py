@@ -60,14 +60,14 @@ class DiffusionTrainModel(nn.Module):
         hidden = self.encode_prompts(prompt_ids).to(self.unet.dtype)
         pred = self.unet(noisy.to(self.unet.dtype), timesteps, hidden).sample
         per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-        per_sample = per_sample * self.snr_weights(timesteps)
-        if is_prior is None or not bool(is_prior.any()):
+        if self.ncfg.snr_gamma is not None:
+            per_sample = per_sample * self.snr_weights(timesteps)
+        if is_prior is None:  # present only with class images, always after the instance rows
             return per_sample.mean()
         return per_sample[~is_prior].mean() + self.prior_loss_weight * per_sample[is_prior].mean()
 
     def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
-        if self.ncfg.snr_gamma is None:
-            return torch.ones(timesteps.shape, device=timesteps.device)
+        """Min-SNR-γ loss weights (`noise.snr_gamma` must be set)."""
         a = self.alphas_cumprod[timesteps]
         snr = a / (1 - a)
         clipped = snr.clamp(max=self.ncfg.snr_gamma)

@@ -12,6 +12,7 @@ is written (diffusers' `load_lora_weights` reads it); otherwise the whole pipeli
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 
@@ -36,8 +37,7 @@ def class_images(cfg: RecipeConfig, parts) -> list[Path]:
     have = sorted(folder.glob("*.png")) if folder.is_dir() else []
     if is_main_process() and len(have) < db.num_class_images:
         folder.mkdir(parents=True, exist_ok=True)
-        vcfg = cfg.validation
-        steps = type(vcfg)(**{**vcfg.__dict__, "num_inference_steps": db.class_generation_steps})
+        steps = dataclasses.replace(cfg.validation, num_inference_steps=db.class_generation_steps)
         for i in range(len(have), db.num_class_images):
             image = generate(parts, [db.class_prompt], steps, seed=10_000 + i)[0]
             image.save(folder / f"{i:04d}.png")

@@ -112,17 +112,20 @@ class EMA:
                 _local(p.data).copy_(b)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{parameter name: full fp32 average} (a collective under FSDP: call on every rank)."""
+        """{parameter name: full fp32 average} on CPU (a collective under FSDP: call on every rank)."""
+        return {n: t.cpu() for n, t in self._gathered().items()}
+
+    def _gathered(self) -> dict[str, torch.Tensor]:
         self._check_bound()
-        return {n: _full(s, p).cpu() for n, s, p in zip(self._names, self._shadow, self._params)}
+        return {n: _full(s, p) for n, s, p in zip(self._names, self._shadow, self._params)}
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: Path) -> None:
         """Write `directory/ema.safetensors` from rank 0 (every rank must call: FSDP gathers)."""
-        state = self.full_state_dict()
+        state = self._gathered()  # every rank gathers; only rank 0 copies to the host and writes
         if is_main_process():
             directory.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(directory / EMA_FILE),
+            save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(directory / EMA_FILE),
                       metadata={"num_updates": str(self.num_updates), "decay": str(self.decay)})
 
     def load(self, directory: Path) -> None:
