@@ -364,8 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
+    from phalanx_kernels.capability import cpu_bf16_support
+
+    cpu = cpu_bf16_support()
     out = {"bench": "train_throughput", "torch": torch.__version__, "cpus": os.cpu_count(),
+           "cpu_capability": cpu.capability, "cpu_bf16": "native" if cpu.native else "emulated",
            "loadavg_start": _loadavg()}
+    print(f"CPU: {cpu.capability}, bf16 {'native' if cpu.native else 'emulated'} ({cpu.reason}); "
+          f"1-min load average {out['loadavg_start']} on {os.cpu_count()} cores", flush=True)
     if args.part in ("all", "plugins"):
         out["plugins"] = run_plugins(args)
     if args.part in ("all", "single"):

@@ -102,7 +102,7 @@ class EvalConfig:
     chunk_chars: int = 256  # held-out documents are cut into pieces of at most this many characters
     max_chars_per_category: int = 20000
     batch_size: int = 8
-    autocast_bf16: bool = False
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast where the CPU/GPU computes it natively
 
 
 @dataclass

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from phalanx.amp.precision import resolve_precision
+
 from .config import RecipeConfig, load_recipe
 from .corpus import REPO_ROOT
 
@@ -39,7 +41,7 @@ CONFIG = REPO_ROOT / "apps" / "llama" / "configs" / "smollm2_zh.yaml"
 DEMO_OVERRIDES = [
     "work_dir=runs/llama_demo",
     "data.seq_len=256",
-    "train.max_steps=70",
+    "train.max_steps=40",
     "train.micro_batch_size=4",
     "train.grad_accum_steps=1",
     "train.lr=5e-4",
@@ -50,7 +52,6 @@ DEMO_OVERRIDES = [
     "train.keep_last=1",
     "train.log_every=5",
     "train.resume=false",
-    "eval.autocast_bf16=true",
     "eval.max_chars_per_category=4000",
 ]
 
@@ -121,7 +122,7 @@ def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log) -> dic
     from .generate import sample
 
     start = time.perf_counter()
-    bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.autocast_bf16)
+    bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.precision)
     samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate)
     log(f"{label}: {format_results(bpc)}  ({time.perf_counter() - start:.0f} s)")
     return {"bpc": bpc, "samples": dict(zip(cfg.generate.prompts, samples))}
@@ -138,7 +139,8 @@ def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cf
     The key covers the model, the held-out text, and the evaluation and sampling settings, so a
     changed corpus, tokenizer or setting measures again; the demo's reruns skip straight to training.
     """
-    key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, cfg.generate)
+    precision = resolve_precision(cfg.eval.precision)  # `auto` measures differently on another CPU
+    key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, precision, cfg.generate)
     path = Path(cfg.work_dir) / "measurements" / f"{key}.json"
     if path.is_file():
         result = json.loads(path.read_text())
@@ -215,8 +217,11 @@ def run(argv: list[str]) -> dict:
             "train": {"steps": result.final_step, "tokens_per_s": result.tokens_per_s, "wall_s": result.wall_time_s,
                       "peak_rss_gib": mem.peak / 2**30, "first_loss": result.losses[0], "last_loss": result.losses[-1]},
             "total_s": time.perf_counter() - t0,
+            "precision": {"train": cfg.train.precision, "eval": cfg.eval.precision,
+                          "resolved": resolve_precision(cfg.train.precision)},
+            "results": str(Path(cfg.work_dir) / "demo_results.json"),
         }
-        (Path(cfg.work_dir) / "demo_results.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+        Path(summary["results"]).write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         if ctx.is_main:
             print_summary(rows, categories, summary)
         return summary
@@ -234,13 +239,13 @@ def print_summary(rows, categories, summary) -> None:
         print(f"  {c}: {b0[c]['bpc']:.3f} → {b2[c]['bpc']:.3f} bpc ({b2[c]['bpc'] - b0[c]['bpc']:+.3f})")
     print(f"\nVocabulary: +{v['added_tokens']} tokens; Chinese {v['zh_chars_per_token'][0]:.2f} → "
           f"{v['zh_chars_per_token'][1]:.2f} characters per token ({100 * v['zh_token_reduction']:.1f}% fewer tokens)")
-    print(f"Training: {t['steps']} steps, loss {t['first_loss']:.3f} → {t['last_loss']:.3f}, "
+    print(f"Training: {t['steps']} steps in {summary['precision']['resolved']}, loss {t['first_loss']:.3f} → {t['last_loss']:.3f}, "
           f"{t['tokens_per_s']:.0f} tokens/s, peak memory {t['peak_rss_gib']:.2f} GiB, {t['wall_s']:.0f} s")
     for label, m in (rows[0], rows[2]):
         print(f"\nSamples, {label}:")
         for prompt, text in m["samples"].items():
             print(f"  {prompt}{text.rstrip()[:120]}".replace("\n", " / "))
-    print(f"\nTotal {summary['total_s'] / 60:.1f} min. Results: runs/llama_demo/demo_results.json")
+    print(f"\nTotal {summary['total_s'] / 60:.1f} min. Results: {summary['results']}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from phalanx.amp.precision import resolve_precision
 from phalanx.booster import unwrap_model
 from phalanx.train.data import pad_rows
 
@@ -72,8 +73,11 @@ def load_heldout_chunks(data_dir: str | Path, chunk_chars: int, max_chars_per_ca
 
 @torch.no_grad()
 def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
-                  autocast_bf16: bool = False) -> dict[str, dict[str, float]]:
+                  precision: str = "fp32") -> dict[str, dict[str, float]]:
     """Per category: bits per character, character perplexity, token loss (nats), chars, tokens.
+
+    precision: "fp32", "bf16" (the body under bf16 autocast; the loss itself stays fp32) or
+    "auto" (bf16 where the model's device computes it natively, else fp32).
 
     A plain (or DDP/ZeRO/FSDP) model is scored row by row from its final hidden states, so memory
     stays at one [seq, vocab] block even for large vocabularies. A model boosted with the hybrid
@@ -84,6 +88,7 @@ def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
+    autocast_bf16 = resolve_precision(precision, next(model.parameters()).device) == "bf16"
     encoded = tokenizer([c.text for c in chunks], add_special_tokens=False)["input_ids"]
     sharded = getattr(model, "phalanx_boosted", None) is not None
     # similar lengths share a batch; the sharded path also keeps categories apart
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(tok_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
-    print(format_results(bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.autocast_bf16)))
+    print(format_results(bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.precision)))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def bpc_eval_fn(tokenizer, chunks: list[Chunk], ecfg: EvalConfig) -> Callable:
     (FSDP gathers parameters inside forward; tensor and pipeline peers run together) and every
     rank returns the same numbers."""
     def eval_fn(model, step: int) -> dict[str, float]:
-        return flat_metrics(bits_per_char(model, tokenizer, chunks, ecfg.batch_size, ecfg.autocast_bf16))
+        return flat_metrics(bits_per_char(model, tokenizer, chunks, ecfg.batch_size, ecfg.precision))
     return eval_fn
 
 

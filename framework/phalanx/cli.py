@@ -113,18 +113,24 @@ def environment_report() -> dict[str, object]:
     report["backends"] = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available() and cuda,
                           "mpi": dist.is_mpi_available()}
     report["default_backend"] = "nccl" if cuda else "gloo"
-    report["cpu_bf16"] = _cpu_bf16_supported()
+    report.update(_precision_report(cuda))
     report["triton_kernels"] = _triton_status(cuda)
     return report
 
 
-def _cpu_bf16_supported() -> bool:
-    import torch
-    try:
-        a = torch.ones(4, 4, dtype=torch.bfloat16)
-        return bool((a @ a).float().sum().item() == 64.0)
-    except RuntimeError:
-        return False
+def _precision_report(cuda: bool) -> dict[str, object]:
+    """What `precision=auto` picks here, and the measured CPU matmul rates behind the choice."""
+    from phalanx.amp.precision import resolve_precision
+    from phalanx_kernels.capability import cpu_bf16_support
+
+    cpu = cpu_bf16_support()
+    return {
+        "cpu_capability": cpu.capability,
+        "cpu_bf16": f"{'native' if cpu.native else 'emulated'} ({cpu.reason})",
+        "cpu_matmul": (f"fp32 {cpu.fp32_gflops:.1f} GFLOP/s, bf16 {cpu.bf16_gflops:.1f} GFLOP/s per core "
+                       f"(256x256; bf16 {cpu.bf16_slowdown:.2f}x the time of fp32)"),
+        "precision_auto": f"{resolve_precision('auto')} on {'cuda' if cuda else 'cpu'}",
+    }
 
 
 def _triton_status(cuda: bool) -> str:

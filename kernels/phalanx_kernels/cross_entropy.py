@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .capability import fast_compute_dtype
 from .dispatch import use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -200,6 +201,9 @@ def _run(step, hidden, weight, labels, bias, ignore_index, reduction, label_smoo
         dtype = torch.get_autocast_dtype(device)
     else:
         dtype = torch.promote_types(h2.dtype, weight.dtype)
+    # A CPU that emulates bf16 multiplies the head in fp32 instead (70-100x faster there, and
+    # more accurate); gradients still reach the bf16 originals through the casts.
+    dtype = fast_compute_dtype(dtype, h2.device)
     h2, weight = h2.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device, enabled=False):

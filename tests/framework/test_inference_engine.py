@@ -187,7 +187,7 @@ def test_bf16_packed_weights_give_the_same_tokens_and_follow_reloads(llama, toke
     prompts = im.mixed_prompts(4, seed=14, low=3, high=30)
     eng = engine(path, dtype="bfloat16")
     if not packed_linear.can_pack(eng.runner.model.lm_head):
-        pytest.skip("this torch build has no oneDNN")
+        pytest.skip("no oneDNN, or a CPU without native bf16 (that path: the test below)")
     assert all(set(layer.packed) == {"qkv", "o", "gate_up", "down"} for layer in eng.runner.model.layers)
     packed = [o.token_ids for o in eng.generate(prompts, GREEDY)]
     assert packed == [o.token_ids for o in _unpacked(engine(path, dtype="bfloat16")).generate(prompts, GREEDY)]
@@ -196,6 +196,31 @@ def test_bf16_packed_weights_give_the_same_tokens_and_follow_reloads(llama, toke
     want = _unpacked(LLM.from_model(other, tokenizer, dtype="bfloat16", num_blocks=96, block_size=8))
     reloaded = [o.token_ids for o in eng.generate(prompts, GREEDY)]
     assert reloaded == [o.token_ids for o in want.generate(prompts, GREEDY)] and reloaded != packed
+
+
+def test_bf16_on_a_cpu_without_native_bf16_runs_unpacked_and_auto_picks_fp32(llama, tmp_path, monkeypatch):
+    """Where bf16 is emulated (AVX2-only CPUs), oneDNN's bf16 reorder refuses to run: an explicit
+    bfloat16 engine warns and runs plain F.linear, and dtype="auto" on a bf16 checkpoint runs fp32."""
+    from phalanx.amp import precision
+    from phalanx_kernels import capability
+
+    path, _ = llama
+    monkeypatch.setenv("PHALANX_CPU_BF16", "emulated")
+    monkeypatch.setattr(precision, "_warned", set())  # warned once per process: maybe already
+    capability.cpu_bf16_support.cache_clear()
+    try:
+        prompts = im.mixed_prompts(3, seed=15, low=3, high=30)
+        with pytest.warns(UserWarning, match="dtype=bfloat16 on a CPU without native bf16.*dtype=auto"):
+            eng = engine(path, dtype="bfloat16")
+        assert eng.runner.model.layers[0].packed == {} and eng.runner.model._lm_head_packed is None
+        outs = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+        assert outs == [o.token_ids for o in _unpacked(engine(path, dtype="bfloat16")).generate(prompts, GREEDY)]
+        bf16 = im.make_model("llama").to(torch.bfloat16)
+        bf16.save_pretrained(tmp_path / "bf16")  # a checkpoint whose config says bfloat16
+        auto = LLM(str(tmp_path / "bf16"), tokenizer=eng.tokenizer, num_blocks=96, block_size=8)
+        assert auto.runner.dtype == torch.float32
+    finally:
+        capability.cpu_bf16_support.cache_clear()
 
 
 def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):

@@ -1,15 +1,58 @@
-"""The three precisions every plugin supports."""
+"""The precisions every plugin supports, and `auto`: the one the hardware computes fast.
+
+`auto` resolves to bf16 where the device has bf16 arithmetic (CUDA with bf16; CPUs with
+AVX512-BF16 or AMX, see `phalanx_kernels.capability`) and to fp32 elsewhere: on an AVX2-only CPU
+a bf16 matmul is emulated and runs 70-100x slower than fp32. An explicit `bf16` is honoured
+everywhere, with one warning per process where it will crawl.
+"""
 from __future__ import annotations
+
+import warnings
 
 import torch
 
+from phalanx_kernels.capability import cpu_bf16_support, native_bf16
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHOICES = ("auto", *PRECISIONS)
+
+_warned: set[str] = set()
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(PRECISIONS)}")
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def warn_if_emulated_bf16(device: torch.device | str | None = None, what: str = "precision=bf16",
+                          fix: str = "precision=auto (or fp32)") -> bool:
+    """Warn once per process when `device` would emulate bf16; returns whether it does."""
+    device = torch.device(device) if device is not None else _default_device()
+    if native_bf16(device):
+        return False
+    if device.type == "cpu" and what not in _warned:
+        _warned.add(what)
+        info = cpu_bf16_support()
+        warnings.warn(
+            f"{what} on a CPU without native bf16 ({info.reason}): a bf16 matmul measured "
+            f"{info.bf16_gflops:.1f} GFLOP/s against {info.fp32_gflops:.1f} for fp32, "
+            f"{info.bf16_slowdown:.0f}x slower. Use {fix} to run at full speed.",
+            stacklevel=3)
+    return True
+
+
+def resolve_precision(precision: str, device: torch.device | str | None = None) -> str:
+    """A concrete precision (fp32, bf16 or fp16) for `precision`, which may be `auto`, on `device`
+    (default: CUDA if present, else CPU). Unknown names raise with the valid list."""
+    if precision not in CHOICES:
+        raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(CHOICES)}")
+    if precision == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    if precision == "bf16":
+        warn_if_emulated_bf16(device)
     return precision
+
+
+check_precision = resolve_precision  # validates too: the name plugins and configs call
 
 
 def dtype_of(precision: str) -> torch.dtype:

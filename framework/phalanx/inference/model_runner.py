@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx.amp.precision import warn_if_emulated_bf16
+from phalanx_kernels.capability import fast_compute_dtype
 from phalanx.inference.attention import AttentionBatch, BatchedGroup, PrefillSegment
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import LlamaModel, ModelSpec, rope_tables
@@ -57,14 +59,19 @@ class Chunk:
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """The engine's compute dtype. `auto`: the checkpoint's dtype where the device computes it
+    fast, else fp32 (CPU fp16 kernels are slow and incomplete; bf16 is emulated on CPUs without
+    AVX512-BF16/AMX). An explicit bfloat16 is honoured, with a warning where it will crawl."""
     if name != "auto":
+        if name == "bfloat16":
+            warn_if_emulated_bf16(device, what="dtype=bfloat16", fix="dtype=auto (or float32)")
         return getattr(torch, name)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if device.type == "cpu" and dtype == torch.float16:
-        return torch.float32  # CPU fp16 kernels are slow and incomplete; bf16/fp32 are the CPU types
-    return dtype
+        return torch.float32
+    return fast_compute_dtype(dtype, device)
 
 
 class ModelRunner:

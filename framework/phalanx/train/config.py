@@ -35,7 +35,8 @@ class TrainConfig:
     plugin: str = "ddp"                 # a name make_plugin knows: ddp | fsdp | zero1 | zero2 | gemini | hybrid
     plugin_options: dict[str, Any] = field(default_factory=dict)  # the plugin's own keyword arguments,
                                         # e.g. {reduce_bucket_mb: 50} for zero2, {tp_size: 2} for hybrid
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 compute with fp32 master weights
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 compute with fp32 master
+                                        # weights; auto: bf16 where the device computes it natively, else fp32
 
     # --- evaluation, checkpoints, logging ---------------------------------------------------------
     eval_every: int = 0                 # run eval_fn every N steps (0: only at the end)

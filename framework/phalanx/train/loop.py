@@ -25,6 +25,8 @@ weight, which is the usual case for non-token losses).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 import warnings
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from phalanx.amp.precision import dtype_of
+from phalanx.amp.precision import dtype_of, resolve_precision
 from phalanx.booster import Booster
 from phalanx.booster.plugins import make_plugin
 from phalanx.checkpoint.train_state import TrainState, checkpoint_path
@@ -113,6 +115,9 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     log = get_logger("phalanx.train")
     rank = dist.get_rank()
     output_dir = Path(cfg.output_dir)
+    # `auto` becomes what this device computes fast (bf16 or fp32), so the plugin, the MFU meter,
+    # the logs and the saved config all name the precision that actually runs.
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, ctx.device))
 
     # 1. Everything that can be wrong with the inputs fails here, before any file is touched.
     _check_pipeline_options(cfg, loss_fn)

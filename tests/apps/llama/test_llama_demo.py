@@ -27,7 +27,8 @@ def test_demo_overrides_are_valid_config_keys():
 
     cfg = load_recipe(CONFIG, DEMO_OVERRIDES)
     assert cfg.train.resume is False and cfg.train.max_steps * cfg.train.micro_batch_size * cfg.data.seq_len <= 100_000
-    assert cfg.train.output_dir.endswith("pretrain") and cfg.eval.autocast_bf16
+    assert cfg.train.output_dir.endswith("pretrain")
+    assert cfg.train.precision == "auto" and cfg.eval.precision == "auto"  # the hardware chooses
 
 
 def test_table_lists_every_category():

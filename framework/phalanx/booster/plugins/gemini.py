@@ -36,14 +36,14 @@ SEARCH_RANGE_MB = (8.0, 64.0, 1.0)  # min, max, step of the chunk-size search, M
 
 class GeminiPlugin(Plugin):
     """GeminiPlugin(placement_policy="auto"|"static", device_memory_budget=None, shard_param_frac=1.0,
-    offload_optim_frac=0.0, offload_param_frac=0.0, precision="bf16", chunk_size_mb=None, max_norm=None,
+    offload_optim_frac=0.0, offload_param_frac=0.0, precision="auto", chunk_size_mb=None, max_norm=None,
     prefetch=1)."""
 
     name = "gemini"
 
     def __init__(self, placement_policy: str = "auto", device_memory_budget: str | int | None = None,
                  shard_param_frac: float = 1.0, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
-                 precision: str = "bf16", chunk_size_mb: float | None = None, max_norm: float | None = None,
+                 precision: str = "auto", chunk_size_mb: float | None = None, max_norm: float | None = None,
                  prefetch: int = 1):
         super().__init__(precision, max_norm)
         if placement_policy not in ("auto", "static"):

@@ -1,0 +1,109 @@
+"""Which low-precision dtypes this machine computes natively, measured once per process.
+
+A bf16 matmul is fast where the hardware has bf16 arithmetic (CUDA GPUs from Ampere on; CPUs with
+AVX512-BF16 or AMX) and emulated elsewhere: on an AVX2-only CPU it runs 70-100x slower than fp32.
+Everything that chooses a precision or casts for bf16 (the `precision="auto"` choice, the fused
+cross-entropy, the inference engine's packed weights, evaluation autocast) asks `native_bf16`.
+
+On CPU the answer comes from torch's dispatch capability (`torch.backends.cpu.get_cpu_capability`,
+which honours ATEN_CPU_CAPABILITY), the CPU's bf16 instructions as torch's cpuinfo reports them,
+and a short probe that times a 256x256 matmul in fp32 and bf16 (a few ms where bf16 is native,
+~50 ms where it is emulated). The environment variable PHALANX_CPU_BF16=native|emulated overrides
+the decision (the probe still runs for the rates); tests use it to exercise both paths on one
+machine.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+_OVERRIDE_ENV = "PHALANX_CPU_BF16"
+# bf16 counts as native when its matmul is at most this many times slower than fp32's. Native
+# bf16 is 2-4x faster; emulation is 30-100x slower, so the threshold is far from both.
+_MAX_NATIVE_SLOWDOWN = 2.0
+_PROBE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class CpuBf16Support:
+    """What the CPU does with bf16. `native` decides; the rest explains it."""
+    native: bool
+    capability: str          # torch's CPU dispatch level: "AVX512", "AVX2", "DEFAULT", ...
+    instructions: bool       # AVX512-BF16 or AMX present (per torch's cpuinfo)
+    fp32_gflops: float       # 256x256 matmul, one thread, best of a few
+    bf16_gflops: float
+    reason: str
+
+    @property
+    def bf16_slowdown(self) -> float:
+        """How many times slower a bf16 matmul is than an fp32 one (below 1: faster)."""
+        return self.fp32_gflops / max(self.bf16_gflops, 1e-9)
+
+
+def _matmul_gflops(dtype: torch.dtype, n: int = _PROBE_SIZE, reps: int = 3) -> float:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a per-core rate, comparable across machines and ranks
+    try:
+        a @ b  # warm-up: library initialisation, weight reorders
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n ** 3 / max(best, 1e-9) / 1e9
+
+
+def _bf16_instructions() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_support() -> CpuBf16Support:
+    """Measure once per process whether this CPU runs bf16 matmuls natively."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    instructions = _bf16_instructions()
+    fp32, bf16 = _matmul_gflops(torch.float32), _matmul_gflops(torch.bfloat16)
+    slowdown = fp32 / max(bf16, 1e-9)
+    override = os.environ.get(_OVERRIDE_ENV, "").strip().lower()
+    if override in ("native", "emulated"):
+        native, reason = override == "native", f"{_OVERRIDE_ENV}={override}"
+    elif override:
+        raise ValueError(f"{_OVERRIDE_ENV}={override!r}: use 'native' or 'emulated' (or unset it to detect)")
+    elif not capability.startswith("AVX512") and capability != "AMX":
+        native, reason = False, f"CPU capability {capability}: bf16 is emulated"
+    elif not instructions:
+        native, reason = False, f"CPU capability {capability} without AVX512-BF16/AMX: bf16 is emulated"
+    elif slowdown > _MAX_NATIVE_SLOWDOWN:
+        native, reason = False, f"bf16 matmul measured {slowdown:.1f}x slower than fp32"
+    else:
+        native, reason = True, f"CPU capability {capability} with bf16 instructions"
+    return CpuBf16Support(native, capability, instructions, fp32, bf16, reason)
+
+
+def native_bf16(device: torch.device | str | None = None) -> bool:
+    """Whether `device` (default: CUDA if present, else CPU) computes bf16 at full speed."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return cpu_bf16_support().native
+    return False  # meta and other devices: assume nothing
+
+
+def fast_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """`dtype`, or fp32 when `dtype` is bf16 and `device` would emulate it (a CPU without bf16
+    arithmetic): the fallback every bf16 matmul path uses."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_bf16("cpu"):
+        return torch.float32
+    return dtype

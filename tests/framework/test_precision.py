@@ -1,0 +1,139 @@
+"""precision="auto": bf16 only where the hardware computes it natively, fp32 elsewhere, and every
+bf16 path (plugins, the train loop, the fused cross-entropy, inference packing, evaluation
+autocast) falls back cleanly on a CPU that emulates bf16.
+
+Both kinds of CPU are exercised on whichever machine runs the suite: PHALANX_CPU_BF16 forces the
+decision (the probe still measures), and the cached answer is cleared around each test.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from phalanx.amp import precision as amp_precision
+from phalanx.amp.precision import resolve_precision
+from phalanx_kernels import capability, fused_linear_cross_entropy
+from phalanx_kernels.cross_entropy import linear_cross_entropy_eager
+
+
+@pytest.fixture
+def cpu_kind(monkeypatch):
+    """cpu_kind("native" | "emulated"): make this process see that kind of CPU."""
+    def use(kind: str) -> None:
+        monkeypatch.setenv("PHALANX_CPU_BF16", kind)
+        capability.cpu_bf16_support.cache_clear()
+        monkeypatch.setattr(amp_precision, "_warned", set())
+
+    yield use
+    capability.cpu_bf16_support.cache_clear()
+
+
+def test_detection_reports_capability_and_measured_rates():
+    capability.cpu_bf16_support.cache_clear()
+    info = capability.cpu_bf16_support()
+    assert info.capability == torch.backends.cpu.get_cpu_capability()
+    assert info.fp32_gflops > 0.1 and info.bf16_gflops > 0.01
+    assert info.reason
+    # The decision agrees with the rule it documents, unless an override is set for the whole run.
+    if not info.reason.startswith("PHALANX_CPU_BF16"):
+        fast = info.bf16_slowdown <= 2.0
+        assert info.native == (info.capability in ("AVX512", "AMX") and info.instructions and fast)
+    assert capability.cpu_bf16_support() is info  # measured once per process
+
+
+@pytest.mark.parametrize("kind, auto", [("native", "bf16"), ("emulated", "fp32")])
+def test_auto_follows_the_cpu(cpu_kind, kind, auto):
+    cpu_kind(kind)
+    assert resolve_precision("auto", "cpu") == auto
+    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("fp16", "cpu") == "fp16"
+
+
+def test_explicit_bf16_is_honoured_with_one_warning_where_it_crawls(cpu_kind):
+    cpu_kind("emulated")
+    with pytest.warns(UserWarning, match=r"without native bf16.*GFLOP/s.*precision=auto \(or fp32\)"):
+        assert resolve_precision("bf16", "cpu") == "bf16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second request says nothing more
+        assert resolve_precision("bf16", "cpu") == "bf16"
+    cpu_kind("native")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_precision("bf16", "cpu") == "bf16"
+
+
+def test_unknown_precision_and_override_are_refused_clearly(cpu_kind, monkeypatch):
+    with pytest.raises(ValueError, match="auto, fp32, bf16, fp16"):
+        resolve_precision("bfloat16")
+    monkeypatch.setenv("PHALANX_CPU_BF16", "yes")
+    capability.cpu_bf16_support.cache_clear()
+    with pytest.raises(ValueError, match="PHALANX_CPU_BF16='yes'.*native.*emulated"):
+        capability.cpu_bf16_support()
+
+
+@pytest.mark.parametrize("kind", ["native", "emulated"])
+def test_plugins_and_train_config_resolve_auto(cpu_kind, kind):
+    from phalanx.booster.plugins import make_plugin
+    from phalanx.train import TrainConfig
+
+    cpu_kind(kind)
+    want = "bf16" if kind == "native" else "fp32"
+    for name in ("ddp", "fsdp", "zero2", "gemini"):
+        assert make_plugin(name, "auto").precision == want, name
+    TrainConfig(output_dir="unused", precision="auto").validate()
+
+
+def test_fused_cross_entropy_multiplies_in_fp32_where_bf16_is_emulated(cpu_kind):
+    """Same loss as the fp32 computation of the same bf16 values, gradients back in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (0.3 * torch.randn(40, 16, generator=gen)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 40, (12,), generator=gen)
+    cpu_kind("emulated")
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    exact = linear_cross_entropy_eager(hidden.detach().float(), weight.detach().float(), labels)
+    # fp32 arithmetic on bf16 inputs: only summation order differs from the fp32 oracle.
+    assert abs(loss.item() - exact.item()) <= 1e-5 * abs(exact.item())
+    cpu_kind("native")
+    native = fused_linear_cross_entropy(hidden.detach(), weight.detach(), labels)
+    # bf16 logits: about 2^-8 relative rounding per logit; the loss (~4 nats here) moves by far less.
+    assert abs(native.item() - exact.item()) <= 2e-2 * abs(exact.item())
+
+
+def test_llama_eval_precision_auto_autocasts_only_on_native_cpus(cpu_kind):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from apps.llama.evaluate import Chunk, bits_per_char
+
+    class Tok:  # characters as tokens: enough for bits_per_char
+        eos_token_id, pad_token_id = 1, 0
+
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[2 + ord(ch) % 60 for ch in t] for t in texts]}
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    chunks = [Chunk(text="the quick brown fox " * 3, category="en"), Chunk(text="jumps over " * 4, category="en")]
+    seen = []
+    real_autocast = torch.autocast
+
+    def spy(device_type, *args, **kw):
+        seen.append(kw.get("enabled", True))
+        return real_autocast(device_type, *args, **kw)
+
+    results = {}
+    for kind in ("emulated", "native"):
+        cpu_kind(kind)
+        seen.clear()
+        torch.autocast = spy
+        try:
+            results[kind] = bits_per_char(model, Tok(), chunks, batch_size=2, precision="auto")["en"]["bpc"]
+        finally:
+            torch.autocast = real_autocast
+        assert seen and all(flag == (kind == "native") for flag in seen), (kind, seen)
+    # bf16 autocast moves bits per character by rounding only (6 bpc here; bf16 ~3 significant digits).
+    assert abs(results["native"] - results["emulated"]) <= 0.02 * results["emulated"]
