@@ -34,6 +34,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
 from timing import boost_variant, time_round_robin  # bench/timing.py
+from phalanx.booster.state import boosted_state  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 BALANCED = {2: [5, 3], 4: [3, 2, 2, 1]}
@@ -64,7 +65,7 @@ def build(layout: dict | None, batch: int, seq: int, stats: dict):
     """A `step()` for one variant on this rank's share of the global batch; pipelined steps add
     (compute seconds, schedule seconds) to `stats`."""
     booster, model, optimizer, x = boost_variant(config(), layout, batch, seq)
-    runner = getattr(model, "phalanx_pipeline", None)
+    runner = boosted_state(model).pipeline
 
     def step():
         if runner is None:

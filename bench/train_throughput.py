@@ -299,6 +299,20 @@ def phalanx_step_times(precision: str, batch: int, seq: int, steps: int) -> list
         return [r["step_time_s"] for r in read_metrics(result.metrics_path) if "step_time_s" in r]
 
 
+def single_precisions(choice: str) -> tuple[str, ...]:
+    """The dtypes part 2 measures. `auto`: fp32, plus bf16 where this CPU computes it natively (an
+    emulated bf16 step of this model takes minutes, and no user would train that way)."""
+    from phalanx_kernels.capability import cpu_bf16_support
+
+    if choice != "auto":
+        return tuple(choice.split(","))
+    cpu = cpu_bf16_support()
+    if cpu.native:
+        return ("fp32", "bf16")
+    print(f"   bf16 skipped: {cpu.reason} (pass --single-precisions fp32,bf16 to time it anyway)", flush=True)
+    return ("fp32",)
+
+
 def run_single(args) -> dict:
     from phalanx.launch import context
     from phalanx.observe import causal_lm_flops_per_token, measure_matmul_flops
@@ -308,16 +322,17 @@ def run_single(args) -> dict:
     threads = torch.get_num_threads()
     print(f"\n== one process ({threads} threads): Llama hidden 512 x 8 layers, vocab 32000, seq {args.single_seq}, "
           f"batch {args.single_batch} ==", flush=True)
-    peak = {p: measure_matmul_flops("cpu", d, size=2048, min_seconds=1.0)
-            for p, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-    print(f"   GEMM peak (2048^3 matmul): fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s",
+    precisions = single_precisions(args.single_precisions)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peak = {p: measure_matmul_flops("cpu", dtypes[p], size=2048, min_seconds=1.0) for p in precisions}
+    print("   GEMM peak (2048^3 matmul): " + ", ".join(f"{p} {peak[p] / 1e9:.0f} GFLOP/s" for p in precisions),
           flush=True)
     with torch.device("meta"):
         meta_model = LlamaForCausalLM(llama_512_config())
     flops_per_token = causal_lm_flops_per_token(meta_model, args.single_seq)
     rows = {}
     tokens_per_step = args.single_batch * args.single_seq
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         steps = args.single_steps + 1  # the first step (lazy initialisation) is not timed
         for who, measure in (("hf", hf_step_times), ("phalanx", phalanx_step_times)):
             t0 = time.perf_counter()
@@ -330,14 +345,18 @@ def run_single(args) -> dict:
                                           "step_s": [round(t, 3) for t in times]}
             print(f"   {who:>8} {precision}: {tps:8.0f} tokens/s, steps {rows[f'{who}_{precision}']['step_s']} s "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    hf32 = rows["hf_fp32"]["tokens_per_s"]
+    hf32 = rows["hf_fp32"]["tokens_per_s"] if "fp32" in precisions else None
     print(f"{'loop':<28}{'tokens/s':>10}{'vs HF fp32':>12}{'vs HF same dtype':>18}{'GFLOP/s':>10}{'of GEMM peak':>14}")
     for key, label in (("hf_fp32", "Hugging Face loop, fp32"), ("phalanx_fp32", "phalanx.train, fp32"),
                        ("hf_bf16", "Hugging Face + autocast bf16"), ("phalanx_bf16", "phalanx.train, bf16")):
+        if key not in rows:
+            continue
         r = rows[key]
         same = rows["hf_" + key.split("_")[1]]["tokens_per_s"]
-        r["vs_hf_fp32"], r["vs_hf_same_dtype"] = r["tokens_per_s"] / hf32, r["tokens_per_s"] / same
-        print(f"{label:<28}{r['tokens_per_s']:>10.0f}{r['vs_hf_fp32']:>11.2f}x{r['vs_hf_same_dtype']:>17.2f}x"
+        r["vs_hf_fp32"] = r["tokens_per_s"] / hf32 if hf32 else None
+        r["vs_hf_same_dtype"] = r["tokens_per_s"] / same
+        vs32 = f"{r['vs_hf_fp32']:>11.2f}x" if hf32 else f"{'-':>12}"
+        print(f"{label:<28}{r['tokens_per_s']:>10.0f}{vs32}{r['vs_hf_same_dtype']:>17.2f}x"
               f"{r['gflops']:>10.1f}{r['of_gemm_peak']:>13.1%}")
     return {"rows": rows, "gemm_peak_gflops": {k: v / 1e9 for k, v in peak.items()},
             "flops_per_token": flops_per_token, "threads": threads, "batch": args.single_batch, "seq": args.single_seq}
@@ -360,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="plugins: untimed steps per variant")
     parser.add_argument("--single-batch", type=int, default=4)
     parser.add_argument("--single-seq", type=int, default=512)
+    parser.add_argument("--single-precisions", default="auto",
+                        help="comma-separated fp32,bf16; auto: bf16 only where the CPU runs it natively")
     parser.add_argument("--single-steps", type=int, default=2, help="timed steps per loop and dtype (best is reported)")
     args = parser.parse_args(argv)
 

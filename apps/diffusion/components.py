@@ -5,6 +5,10 @@ diffusers directory; and the pipeline saved so plain diffusers opens it.
     pipe = make_pipeline(parts, "dpm")
     save_pipeline(pipe, "runs/x/pipeline")
     StableDiffusionPipeline.from_pretrained("runs/x/pipeline", trust_remote_code=True)  # TAEF2 is a custom component
+
+With `model.pretrained_dir` the parts are a user's Stable Diffusion 1.x / 2.x directory (AutoencoderKL,
+CLIPTextModel, ...): what the recipe saves from it is that same layout, which plain
+`StableDiffusionPipeline.from_pretrained(dir)` opens without remote code.
 """
 from __future__ import annotations
 
@@ -98,11 +102,7 @@ def load_components(mcfg: ModelConfig, ncfg: NoiseConfig, resolution: int) -> Co
     source = mcfg.init_from or mcfg.pretrained_dir
     if source:
         pipe = open_pipeline(source)
-        noise = build_noise_scheduler(ncfg)
-        if pipe.scheduler.config.get("prediction_type", "epsilon") != ncfg.prediction_type:
-            raise ValueError(f"{source} was trained for prediction_type={pipe.scheduler.config.prediction_type!r} but "
-                             f"noise.prediction_type={ncfg.prediction_type!r}: set the config to match the weights")
-        return Components(pipe.unet, pipe.text_encoder, pipe.tokenizer, pipe.vae, noise)
+        return Components(pipe.unet, pipe.text_encoder, pipe.tokenizer, pipe.vae, training_scheduler(pipe, ncfg, source))
     tokenizer = build_tokenizer(mcfg)
     text_encoder = build_text_encoder(mcfg, tokenizer)
     vae = load_taef2(mcfg.vae, scaling_factor=mcfg.vae_scaling_factor or 1.0)
@@ -110,16 +110,58 @@ def load_components(mcfg: ModelConfig, ncfg: NoiseConfig, resolution: int) -> Co
     return Components(unet, text_encoder, tokenizer, vae, build_noise_scheduler(ncfg))
 
 
+def training_scheduler(pipe, ncfg: NoiseConfig, source: str | Path):
+    """DDPM on the noise schedule the pipeline's own scheduler config names (the betas and
+    timesteps its UNet was trained with); the config's `noise.prediction_type` must match it."""
+    from diffusers import DDPMScheduler
+
+    trained_for = pipe.scheduler.config.get("prediction_type", "epsilon")
+    if trained_for != ncfg.prediction_type:
+        raise ValueError(f"{source} was trained for prediction_type={trained_for!r} but "
+                         f"noise.prediction_type={ncfg.prediction_type!r}: set the config to match the weights")
+    return DDPMScheduler.from_config(pipe.scheduler.config, clip_sample=False)  # latents are never clipped
+
+
+REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
 def open_pipeline(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """A local diffusers Stable Diffusion directory (ours or a real SD 1.5 / 2.1 one)."""
+    """A local diffusers Stable Diffusion 1.x / 2.x directory (a user's, or one this recipe saved).
+    Remote code runs only for a component that ships its own module in its folder (our TAEF2 VAE)."""
     from diffusers import StableDiffusionPipeline
 
     directory = resolve(directory)
-    if not (directory / "model_index.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a diffusers pipeline directory (no model_index.json): point "
-                                "model.pretrained_dir / model.init_from at a saved pipeline")
+    index = check_pipeline_dir(directory)
     return StableDiffusionPipeline.from_pretrained(str(directory), dtype=dtype, safety_checker=None,
-                                                   requires_safety_checker=False, trust_remote_code=True)
+                                                   requires_safety_checker=False,
+                                                   trust_remote_code=bool(custom_components(directory, index)))
+
+
+def check_pipeline_dir(directory: Path) -> dict:
+    """model_index.json of a Stable Diffusion directory with every part the recipe needs; one clear
+    error for anything else (not a pipeline, SDXL, a missing folder)."""
+    index_path = directory / "model_index.json"
+    if not index_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a diffusers pipeline directory (no model_index.json): point "
+                                "model.pretrained_dir / model.init_from at a Stable Diffusion directory")
+    index = json.loads(index_path.read_text())
+    if "text_encoder_2" in index or "XL" in str(index.get("_class_name", "")):
+        raise ValueError(f"{directory} is an SDXL pipeline ({index.get('_class_name')}): this recipe trains "
+                         "Stable Diffusion 1.x / 2.x (one text encoder); SDXL's second text encoder and size "
+                         "conditioning are not supported yet")
+    missing = [p for p in REQUIRED_PARTS if not isinstance(index.get(p), list) or None in index[p]
+               or not (directory / p).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"{directory} lacks {missing} (model_index.json entries and folders): a Stable "
+                                f"Diffusion directory holds {', '.join(REQUIRED_PARTS)}")
+    return index
+
+
+def custom_components(directory: Path, index: dict) -> list[str]:
+    """Components whose class comes from a module file inside their own folder (diffusers' custom
+    components, e.g. vae/taef2.py), which only `trust_remote_code=True` loads."""
+    return [name for name, entry in index.items()
+            if isinstance(entry, list) and entry[0] and (directory / name / f"{entry[0]}.py").is_file()]
 
 
 def make_scheduler(kind: str, train_scheduler):

@@ -26,8 +26,11 @@ def resolve(path: str | Path) -> Path:
 
 @dataclass
 class ModelConfig:
-    # A local diffusers Stable Diffusion directory (unet/, vae/, text_encoder/, tokenizer/,
-    # scheduler/). null: build the components below from their configs (the tiny default).
+    # A local diffusers Stable Diffusion 1.x / 2.x directory (model_index.json, unet/ =
+    # UNet2DConditionModel, vae/ = AutoencoderKL, text_encoder/ = CLIPTextModel, tokenizer/,
+    # scheduler/), e.g. stable-diffusion-v1-5. Its VAE's scaling_factor scales the latents and its
+    # scheduler's noise schedule is the training one; the exports keep that layout (plain diffusers
+    # opens them, no remote code). null: build the components below from their configs (the tiny default).
     pretrained_dir: str | None = None
     # When building from config:
     vae: str = "apps/diffusion/data/vae"               # TAEF2 weights (taef2_{encoder,decoder}.safetensors)
@@ -48,9 +51,11 @@ class ModelConfig:
 
 @dataclass
 class NoiseConfig:
+    # The schedule of a model built from config; a pretrained directory's scheduler/ brings its own.
     num_train_timesteps: int = 1000
     beta_schedule: str = "scaled_linear"               # DDPM betas (SD uses scaled_linear 0.00085..0.012)
-    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"  # what the UNet predicts
+    # What the UNet predicts; must match a pretrained directory's scheduler (SD 1.5: epsilon, SD 2.1-768: v_prediction).
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
     snr_gamma: float | None = None                     # Min-SNR weighting (Hang et al. 2023), e.g. 5.0; null: off
     noise_offset: float = 0.0                          # add offset * N(0,1) per (sample, channel): darker/brighter images
 
@@ -65,6 +70,9 @@ class DataConfig:
     # and training runs on the cached latents; no pixel-space augmentation.
     cache_dir: str | None = None                       # where the latent cache lives; default <train.output_dir>/cache
     max_images: int | None = None                      # use only the first N images (tests)
+    # metadata.jsonl lines left out, as "field=value" filters (any field of a line, e.g.
+    # "subcategory=cat-face", "file_name=images/1f431.png"); a filter that matches nothing is an error.
+    exclude: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +107,9 @@ class DreamBoothConfig:
     lora_rank: int = 0                                 # >0: train LoRA adapters on to_q/to_k/to_v/to_out.0 only
     lora_alpha: int | None = None                      # default: lora_rank
     validation_prompts: list[str] = field(default_factory=lambda: ["a photo of sks dog", "a photo of dog"])
+    # Images of the instance prompt drawn before and after training (same seeds), scored by their
+    # latent distance to the instance and the class images: <output_dir>/fidelity.json + .png. 0: off.
+    fidelity_samples: int = 8
 
 
 @dataclass
@@ -130,6 +141,8 @@ class RecipeConfig:
         need(n.snr_gamma is None or n.snr_gamma > 0, "noise.snr_gamma", n.snr_gamma, "must be positive or null")
         need(n.noise_offset >= 0, "noise.noise_offset", n.noise_offset, "must be 0 or more")
         need(0.0 <= self.ema.decay < 1.0, "ema.decay", self.ema.decay, "must be in [0, 1)")
+        need(self.dreambooth.fidelity_samples >= 0, "dreambooth.fidelity_samples", self.dreambooth.fidelity_samples,
+             "must be 0 (off) or positive")
         need(self.dreambooth.lora_rank >= 0, "dreambooth.lora_rank", self.dreambooth.lora_rank, "must be 0 (off) or positive")
         need(self.validation.num_inference_steps >= 1, "validation.num_inference_steps",
              self.validation.num_inference_steps, "must be at least 1")

@@ -31,30 +31,56 @@ def load_image(path: Path, resolution: int, background: tuple[int, int, int] = (
     side = min(im.size)
     left, top = (im.width - side) // 2, (im.height - side) // 2
     im = im.crop((left, top, left + side, top + side)).resize((resolution, resolution), Image.BICUBIC)
-    return torch.from_numpy(np.asarray(im, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+    return pixels(im)
 
 
-def read_captioned_folder(root: Path, max_images: int | None = None) -> list[tuple[Path, str]]:
-    """(image path, caption) pairs from `root/metadata.jsonl` ({"file_name", "text"} per line)."""
+def pixels(image) -> torch.Tensor:
+    """A PIL RGB image as [3, H, W] in [-1, 1]."""
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+
+
+def read_captioned_folder(root: Path, max_images: int | None = None,
+                          exclude: list[str] | tuple[str, ...] = ()) -> list[tuple[Path, str]]:
+    """(image path, caption) pairs from `root/metadata.jsonl` ({"file_name", "text"} per line),
+    without the lines that an `exclude` filter "field=value" matches (e.g. "subcategory=cat-face":
+    a subject held out of the base model for DreamBooth)."""
     meta = root / "metadata.jsonl"
     if not meta.is_file():
         raise FileNotFoundError(f"{meta} not found: data.root must hold metadata.jsonl with "
                                 '{"file_name": ..., "text": ...} lines next to the images')
+    filters = [_exclude_filter(f) for f in exclude]
+    hits = [0] * len(filters)
     pairs = []
     for n, line in enumerate(meta.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            pairs.append((root / row["file_name"], str(row["text"])))
+            pair = (root / row["file_name"], str(row["text"]))
         except (json.JSONDecodeError, KeyError) as exc:
             raise ValueError(f"{meta} line {n}: {exc!r}; each line must be a JSON object with file_name and text") from exc
+        matched = [i for i, (key, value) in enumerate(filters) if str(row.get(key)) == value]
+        for i in matched:
+            hits[i] += 1
+        if not matched:
+            pairs.append(pair)
+    unused = [f for f, hit in zip(exclude, hits, strict=True) if not hit]
+    if unused:
+        raise ValueError(f"data.exclude {unused} matches no line of {meta}: check the field names and values")
     missing = [str(p) for p, _ in pairs if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} image(s) named in {meta} are missing, e.g. {missing[:2]}")
     if not pairs:
-        raise ValueError(f"{meta} lists no images")
+        raise ValueError(f"{meta} lists no images" + (" once data.exclude is applied" if exclude else ""))
     return pairs[:max_images] if max_images else pairs
+
+
+def _exclude_filter(spec: str) -> tuple[str, str]:
+    key, sep, value = str(spec).partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"data.exclude entry {spec!r}: write it as field=value, e.g. subcategory=cat-face or "
+                         "file_name=images/1f431.png")
+    return key.strip(), value.strip()
 
 
 def image_files(folder: Path) -> list[Path]:
@@ -69,11 +95,14 @@ def image_files(folder: Path) -> list[Path]:
 @torch.no_grad()
 def encode_images(vae, paths: list[Path], resolution: int, background=(255, 255, 255), batch_size: int = 32) -> torch.Tensor:
     """Raw (unscaled) latents of the images, [N, C, resolution/8, resolution/8], fp32."""
-    out = []
-    for i in range(0, len(paths), batch_size):
-        pixels = torch.stack([load_image(p, resolution, background) for p in paths[i:i + batch_size]])
-        out.append(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode().float().cpu())
-    return torch.cat(out)
+    return torch.cat([encode_pixels(vae, torch.stack([load_image(p, resolution, background) for p in paths[i:i + batch_size]]))
+                      for i in range(0, len(paths), batch_size)])
+
+
+@torch.no_grad()
+def encode_pixels(vae, images: torch.Tensor) -> torch.Tensor:
+    """Raw latents of [N, 3, H, W] images in [-1, 1] (the mode of the VAE's posterior), fp32 on the CPU."""
+    return vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mode().float().cpu()
 
 
 def cached_latents(vae, paths: list[Path], resolution: int, cache_dir: Path, background=(255, 255, 255)) -> torch.Tensor:

@@ -22,11 +22,20 @@ def _config(rank: int, alpha: int | None, targets: list[str]):
 
 
 def add_lora(model: nn.Module, rank: int, alpha: int | None = None, text_encoder: bool = False) -> nn.Module:
-    """Freeze `model` and add trainable LoRA adapters (the UNet's attention, or a CLIP text encoder's)."""
+    """Freeze `model` and add trainable LoRA adapters (the UNet's attention, or a CLIP text encoder's).
+
+    The text encoder's go in through peft's own `inject_adapter_in_model`: transformers 5's
+    `add_adapter` asks for peft >= 0.22, a release that does not exist yet (0.21.2 is the latest);
+    the adapters, their state dict and diffusers' `load_lora_weights` are the same either way."""
     if rank < 1:
         raise ValueError(f"LoRA rank={rank}: must be at least 1")
     model.requires_grad_(False)
-    model.add_adapter(_config(rank, alpha, TEXT_TARGETS if text_encoder else UNET_TARGETS))
+    if text_encoder:
+        from peft import inject_adapter_in_model
+
+        inject_adapter_in_model(_config(rank, alpha, TEXT_TARGETS), model)
+    else:
+        model.add_adapter(_config(rank, alpha, UNET_TARGETS))
     return model
 
 

@@ -38,6 +38,11 @@ class DiffusionTrainModel(nn.Module):
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.float().clone(), persistent=False)
         self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
 
+    @property
+    def num_timesteps(self) -> int:
+        """The noise schedule's length (a pretrained model's own, not necessarily the config's)."""
+        return len(self.alphas_cumprod)
+
     def encode_prompts(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         with contextlib.nullcontext() if self.train_text_encoder else torch.no_grad():
             return self.text_encoder(prompt_ids)[0]
@@ -53,7 +58,7 @@ class DiffusionTrainModel(nn.Module):
             if self.ncfg.noise_offset:
                 noise = noise + self.ncfg.noise_offset * torch.randn(b, latents.shape[1], 1, 1, device=latents.device)
         if timesteps is None:
-            timesteps = torch.randint(0, self.ncfg.num_train_timesteps, (b,), device=latents.device)
+            timesteps = torch.randint(0, self.num_timesteps, (b,), device=latents.device)
         a = self.alphas_cumprod[timesteps].view(b, 1, 1, 1)
         noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
         target = noise if self.ncfg.prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * latents

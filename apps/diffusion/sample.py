@@ -2,7 +2,7 @@
 
     python -m apps.diffusion.sample --pipeline runs/diffusion/tiny_emoji/pipeline --prompt "dog face" --prompt "red apple"
     python -m apps.diffusion.sample --pipeline runs/diffusion/tiny_emoji/pipeline --lora runs/diffusion/dreambooth_tiny/lora \
-        --prompt "a photo of sks dog" --scheduler ddim --steps 50 --guidance 5 --seed 1 --out samples/
+        --prompt "sks cat face" --scheduler ddim --steps 50 --guidance 5 --seed 1 --out samples/
 
 One PNG per prompt and image (`<out>/<index>-<prompt>.png`) and a grid of all of them (`grid.png`).
 """

@@ -8,20 +8,25 @@ Flow: the base pipeline (`model.init_from` / `model.pretrained_dir`) -> with pri
 0, cached as PNGs in `class_dir`) -> instance and class images encoded once by the VAE -> `fit`
 on pairs (instance, class image), loss = instance MSE + prior_loss_weight x class MSE -> with
 `lora_rank > 0` only LoRA adapters train and `<output_dir>/lora/pytorch_lora_weights.safetensors`
-is written (diffusers' `load_lora_weights` reads it); otherwise the whole pipeline is saved.
+is written (diffusers' `load_lora_weights` reads it); otherwise the whole pipeline is saved. With
+`fidelity_samples > 0` the instance prompt is drawn before and after training and
+`<output_dir>/fidelity.json` + `fidelity.png` say how near the samples are to the instance images
+against the class images (see fidelity.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
-
 
 from phalanx.launch import barrier
 from phalanx.observe import is_main_process
 
 from .components import load_components, make_pipeline, save_pipeline
 from .config import RecipeConfig, resolve
-from .data import LatentCaptionDataset, PriorPreservationDataset, cached_latents, collate_prior, image_files, tokenize
+from .data import (LatentCaptionDataset, PriorPreservationDataset, cached_latents, collate_prior, image_files,
+                   load_image, tokenize)
+from .fidelity import REPORT, Samples, draw, fidelity_report, to_image
 from .lora import add_lora, save_lora
 from .recipe import (build_train_model, cache_dir, fit_with_validation, latent_scaling_factor, load_trained_weights,
                      record_scaling_factor, run_script, saved_scaling_factor)
@@ -30,10 +35,14 @@ from .validation import generate
 LORA_DIR = "lora"
 
 
+def class_folder(cfg: RecipeConfig) -> Path:
+    db = cfg.dreambooth
+    return resolve(db.class_dir) if db.class_dir else Path(cfg.train.output_dir) / "class_images"
+
+
 def class_images(cfg: RecipeConfig, parts) -> list[Path]:
     """The class prompt's images from the base model itself (generated once, then reused)."""
-    db = cfg.dreambooth
-    folder = resolve(db.class_dir) if db.class_dir else Path(cfg.train.output_dir) / "class_images"
+    db, folder = cfg.dreambooth, class_folder(cfg)
     have = sorted(folder.glob("*.png")) if folder.is_dir() else []
     if is_main_process() and len(have) < db.num_class_images:
         folder.mkdir(parents=True, exist_ok=True)
@@ -68,33 +77,40 @@ def dreambooth_model(cfg: RecipeConfig, parts):
     if db.lora_rank:
         add_lora(parts.unet, db.lora_rank, db.lora_alpha)
         if cfg.model.train_text_encoder:
-            _check_text_encoder_lora()
             add_lora(parts.text_encoder, db.lora_rank, db.lora_alpha, text_encoder=True)
     return build_train_model(cfg, parts, prior_loss_weight=db.prior_loss_weight)
 
 
-def _check_text_encoder_lora() -> None:
-    """transformers 5 adds adapters to a CLIP text encoder only with peft >= 0.22."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    if Version(version("peft")) < Version("0.22.0"):
-        raise ValueError(f"model.train_text_encoder with dreambooth.lora_rank > 0 needs peft>=0.22 (installed: "
-                         f"{version('peft')}): upgrade peft, or set lora_rank=0 to fine-tune the whole text encoder, "
-                         "or model.train_text_encoder=false")
-
-
-def export(cfg: RecipeConfig, checkpoint_dir: Path) -> Path:
-    """Rank 0: the trained adapters (LoRA) or the whole fine-tuned pipeline."""
+def export(cfg: RecipeConfig, checkpoint_dir: Path, dataset: PriorPreservationDataset | None = None,
+           before: Samples | None = None) -> Path:
+    """Rank 0: the trained adapters (LoRA) or the whole fine-tuned pipeline; with `before` (the
+    base model's samples) also the fidelity report of the trained model."""
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
     model = dreambooth_model(cfg, parts)
     load_trained_weights(model, checkpoint_dir, with_ema=cfg.ema.enabled)
+    factor = saved_scaling_factor(checkpoint_dir, parts)
+    parts.vae.register_to_config(scaling_factor=factor)
+    if before is not None and dataset is not None:
+        report_fidelity(cfg, parts, factor, dataset, before)
     if cfg.dreambooth.lora_rank:
         te = model.text_encoder if cfg.model.train_text_encoder else None
         return save_lora(Path(cfg.train.output_dir) / LORA_DIR, model.unet, te)
-    parts.vae.register_to_config(scaling_factor=saved_scaling_factor(checkpoint_dir, parts))
     return save_pipeline(make_pipeline(parts, "dpm"), cfg.final_path)
+
+
+def report_fidelity(cfg: RecipeConfig, parts, factor: float, dataset: PriorPreservationDataset,
+                    before: Samples) -> dict:
+    db = cfg.dreambooth
+    prior = dataset.prior.latents if dataset.prior is not None else None
+    instance_images = [to_image(load_image(p, cfg.data.resolution, tuple(cfg.data.background)))
+                       for p in image_files(resolve(db.instance_dir))]
+    class_files = sorted(class_folder(cfg).glob("*.png"))[: db.num_class_images] if prior is not None else []
+    class_pictures = [to_image(load_image(p, cfg.data.resolution)) for p in class_files]
+    report = fidelity_report(cfg, parts.vae, factor, before, draw(parts, cfg, db.instance_prompt),
+                             draw(parts, cfg, db.class_prompt), dataset.instance.latents, prior,
+                             instance_images, class_pictures)
+    print(f"fidelity ({REPORT}): {json.dumps({k: v for k, v in report.items() if isinstance(v, dict)})}")
+    return report
 
 
 def train(cfg: RecipeConfig):
@@ -106,10 +122,13 @@ def train(cfg: RecipeConfig):
     seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
     dataset = prepare_dataset(cfg, parts)
+    measure = cfg.dreambooth.fidelity_samples > 0 and is_main_process()
+    before = draw(parts, cfg, cfg.dreambooth.instance_prompt) if measure else None  # the base model's samples
     model = dreambooth_model(cfg, parts)
     result = fit_with_validation(cfg, parts, model, dataset, cfg.dreambooth.validation_prompts,
                                  collate_fn=collate_prior)
-    out = export(cfg, result.checkpoint_dir) if is_main_process() else None
+    del model, parts  # the export reloads the base and the trained weights from the checkpoint
+    out = export(cfg, result.checkpoint_dir, dataset, before) if is_main_process() else None
     if out is not None:
         print(f"saved {out}")
     return result, out

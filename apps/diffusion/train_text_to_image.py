@@ -26,7 +26,7 @@ VAL_SAMPLES = 16
 
 
 def prepare_dataset(cfg: RecipeConfig, parts) -> LatentCaptionDataset:
-    pairs = read_captioned_folder(resolve(cfg.data.root), cfg.data.max_images)
+    pairs = read_captioned_folder(resolve(cfg.data.root), cfg.data.max_images, cfg.data.exclude)
     latents = cached_latents(parts.vae, [p for p, _ in pairs], cfg.data.resolution,
                              cache_dir(cfg), tuple(cfg.data.background))
     factor = latent_scaling_factor(cfg, parts, latents)

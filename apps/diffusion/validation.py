@@ -40,7 +40,7 @@ def image_grid(images: list, captions: list[str] | None = None, columns: int | N
 def generate(parts: Components, prompts: list[str], vcfg: ValidationConfig, seed: int | None = None) -> list:
     pipe = make_pipeline(parts, vcfg.scheduler)
     generator = torch.Generator("cpu").manual_seed(vcfg.seed if seed is None else seed)
-    size = parts.unet.config.sample_size * 8
+    size = parts.unet.config.sample_size * pipe.vae_scale_factor
     return pipe(prompts, num_inference_steps=vcfg.num_inference_steps, guidance_scale=vcfg.guidance_scale,
                 generator=generator, height=size, width=size).images
 
@@ -62,7 +62,7 @@ def validation_eval_fn(parts: Components, vcfg: ValidationConfig, prompts: list[
         metrics: dict[str, float] = {}
         with swap:
             if val_batch is not None:
-                metrics["loss"] = fixed_noise_loss(model, val_batch, model.ncfg.num_train_timesteps)
+                metrics["loss"] = fixed_noise_loss(model, val_batch, model.num_timesteps)
             with root_unsharded(model):  # after the loss: the root's forward reshards at its end
                 images = generate(parts, prompts, vcfg) if prompts else []
         if images and is_main_process():

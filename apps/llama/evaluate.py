@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from phalanx.amp.precision import resolve_precision
 from phalanx.booster import unwrap_model
+from phalanx.booster.state import boosted_state
 from phalanx.train.data import pad_rows
 
 LN2 = math.log(2.0)
@@ -90,7 +91,8 @@ def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
     model.eval()
     autocast_bf16 = resolve_precision(precision, next(model.parameters()).device) == "bf16"
     encoded = tokenizer([c.text for c in chunks], add_special_tokens=False)["input_ids"]
-    sharded = getattr(model, "phalanx_boosted", None) is not None
+    state = boosted_state(model)
+    sharded = state is not None and state.model_computes_loss
     # similar lengths share a batch; the sharded path also keeps categories apart
     order = sorted(range(len(chunks)), key=lambda i: (chunks[i].category if sharded else "", len(encoded[i])))
     nll: dict[str, float] = {}

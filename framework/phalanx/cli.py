@@ -7,80 +7,13 @@
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata as md
 import os
 import platform
 import sys
 
-# torchrun flags passed through unchanged (multi-node rendezvous and restarts).
-_PASSTHROUGH = ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--rdzv-conf",
-                "--master-addr", "--master-port", "--max-restarts", "--monitor-interval", "--log-dir",
-                "--redirects", "--tee", "--local-addr"]
-
-
-def build_run_command(argv: list[str]) -> list[str]:
-    """Translate `phalanx run` arguments into a `python -m torch.distributed.run` command line."""
-    parser = argparse.ArgumentParser(prog="phalanx run", description="Start N processes per node with torchrun.")
-    parser.add_argument("-n", "--nproc-per-node", default="1",
-                        help="processes on this node (an int, or 'gpu'/'cpu'/'auto' as torchrun accepts)")
-    for flag in _PASSTHROUGH:
-        parser.add_argument(flag, default=None)
-    parser.add_argument("--standalone", action="store_true", help="single-node rendezvous on a free port")
-    parser.add_argument("-m", "--module", default=None, help="run a module (like python -m)")
-    # Everything after the script (or after `-m MODULE`) belongs to the program, not to us.
-    ours, target = _split_at_program(argv)
-    args = parser.parse_args(ours)
-    args.target = target
-    if args.module is None and not args.target:
-        parser.error("name a script to run, or a module with -m")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
-    multi_node = args.nnodes not in (None, "1")
-    if args.standalone or (not multi_node and args.rdzv_endpoint is None and args.master_addr is None):
-        cmd.append("--standalone")
-    for flag in _PASSTHROUGH:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            cmd.append(f"{flag}={value}")
-    if args.module is not None:
-        cmd += ["-m", args.module]
-    target = list(args.target)
-    if target and target[0] == "--":
-        target = target[1:]
-    return cmd + target
-
-
-def _split_at_program(argv: list[str]) -> tuple[list[str], list[str]]:
-    ours: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            return ours, argv[i + 1:]
-        if arg in ("-m", "--module"):
-            return ours + argv[i:i + 2], argv[i + 2:]
-        if arg.startswith("--module="):
-            return ours + [arg], argv[i + 1:]
-        if not arg.startswith("-"):
-            return ours, argv[i:]
-        ours.append(arg)
-        takes_value = "=" not in arg and arg not in ("--standalone", "-h", "--help")
-        if takes_value and i + 1 < len(argv):
-            ours.append(argv[i + 1])
-            i += 1
-        i += 1
-    return ours, []
-
-
-def run(argv: list[str]) -> int:
-    cmd = build_run_command(argv)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # launch() then gives each rank its share of cores
-    # Run from the current directory so `-m apps.…` works from a checkout.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
-    os.execvpe(cmd[0], cmd, env)
-    return 0  # not reached
+from phalanx.torchrun import exec_run
 
 
 def _version(dist_name: str) -> str:
@@ -156,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
-        return run(rest)
+        return exec_run(rest)
     if command == "env":
         return env_command()
     if command == "serve":

@@ -14,7 +14,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.multiprocessing as mp
@@ -130,9 +130,199 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
+class MasterWeights:
+    """Plain torch's mixed precision on one process, the reference that low-precision runs are
+    compared with: the model computes in `dtype` and the optimizer updates fp32 master copies of
+    its parameters (`masters`, by name; build the optimizer on `masters.values()`). In fp32 the
+    copies change nothing."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype = torch.float32):
+        self.model = model.to(dtype)
+        self.masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in self.model.named_parameters()}
+
+    def step(self, optimizer: torch.optim.Optimizer, scale: float = 1.0, max_norm: float | None = None) -> float:
+        """Move the model's gradients (divided by the loss `scale`) to the masters, clip them to
+        `max_norm`, step and zero `optimizer`, copy the masters back; return the gradient norm."""
+        for n, p in self.model.named_parameters():
+            self.masters[n].grad = p.grad.float() / scale
+            p.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.masters[n])
+        return norm.item()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: m.detach().clone() for n, m in self.masters.items()}
+
+
 def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token-id prompts left-padded to one width: how Hugging Face
     `generate` takes a batch (the baseline of the inference tests and bench/inference.py)."""
     from phalanx.train.data import pad_rows
 
     return pad_rows(prompts, pad_id, side="left")
+
+
+# ---------------------------------------------------------------------------- numerical comparisons
+# The equivalence tests compare a distributed run with one plain process. Two measures, both
+# relative, so that a tolerance means the same whatever the size of the values:
+#   rel     |got − want| / |want| for numbers (the worst step of a list of losses); for a tensor,
+#           max |got − want| / max |want| (relative to its magnitude; per tensor for a dict).
+#   update  ‖Δgot − Δwant‖ / ‖Δwant‖ over all tensors, Δ = weights after training − before: the
+#           fraction of what the optimizer changed that differs. AdamW normalises every element's
+#           step to about ±lr, so rounding noise in a gradient that cancels to near zero moves that
+#           weight by up to lr: a max-abs bound on the weights measures the noise, not the code.
+#           Its floor: weights stored in a dtype hold an update only to their own rounding, so
+#           `check` allows eps·‖want‖/‖Δwant‖ beyond the tolerance (one SGD step at lr 1e-2 moves
+#           the tiny models' weights by 1/1000 of their norm: up to 6e-4 in fp32; 5 AdamW steps:
+#           5e-7).
+# Tolerances are multiples of the dtype's machine epsilon (`eps`); each states what was measured.
+# With PHALANX_TOLERANCE_LOG=file every check appends a JSON line (test, what, measure, value, tol,
+# floor, where) to it: docs/testing.md.
+
+def eps(dtype: torch.dtype) -> float:
+    """Machine epsilon: the gap between 1 and the next representable number (fp32 1.2e-7, bf16
+    7.8e-3, fp16 9.8e-4)."""
+    return torch.finfo(dtype).eps
+
+
+# Safety factor of `rounding_rtol`: the largest fp32 rel error measured across the suites is
+# 0.8·eps·√n (losses, logits, gradients, gradient norms, attention blocks; AVX-512 and AVX2
+# kernels alike; docs/testing.md), so 8 leaves a factor of 10.
+ROUNDING_SAFETY = 8.0
+
+
+# The update measure of fp32 weights after AdamW steps. AdamW normalises each element's step, so
+# an element whose gradient cancels to a few roundings carries that relative error (not bounded
+# by eps) into a step of ~lr: no eps·√n bound holds. 1e-4 (840 eps): correct runs measure ≤ 7e-6
+# (ZeRO with clipping on AVX2 kernels, 3.8e-7 on AVX-512; fit through tp2 6.8e-6); subtle bugs on
+# the ZeRO recipe 2e-3 or more (weight decay ignored 4.6e-3, beta2 0.99 for 0.999 2.3e-3, a norm
+# weight frozen 2e-2, lr 3% high 4.4e-2).
+ADAMW_UPDATE_RTOL = 1e-4
+
+
+# Low-precision runs (bf16/fp16 compute, fp32 master weights, AdamW) against the same recipe on
+# one process: (loss rel, gradient-norm rel, update measure), in units of the dtype's eps (bf16
+# 7.8e-3, fp16 9.8e-4). The roundings of a low-precision sum differ between orders by ~eps and
+# Adam amplifies them as in fp32; a loss averages the independent roundings of its tokens. The
+# worst measured (ZeRO, DDP/FSDP, tp2, pp2; AVX2 kernels change them by < 2x; docs/testing.md):
+LOW_PRECISION_RTOL = {
+    # eps/8, 1.3·eps, 13·eps: 1.9e-4, 1.8e-3, 0.067 (tp2: one more rounding per row-parallel sum)
+    torch.bfloat16: (eps(torch.bfloat16) / 8, 1.3 * eps(torch.bfloat16), 13 * eps(torch.bfloat16)),
+    # eps, eps, 31·eps: 7.1e-5, 2.1e-4, 0.021 (tp2)
+    torch.float16: (eps(torch.float16), eps(torch.float16), 31 * eps(torch.float16)),
+}
+
+
+def rounding_rtol(dtype: torch.dtype, n: int) -> float:
+    """Tolerance for the rel error of a value (loss, logits, gradient, gradient norm, an SGD
+    update) computed by the same arithmetic with its sums in another order (sharded matmuls,
+    all-reduce, microbatches): ROUNDING_SAFETY · eps · √n, n the length of the longest reduction
+    behind it (for a loss or a weight gradient: the tokens of the batch). Two orders of an n-term
+    sum differ by a random walk of about √n roundings of eps/2 each."""
+    if n < 1:
+        raise ValueError(f"reduction size n must be >= 1, got {n}")
+    return ROUNDING_SAFETY * eps(dtype) * n ** 0.5
+
+
+class Diff(NamedTuple):
+    """A measured difference, where its worst part is, the measure's name and the part of it that
+    the rounding of the compared values alone may explain (picklable, so rank functions can return
+    it through `spawn`)."""
+
+    value: float
+    where: str = ""
+    measure: str = "rel error"
+    floor: float = 0.0
+
+
+def _as_tensors(x) -> torch.Tensor:
+    return x.detach().double().cpu() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
+
+
+def rel_diff(got, want) -> Diff:
+    """The rel measure of a number, a tensor, a list of numbers or tensors (by index) or a dict of
+    tensors (by key, every key of `want` must be in `got`); `where` names the worst entry."""
+    if isinstance(want, dict):
+        missing = sorted(set(want) - set(got))
+        if missing or not want:
+            raise AssertionError(f"nothing to compare: missing keys {missing}" if missing else "nothing to compare")
+        parts = ((k, rel_diff(got[k], want[k])) for k in want)
+        return max((Diff(d.value, f"{k} {d.where}".strip()) for k, d in parts), key=lambda d: d.value)
+    if isinstance(want, (list, tuple)):
+        if len(got) != len(want) or not want:
+            raise AssertionError(f"got {len(got)} values for {len(want)} expected")
+        parts = ((i, rel_diff(g, w)) for i, (g, w) in enumerate(zip(got, want, strict=True)))
+        return max((Diff(d.value, f"[{i}] {d.where}".strip()) for i, d in parts), key=lambda d: d.value)
+    g, w = _as_tensors(got), _as_tensors(want)
+    if g.shape != w.shape:
+        raise AssertionError(f"shape {tuple(g.shape)} != expected {tuple(w.shape)}")
+    if not torch.isfinite(g).all():
+        return Diff(float("inf"), "non-finite values")
+    err = (g - w).abs()
+    scale = w.abs().max().item() if w.numel() else 0.0
+    worst = err.max().item() if err.numel() else 0.0
+    where = ""
+    if w.dim() and w.numel():
+        where = str(tuple(int(i) for i in torch.unravel_index(err.argmax(), w.shape)))
+    if scale == 0.0:
+        return Diff(0.0 if worst == 0.0 else float("inf"), where)
+    return Diff(worst / scale, where)
+
+
+def update_diff(got, want, start) -> Diff:
+    """The update measure ‖Δgot − Δwant‖ / ‖Δwant‖ (Δ = after − `start`) over every key of `want`
+    (dicts of tensors, or three tensors); `where` names the tensor with the largest share of the
+    difference."""
+    if isinstance(want, torch.Tensor):
+        got, want, start = {"tensor": got}, {"tensor": want}, {"tensor": start}
+    missing = sorted((set(want) - set(got)) | (set(want) - set(start)))
+    if missing or not want:
+        raise AssertionError(f"nothing to compare: missing keys {missing}" if missing else "nothing to compare")
+    num, den, rounding, worst, where = 0.0, 0.0, 0.0, -1.0, ""
+    for k, want_k in want.items():
+        s = _as_tensors(start[k])
+        g, w = _as_tensors(got[k]), _as_tensors(want_k)
+        if g.shape != w.shape or s.shape != w.shape:
+            raise AssertionError(f"{k}: shapes {tuple(g.shape)}, {tuple(w.shape)}, start {tuple(s.shape)} differ")
+        d = ((g - w) ** 2).sum().item()
+        num, den = num + d, den + ((w - s) ** 2).sum().item()
+        # two roundings of each element differ by at most ulp(w) <= eps·|w|
+        dtype = want_k.dtype if isinstance(want_k, torch.Tensor) and want_k.is_floating_point() else torch.float64
+        rounding += eps(dtype) ** 2 * (w ** 2).sum().item()
+        if d > worst:
+            worst, where = d, k
+    if den == 0.0:
+        raise AssertionError("the reference did not change: an update measure needs training to move the weights")
+    return Diff((num / den) ** 0.5, str(where), "update error ‖Δgot−Δwant‖/‖Δwant‖", floor=(rounding / den) ** 0.5)
+
+
+def check(diff: Diff, tol: float, what: str = "") -> float:
+    """Assert `diff.value <= tol + diff.floor`, naming `what`, the worst entry and the measure;
+    return the value."""
+    value, where, measure, floor = diff
+    log = os.environ.get("PHALANX_TOLERANCE_LOG")
+    if log:
+        import json
+
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "measure": measure,
+                                "value": value, "tol": tol, "floor": floor, "where": where}) + "\n")
+    if not value <= tol + floor:  # also catches NaN
+        at = f" at {where}" if where else ""
+        rounding = f" + {floor:.3g} (the rounding of the compared values)" if floor else ""
+        raise AssertionError(f"{what}: {measure} {value:.3g}{at} exceeds the tolerance {tol:.3g}{rounding}")
+    return value
+
+
+def assert_rel_close(got, want, tol: float, what: str = "") -> float:
+    """`check(rel_diff(got, want), tol, what)`."""
+    return check(rel_diff(got, want), tol, what)
+
+
+def assert_update_close(got, want, start, tol: float, what: str = "") -> float:
+    """`check(update_diff(got, want, start), tol, what)`."""
+    return check(update_diff(got, want, start), tol, what)

@@ -1,6 +1,7 @@
 """What the hybrid-parallel tests run on each rank (module level, so `phalanx.testing.spawn` can
-start them). Every suite loops over families and layouts inside one spawn and returns plain
-numbers (largest differences from the single-process reference); the asserts live in the tests.
+start them). Every suite loops over families and layouts inside one spawn and returns
+`phalanx.testing.Diff`s (measured differences from the single-process reference: rel, or update
+for weights after a step); the asserts and tolerances live in the tests.
 """
 from __future__ import annotations
 
@@ -8,38 +9,49 @@ import torch
 import torch.distributed as dist
 
 import hybrid_models as hm
+from phalanx.booster.state import boosted_state
+from phalanx.testing import LOW_PRECISION_RTOL, Diff, MasterWeights, check, rel_diff, update_diff
 
 LR = 1e-2
 
 
-def make_optimizer(model, kind: str = "sgd"):
+def make_optimizer(params, kind: str = "sgd"):
     """SGD for the equivalence checks (its update is linear in the gradient, so weights compare as
     tightly as gradients); AdamW where optimizer state must move between layouts."""
     if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, eps=1e-6)
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, eps=1e-6)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_SCALE = 2.0**16  # the plugins' initial dynamic loss scale (no overflow in these runs)
 
 
 def reference(family: str, steps: int = 1, kind: str = "sgd", max_norm: float | None = None,
-              layers: int = 2) -> dict:
-    """Plain torch, one process, the whole batch."""
+              layers: int = 2, precision: str = "fp32") -> dict:
+    """Plain torch, one process, the whole batch (bf16/fp16: the model in that dtype, fp32
+    master weights, fp16 with a constant loss scale); `start` and `start_logits` are the fp32
+    weights and the logits of the fresh batch before training (for update measures)."""
     model = hm.build(family, layers=layers)
-    opt = make_optimizer(model, kind)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        start_logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
+    mp = MasterWeights(model, DTYPES[precision])
+    opt = make_optimizer(mp.masters.values(), kind)
+    scale = FP16_SCALE if precision == "fp16" else 1.0
     losses, grads, norms = [], {}, []
     for i, batch in enumerate(hm.tokens(family, steps=steps)):
         loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        (loss * scale).backward()
         if i == 0:
             params = dict(model.named_parameters(remove_duplicate=False))
-            grads = {n: params[n].grad.detach().clone() for n in hm.SAMPLE_GRADS[family]}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
-        opt.step()
-        opt.zero_grad()
+            grads = {n: params[n].grad.detach().float() / scale for n in hm.SAMPLE_GRADS[family]}
+        norms.append(mp.step(opt, scale, max_norm))
         losses.append(loss.item())
     with torch.no_grad():
         logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "logits": logits, "norms": norms}
+    return {"losses": losses, "grads": grads, "params": mp.state(), "logits": logits, "norms": norms,
+            "start": start, "start_logits": start_logits}
 
 
 def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 0, layers: int = 2):
@@ -49,7 +61,7 @@ def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 
 
     booster = Booster(layout if isinstance(layout, Plugin) else HybridParallelPlugin(**layout))
     model = model if model is not None else hm.build(family, seed, layers)
-    optimizer = make_optimizer(model, kind)
+    optimizer = make_optimizer(model.parameters(), kind)
     model, optimizer, *_ = booster.boost(model, optimizer)
     return booster, model, optimizer
 
@@ -71,7 +83,7 @@ def reduced_grads(booster, model, optimizer, names) -> dict[str, torch.Tensor]:
     from phalanx.shard.optim import HybridZeroOptimizer
 
     hf = model.unwrapped
-    plan = model.phalanx_plan
+    plan = boosted_state(model).plan
     params = dict(hf.named_parameters(remove_duplicate=False))
     local: dict[int, torch.Tensor] = {}
     if isinstance(optimizer, HybridZeroOptimizer):
@@ -83,7 +95,7 @@ def reduced_grads(booster, model, optimizer, names) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(shard) for _ in range(optimizer.world_size)]
             dist.all_gather(parts, shard.contiguous(), group=optimizer.process_group)
             full = torch.cat(parts)
-            for slot, p in zip(g.layout.slots, g.params):
+            for slot, p in zip(g.layout.slots, g.params, strict=True):
                 local[id(p)] = full[slot.offset:slot.end].view(p.shape).clone()
     else:  # stage 0: synchronise now, read the gradients before clipping, then clip
         from phalanx.amp.clip import clip_grads_by_norm
@@ -92,7 +104,7 @@ def reduced_grads(booster, model, optimizer, names) -> dict[str, torch.Tensor]:
         assert optimizer.unscale_and_clip()
         optimizer.max_norm = max_norm
         masters = [optimizer.master_of.get(id(p), p) for p in optimizer.model_params]
-        for p, m in zip(optimizer.model_params, masters):
+        for p, m in zip(optimizer.model_params, masters, strict=True):
             local[id(p)] = m.grad.detach().clone()
         clip_grads_by_norm([m.grad for m in masters], max_norm, optimizer.last_grad_norm)
     out = {}
@@ -118,21 +130,19 @@ def finish_step(optimizer) -> None:
         optimizer.zero_grad()
 
 
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
-    worst, where = 0.0, ""
-    for k, v in b.items():
-        d = (a[k].float() - v.float()).abs().max().item()
-        if d > worst:
-            worst, where = d, k
-    return worst, where
+def logits_update_diff(logits: torch.Tensor, ref: dict) -> Diff:
+    """Logits after AdamW steps, as an update measure: ‖L − L_ref‖ / ‖L_ref − L_start‖ (AdamW
+    turns gradient rounding into weight differences of a fraction of lr; the logits carry them)."""
+    return update_diff(logits, ref["logits"], ref["start_logits"])
 
 
 def one_step(family: str, layout: dict, ref: dict) -> dict:
     """Differences of one step under `layout` from the reference: loss, sampled gradients, global
-    gradient norm, all weights after the step, logits of a fresh batch after the step."""
+    gradient norm, all weights after the step (SGD: update measure), logits of a fresh batch after
+    the step (rel)."""
     booster, model, optimizer = boost(family, layout)
     calls = []
-    policy = model.phalanx_plan.policy
+    policy = boosted_state(model).plan.policy
     policy.attention_modules(model.unwrapped)[0].register_forward_pre_hook(lambda *a: calls.append(1))
     batch = local_rows(booster, hm.tokens(family)[0])
     out = model(input_ids=batch, labels=batch)
@@ -143,13 +153,11 @@ def one_step(family: str, layout: dict, ref: dict) -> dict:
     state = booster.plugin.full_model_state_dict(model)
     with torch.no_grad():
         logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
-    grad_diff = _max_diff(grads, ref["grads"])
-    param_diff = _max_diff(state, ref["params"])
-    return {"loss": abs(_dp_mean(booster, out.loss.item()) - ref["losses"][0]), "grad": grad_diff[0],
-            "norm": abs(optimizer.last_grad_norm - ref["norms"][0]) / ref["norms"][0], "ref_norm": ref["norms"][0],
+    return {"loss": rel_diff(_dp_mean(booster, out.loss.item()), ref["losses"][0]),
+            "grad": rel_diff(grads, ref["grads"]), "norm": rel_diff(optimizer.last_grad_norm, ref["norms"][0]),
+            "ref_norm": ref["norms"][0],
             "attention_calls": len(calls) - 1,  # the forward after the step runs it once more
-            "grad_at": grad_diff[1], "param": param_diff[0], "param_at": param_diff[1],
-            "logits": (logits - ref["logits"]).abs().max().item()}
+            "param": update_diff(state, ref["params"], ref["start"]), "logits": rel_diff(logits, ref["logits"])}
 
 
 def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES, step=None, layers: int = 2) -> dict:
@@ -171,7 +179,7 @@ def train_steps(booster, model, optimizer, batches) -> list[float]:
     losses = []
     for batch in batches:
         local = local_rows(booster, batch)
-        if getattr(model, "phalanx_pipeline", None) is not None:  # pp_size > 1
+        if boosted_state(model).pipeline is not None:  # pp_size > 1
             loss = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), model, None,
                                             optimizer)["loss"]
         else:
@@ -213,9 +221,9 @@ def checkpoint_suite(directory: str, save_layout, load_layouts: dict, families=(
             losses = train_steps(booster, model, optimizer, batches[1:])
             params = booster.plugin.full_model_state_dict(model)
             out.setdefault(name, {})[family] = {
-                "logits_vs_saved": (logits - saved_logits).abs().max().item(),
-                "loss": abs(losses[0] - ref["losses"][1]),
-                "param": _max_diff(params, ref["params"])[0],
+                "logits_vs_saved": rel_diff(logits, saved_logits),  # the same weights
+                "loss": rel_diff(losses[0], ref["losses"][1]),
+                "param": update_diff(params, ref["params"], ref["start"]),  # the two AdamW steps
             }
     return out
 
@@ -230,7 +238,7 @@ def resume_with_plugin(directory: str, plugin_name: str, families=("llama", "gpt
         booster, model, optimizer = boost(family, make_plugin(plugin_name), kind="adamw", seed=99)
         booster.load_checkpoint(f"{directory}/{family}", model, optimizer)
         losses = train_steps(booster, model, optimizer, hm.tokens(family, steps=2)[1:])
-        out[family] = abs(losses[0] - ref["losses"][1])
+        out[family] = rel_diff(losses[0], ref["losses"][1])
     return out
 
 
@@ -252,7 +260,7 @@ def lazy_suite(directory: str, families=("llama", "gpt2")) -> dict:
         # boosted from the checkpoint: logits and the size of what each rank holds
         booster, model, optimizer = boost(family, dict(tp_size=2, zero_stage=1), model=lazy.from_pretrained(path))
         local_numel = sum(p.numel() for p in model.unwrapped.parameters())
-        result = {"logits": (_logits(model, family) - want).abs().max().item(), "local_fraction": local_numel / full_numel}
+        result = {"logits": rel_diff(_logits(model, family), want), "local_fraction": local_numel / full_numel}
         # what apply_tp reads through the lazy source
         meta = lazy.from_pretrained(path)
         source = lazy.source_for(meta)
@@ -266,7 +274,8 @@ def lazy_suite(directory: str, families=("llama", "gpt2")) -> dict:
         gathered = full_state_dict(split, plan)
         torch.manual_seed(5)
         whole = lazy.materialize(lazy.from_config(hm.config(family)))
-        result["random_init"] = _max_diff(gathered, dict(whole.named_parameters()))[0]
+        whole_params = dict(whole.named_parameters())
+        result["random_init"] = all(torch.equal(gathered[n], p) for n, p in whole_params.items())
         result["finite"] = all(bool(torch.isfinite(v).all()) for v in gathered.values())
         stds = [p.std().item() for n, p in whole.named_parameters() if p.dim() == 2]
         result["std_range"] = (min(stds), max(stds))
@@ -344,28 +353,39 @@ def error_suite() -> dict:
     return out
 
 
+def check_low_precision(results: dict, expected: int) -> None:
+    """Assert on `precision_suite`'s results: `expected` runs, compute and saved dtypes, losses and
+    update within phalanx.testing.LOW_PRECISION_RTOL of the same recipe on one process."""
+    assert len(results) == expected, sorted(results)
+    for key, d in results.items():
+        precision = key.split("/")[1]
+        assert d["dtype"] == str(DTYPES[precision]), (key, d)
+        assert d["saved_dtype"] == "torch.float32", (key, d)  # the fp32 masters are what is saved
+        loss_tol, _, update_tol = LOW_PRECISION_RTOL[DTYPES[precision]]
+        check(d["loss"], loss_tol, f"{key}: losses")
+        check(d["update"], update_tol, f"{key}: weights")
+
+
 def precision_suite(families=("llama", "gpt2"), layout: dict | None = None, layers: int = 2) -> dict:
-    """bf16 and fp16 under `layout` (default tp=2 with ZeRO-2), two AdamW steps: losses near the fp32
-    reference, the relative error of the whole update, the compute dtype and the dtype of the saved
-    weights (compared on rank 0, where a pipelined model's state dict is complete)."""
+    """bf16 and fp16 under `layout` (default tp=2 with ZeRO-2), two AdamW steps, against the same
+    recipe on one process (`reference(precision=...)`): the losses, the update measure, the compute
+    dtype and the dtype of the saved weights (compared on rank 0, where a pipelined model's state
+    dict is complete)."""
     layout = layout or dict(tp_size=2, zero_stage=2)
     out = {}
     for family in families:
-        ref = reference(family, steps=2, kind="adamw", layers=layers)
-        initial = {n: p.detach().clone() for n, p in hm.build(family, layers=layers).named_parameters()}
-        ref_update = torch.cat([(ref["params"][n] - initial[n]).reshape(-1) for n in initial])
         for precision in ("bf16", "fp16"):
+            ref = reference(family, steps=2, kind="adamw", layers=layers, precision=precision)
             booster, model, optimizer = boost(family, dict(layout, precision=precision), kind="adamw",
                                               layers=layers)
             losses = train_steps(booster, model, optimizer, hm.tokens(family, steps=2))
             state = booster.plugin.full_model_state_dict(model)
-            if not all(n in state for n in initial):  # another pipeline rank's part: rank 0 has all
+            if not all(n in state for n in ref["start"]):  # another pipeline rank's part: rank 0 has all
                 continue
-            update = torch.cat([(state[n] - initial[n]).reshape(-1) for n in initial])
             out[f"{family}/{precision}"] = {
-                "loss_rel": max(abs(a - b) / b for a, b in zip(losses, ref["losses"])),
-                "update_rel": ((update - ref_update).norm() / ref_update.norm()).item(),
+                "loss": rel_diff(losses, ref["losses"]),
+                "update": update_diff(state, ref["params"], ref["start"]),
                 "dtype": str(next(model.unwrapped.parameters()).dtype),
-                "saved_dtype": str(state[next(iter(initial))].dtype),
+                "saved_dtype": str(state[next(iter(ref["start"]))].dtype),
             }
     return out

@@ -1,5 +1,5 @@
 """What the pipeline tests run on each rank: one spawn loops over families and layouts and
-returns plain numbers (largest differences from one plain process); the asserts live in
+returns `phalanx.testing.Diff`s (differences from one plain process); the asserts live in
 test_pipeline.py. Models have 4 decoder layers so that pp=2 with 2 stages per rank
 (interleaved, zero_bubble) has a layer per stage."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import hybrid_models as hm
 import hybrid_workers as hw
+from phalanx.testing import Diff, rel_diff, update_diff
 
 LAYERS = 4
 
@@ -19,25 +20,24 @@ def pipeline_step(family: str, layout: dict, ref: dict) -> dict:
     booster, model, optimizer = hw.boost(family, layout, layers=LAYERS)
     loss = hw.train_steps(booster, model, optimizer, hm.tokens(family))[0]
     state = booster.plugin.full_model_state_dict(model)
-    param = hw._max_diff(state, ref["params"]) if dist.get_rank() == 0 else (0.0, "")
+    param = update_diff(state, ref["params"], ref["start"]) if dist.get_rank() == 0 else Diff(0.0, "not rank 0")
     # forward-only after the step, on a batch of another shape than training's (3 rows of 10)
     fresh = hm.tokens(family, seed=11)[0][:3, :10]
     ref_logits = ref["logits"][:3, :10]
     ref_eval = torch.nn.functional.cross_entropy(ref_logits[:, :-1].reshape(-1, ref_logits.shape[-1]),
                                                  fresh[:, 1:].reshape(-1)).item()
     ev = booster.execute_pipeline(iter([fresh]), model, forward_only=True, return_outputs=True)
-    # the logits live on the last stage's ranks: every rank reports the largest difference and
-    # how many ranks had logits
-    logits = torch.tensor([0.0 if ev["outputs"] is None else (ev["outputs"] - ref_logits).abs().max().item(),
+    # the logits live on the last stage's ranks: every rank reports its rel error (0 without
+    # logits) and whether it had them; the largest and the count are reduced over the ranks
+    logits = torch.tensor([0.0 if ev["outputs"] is None else rel_diff(ev["outputs"], ref_logits).value,
                            float(ev["outputs"] is not None)])
     dist.all_reduce(logits[:1], op=dist.ReduceOp.MAX)
     dist.all_reduce(logits[1:])
-    return {"eval_loss": abs(ev["loss"].item() - ref_eval), "eval_logits": logits[0].item(),
+    return {"eval_loss": rel_diff(ev["loss"].item(), ref_eval), "eval_logits": Diff(logits[0].item()),
             "eval_logit_ranks": int(logits[1].item()),
-            "loss": abs(loss - ref["losses"][0]),
-            "norm": abs(optimizer.last_grad_norm - ref["norms"][0]) / ref["norms"][0], "ref_norm": ref["norms"][0],
-            "param": param[0], "param_at": param[1], "saved_keys": sorted(state) == sorted(ref["params"])
-            if dist.get_rank() == 0 else True}
+            "loss": rel_diff(loss, ref["losses"][0]),
+            "norm": rel_diff(optimizer.last_grad_norm, ref["norms"][0]), "ref_norm": ref["norms"][0],
+            "param": param, "saved_keys": sorted(state) == sorted(ref["params"]) if dist.get_rank() == 0 else True}
 
 
 def equivalence_suite(layouts: dict[str, dict], families=hm.FAMILIES) -> dict:
@@ -67,18 +67,18 @@ def checkpoint_suite(directory: str, save_layout: dict, load_layouts: dict, fami
         tp_booster, tp_model, _ = hw.boost(family, dict(tp_size=2), seed=5, layers=LAYERS)
         tp_booster.load_model(tp_model, f"{path}/model")
         plain = AutoModelForCausalLM.from_pretrained(f"{path}/model")
-        with torch.no_grad():
+        with torch.no_grad():  # after one AdamW step: the logits' update measure
             out.setdefault("logits", {})[family] = {
-                "tp2": (tp_model(input_ids=fresh).logits - ref1["logits"]).abs().max().item(),
-                "plain": (plain(input_ids=fresh).logits - ref1["logits"]).abs().max().item()}
+                "tp2": hw.logits_update_diff(tp_model(input_ids=fresh).logits, ref1),
+                "plain": hw.logits_update_diff(plain(input_ids=fresh).logits, ref1)}
         for name, layout in load_layouts.items():
             booster, model, optimizer = hw.boost(family, layout, kind="adamw", seed=99, layers=LAYERS)
             booster.load_checkpoint(path, model, optimizer)
             losses = hw.train_steps(booster, model, optimizer, batches[1:])
             state = booster.plugin.full_model_state_dict(model)
             out.setdefault(name, {})[family] = {
-                "loss": abs(losses[0] - ref2["losses"][1]),
-                "param": hw._max_diff(state, ref2["params"])[0] if dist.get_rank() == 0 else 0.0}
+                "loss": rel_diff(losses[0], ref2["losses"][1]),
+                "param": update_diff(state, ref2["params"], ref2["start"]) if dist.get_rank() == 0 else Diff(0.0)}
     return out
 
 
@@ -127,7 +127,8 @@ def masked_labels_step(layout: dict, family: str = "llama") -> dict:
     labels[0, 6:] = -100
     labels[1, :13] = -100
     model = hm.build(family, layers=LAYERS)
-    optimizer = hw.make_optimizer(model)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = hw.make_optimizer(model.parameters())
     loss = model(input_ids=batch, labels=labels).loss
     loss.backward()
     optimizer.step()
@@ -136,5 +137,5 @@ def masked_labels_step(layout: dict, family: str = "llama") -> dict:
     out = booster.execute_pipeline(iter([{"input_ids": batch, "labels": labels}]), model, None, optimizer)
     optimizer.step()
     state = booster.plugin.full_model_state_dict(model)
-    return {"loss": abs(out["loss"].item() - loss.item()),
-            "param": hw._max_diff(state, ref)[0] if dist.get_rank() == 0 else 0.0}
+    return {"loss": rel_diff(out["loss"].item(), loss.item()),
+            "param": update_diff(state, ref, start) if dist.get_rank() == 0 else Diff(0.0)}

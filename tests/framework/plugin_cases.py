@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.testing import tiny_llama
+from phalanx.testing import MasterWeights, tiny_llama
 
 GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 5, 1e-2
 
@@ -14,20 +14,23 @@ def make_batches(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seq: int 
     return [torch.randint(0, vocab, (global_batch, seq), generator=g) for _ in range(steps)]
 
 
-def single_process_reference(steps: int = STEPS, max_norm: float | None = None, accumulate: int = 1):
-    """Plain torch: one process, whole global batch, AdamW."""
-    model = tiny_llama(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+def initial_state() -> dict[str, torch.Tensor]:
+    """The weights every run starts from (for update measures)."""
+    return tiny_llama(seed=0).state_dict()
+
+
+def single_process_reference(steps: int = STEPS, max_norm: float | None = None, precision: str = "fp32"):
+    """Plain torch: one process, whole global batch, AdamW; with precision="bf16" the model
+    computes in bf16 and AdamW updates fp32 master copies (what the plugins' bf16 does)."""
+    mp = MasterWeights(tiny_llama(seed=0), {"fp32": torch.float32, "bf16": torch.bfloat16}[precision])
+    opt = torch.optim.AdamW(mp.masters.values(), lr=LR, weight_decay=0.01)
     losses = []
     for batch in make_batches(steps):
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = mp.model(input_ids=batch, labels=batch).loss
         loss.backward()
-        if max_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
+        mp.step(opt, max_norm=max_norm)
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, mp.state()
 
 
 def run_plugin(plugin_factory, steps: int = STEPS, accumulate: int = 1):

@@ -82,3 +82,32 @@ def test_load_model_refuses_a_different_architecture(tmp_path, booster_and_model
     other = tiny_llama(seed=0, hidden_size=48)
     with pytest.raises(CheckpointError, match="does not fit this model"):
         booster.load_model(other, tmp_path / "m")
+
+
+def test_loss_scaler_state_is_saved_once_with_the_optimizer(tmp_path):
+    """The fp16 scaler's state lives in the optimizer checkpoint only (not train_state.json) and
+    comes back with the optimizer, from a full checkpoint and from save_optimizer alone."""
+    import json
+
+    from phalanx.booster.state import boosted_state
+
+    phalanx.launch(seed=0)
+    try:
+        model = tiny_llama(seed=0)
+        booster = Booster(plugin=DDPPlugin(precision="fp16"))
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        assert boosted_state(model).optimizer is opt and boosted_state(opt) is boosted_state(model)
+        saved = {"scale": 512.0, "good_steps": 7, "skipped_steps": 2}
+        opt.scaler.load_state_dict(saved)
+        path = booster.save_checkpoint(tmp_path / "ckpt", model, opt, train_state=TrainState(step=1))
+        only_optimizer = booster.save_optimizer(opt, tmp_path / "optim")
+        assert "loss_scaler" not in json.loads((path / "train_state.json").read_text())
+        for source, load in ((path, lambda: booster.load_checkpoint(path, model, opt)),
+                             (only_optimizer, lambda: booster.load_optimizer(opt, only_optimizer))):
+            opt.scaler.load_state_dict({"scale": 2.0**16, "good_steps": 0, "skipped_steps": 0})
+            load()
+            got = {"scale": opt.scaler.scale, "good_steps": opt.scaler.good_steps,
+                   "skipped_steps": opt.scaler.skipped_steps}
+            assert got == saved, source
+    finally:
+        phalanx.shutdown()

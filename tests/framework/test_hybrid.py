@@ -3,19 +3,25 @@ policy (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT), under every layout, one step.
 
 Layouts (2 ranks): tp2; sp2 split-gather (on the tp group); sp2 Ulysses; sp2 ring.
 Layouts (4 ranks): tp2+sp2 Ulysses; tp2+sp2 ring; dp2+tp2 ZeRO-1; dp2+tp2 ZeRO-2 (+split-gather).
-Checked within 1e-5 (fp32): the loss, one column-parallel, one row-parallel and one norm
-gradient (after all reductions), the global gradient norm (relative), every weight after one SGD
-step (linear in the gradient, so weights compare as tightly as gradients), and the full logits
-of a fresh batch after the step. Clipping (max_norm below the norm) and activation checkpointing
-run in some layouts. Measured differences are ~1e-8 for gradients and weights, ~1e-7 for logits.
+Checked in fp32, relative to magnitude within rounding_rtol (8·eps·√64 = 7.6e-6, 64 tokens per
+batch): the loss, one column-parallel, one row-parallel and one norm gradient (after all
+reductions), the global gradient norm, the full logits of a fresh batch after the step; and
+every weight after one SGD step, as the update measure within the same tolerance (SGD is linear
+in the gradient) plus the weights' own rounding (one SGD step moves them by 1/1000 of their
+norm). After AdamW steps (checkpoints) the update measure within ADAMW_UPDATE_RTOL. Clipping
+(max_norm below the norm) and activation checkpointing run in some layouts. The measures are
+those of phalanx.testing; docs/hybrid.md has the measured values.
 """
 from __future__ import annotations
 
+import torch
+
 import hybrid_models as hm
 import hybrid_workers as hw
-from phalanx.testing import spawn
+from phalanx.testing import ADAMW_UPDATE_RTOL, check, rounding_rtol, spawn
 
-TOL = 1e-5
+TOKENS = 4 * 16  # hm.tokens: the longest reduction behind a loss or a weight gradient
+TOL = rounding_rtol(torch.float32, TOKENS)  # rel errors, and the update measure after SGD
 CLIP = 0.3
 
 TWO_RANKS = {
@@ -39,11 +45,11 @@ def _check(results: dict, layouts: dict) -> None:
         assert set(per_family) == set(hm.FAMILIES)
         for family, d in per_family.items():
             where = f"{layout}/{family}"
-            assert d["loss"] <= TOL, f"{where}: loss differs by {d['loss']}"
-            assert d["grad"] <= TOL, f"{where}: gradient of {d['grad_at']} differs by {d['grad']}"
-            assert d["norm"] <= TOL, f"{where}: gradient norm differs by {d['norm']} (relative)"
-            assert d["param"] <= TOL, f"{where}: {d['param_at']} differs by {d['param']} after one step"
-            assert d["logits"] <= TOL, f"{where}: logits after one step differ by {d['logits']}"
+            check(d["loss"], TOL, f"{where}: loss")
+            check(d["grad"], TOL, f"{where}: gradient")
+            check(d["norm"], TOL, f"{where}: gradient norm")
+            check(d["param"], TOL, f"{where}: weights after one SGD step")
+            check(d["logits"], TOL, f"{where}: logits after one step")
             if layouts[layout].get("max_norm"):
                 assert d["ref_norm"] > CLIP, f"{where}: the clipping case does not clip"
             if layouts[layout].get("gradient_checkpointing"):
@@ -94,29 +100,30 @@ def test_checkpoints_move_between_layouts_and_plugins(tmp_path):
     loads = {"sp2-ulysses-zero2": dict(sp_size=2, sequence_parallelism="ulysses", zero_stage=2),
              "tp2-split_gather-zero0": dict(tp_size=2, sequence_parallelism="split_gather")}
     r = spawn(hw.checkpoint_suite, 2, directory, dict(tp_size=2, zero_stage=1), loads, timeout=600)[0]
-    for layout, per_family in r.items():
-        for family, d in per_family.items():
-            assert d["logits_vs_saved"] <= TOL, (layout, family, d)
-            assert d["loss"] <= TOL, (layout, family, d)
-            assert d["param"] <= TOL, (layout, family, d)
+    from_ddp = spawn(hw.checkpoint_suite, 2, str(tmp_path / "ddp"), "ddp", {"tp2-zero1": dict(tp_size=2, zero_stage=1)},
+                     ("llama",), timeout=600)[0]
+    assert set(r) == set(loads) and set(from_ddp) == {"tp2-zero1"}
+    for where, results in (("tp2 zero1", r), ("ddp", from_ddp)):
+        for layout, per_family in results.items():
+            assert per_family, f"{where} -> {layout}: no family ran"
+            for family, d in per_family.items():
+                what = f"saved under {where}, loaded under {layout}, {family}"
+                check(d["logits_vs_saved"], TOL, f"{what}: logits vs saved")
+                check(d["loss"], TOL, f"{what}: second-step loss")
+                check(d["param"], ADAMW_UPDATE_RTOL, f"{what}: weights after two AdamW steps")
     one_rank = spawn(hw.resume_with_plugin, 1, directory, "zero1")[0]
-    assert all(v <= TOL for v in one_rank.values()), one_rank
+    assert set(one_rank) == {"llama", "gpt2"}
+    for family, diff in one_rank.items():
+        check(diff, TOL, f"resumed by zero1 on 1 rank, {family}: second-step loss")
     for family in ("llama", "gpt2"):
         ref = hw.reference(family, steps=1, kind="adamw")
         model = AutoModelForCausalLM.from_pretrained(f"{directory}/{family}/model")
-        assert (hw._logits(model, family) - ref["logits"]).abs().max().item() <= TOL
-    from_ddp = spawn(hw.checkpoint_suite, 2, str(tmp_path / "ddp"), "ddp", {"tp2-zero1": dict(tp_size=2, zero_stage=1)},
-                     ("llama",), timeout=600)[0]
-    for family, d in from_ddp["tp2-zero1"].items():
-        assert d["logits_vs_saved"] <= TOL and d["loss"] <= TOL and d["param"] <= TOL, (family, d)
+        check(hw.logits_update_diff(hw._logits(model, family), ref), ADAMW_UPDATE_RTOL,
+              f"from_pretrained {family}: logits after one AdamW step")
 
 
-def test_bf16_and_fp16_track_fp32():
-    """Low precision: tolerances as in docs/zero.md (bf16 keeps 8 mantissa bits, fp16 11)."""
+def test_bf16_and_fp16_match_the_same_recipe_on_one_process():
+    """bf16/fp16 compute with fp32 masters under tp2 ZeRO-2 against one process doing the same:
+    phalanx.testing.LOW_PRECISION_RTOL (bf16 keeps 8 mantissa bits, fp16 11)."""
     r = spawn(hw.precision_suite, 2)[0]
-    for key, d in r.items():
-        precision = key.split("/")[1]
-        assert d["dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
-        assert d["saved_dtype"] == "torch.float32"  # the fp32 masters are what is saved
-        assert d["loss_rel"] <= 1e-3, (key, d)
-        assert d["update_rel"] <= (0.1 if precision == "bf16" else 3e-2), (key, d)
+    hw.check_low_precision(r, expected=4)

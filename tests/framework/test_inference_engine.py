@@ -59,6 +59,40 @@ def test_mistral_sliding_window_is_honoured(models):
     assert im.hf_greedy(unwindowed, prompt, 20) != ours
 
 
+ORIGINAL_CONTEXT = 32  # the models' max_position_embeddings is 256: an 8x longer context
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": ORIGINAL_CONTEXT},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": ORIGINAL_CONTEXT},
+}
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_SCALINGS))
+def test_scaled_rope_matches_transformers_past_the_original_context(rope_type, tmp_path, tokenizer):
+    """llama3 and YaRN RoPE scaling (transformers 5 reads them from `rope_parameters`): greedy
+    tokens and log-probs equal Hugging Face's own forward on prompts 2-3x longer than the
+    original context; the same weights with plain RoPE give other logits, so scaling matters."""
+    rope = {"rope_theta": 10000.0, **ROPE_SCALINGS[rope_type]}
+    path, model = im.save_model(tmp_path / rope_type, "llama", tokenizer=tokenizer, rope_parameters=rope)
+    assert type(model.config).from_pretrained(path).rope_parameters["rope_type"] == rope_type
+    prompts = im.mixed_prompts(3, seed=11, low=2 * ORIGINAL_CONTEXT, high=3 * ORIGINAL_CONTEXT)
+    outs = engine(path).generate(prompts, SamplingParams(max_new_tokens=16, temperature=0, logprobs=1))
+    plain = im.make_model("llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    plain.load_state_dict(model.state_dict())
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == im.hf_greedy(model, prompt, 16)
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+            plain_logp = torch.log_softmax(plain(ids).logits[0].float(), -1)
+        n = len(prompt)
+        want = torch.tensor([logp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)])
+        assert (torch.tensor(out.logprobs) - want).abs().max().item() < 1e-4  # measured <= 1.2e-5
+        # plain RoPE on the same weights: log-probs differ by ~9 nats and greedy picks other tokens
+        assert (logp[n - 1:] - plain_logp[n - 1:]).abs().max().item() > 1.0
+        assert im.hf_greedy(plain, prompt, 16) != out.token_ids
+
+
 def test_requests_arriving_mid_run_get_the_tokens_they_get_alone(llama):
     path, _ = llama
     prompts = im.mixed_prompts(6, seed=2, low=4, high=40)

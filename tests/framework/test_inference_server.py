@@ -4,8 +4,13 @@ bad requests."""
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -166,22 +171,93 @@ def test_phalanx_serve_command_help():
     assert out.returncode == 0 and "--api-key" in out.stdout and "127.0.0.1" in out.stdout
 
 
+class ServeCommand:
+    """`phalanx serve ARGS` in a subprocess, with every wait bounded: `start` returns the URL it
+    prints; `stop` sends SIGINT (Ctrl-C) and returns (exit status, seconds to exit, all output)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PHALANX_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "serve", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def start(self, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError("phalanx serve exited before serving:\n" + "".join(self.lines)[-3000:])
+            self.lines.append(line)
+            if " on http://" in line:
+                return line.split(" on ")[1].split("/v1")[0]
+        raise AssertionError(f"phalanx serve printed no URL within {timeout:.0f} s:\n" + "".join(self.lines)[-3000:])
+
+    def stop(self, timeout: float = 60.0) -> tuple[int, float, str]:
+        t0 = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # torchrun's ranks too
+            code = self.proc.wait(timeout=30)
+        seconds = time.monotonic() - t0
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return code, seconds, "".join(self.lines)
+
+
 @pytest.mark.slow
 def test_phalanx_serve_command_serves(tmp_path):
     """The real command in a subprocess: it prints its URL, answers, and stops on SIGINT."""
-    import signal
     path, _ = im.save_model(tmp_path / "m", "llama")
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "serve", str(path), "--port", "0",
-                             "--kv-cache-gib", "0.01"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = ServeCommand(str(path), "--port", "0", "--kv-cache-gib", "0.01")
     try:
-        line = ""
-        for line in proc.stdout:
-            if " on http://" in line:
-                break
-        url = line.split(" on ")[1].split("/v1")[0]
+        url = server.start()
         assert url.startswith("http://127.0.0.1:")
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        code, _, output = server.stop()
+    assert code == 0 and "Traceback" not in output, output[-3000:]
+
+
+def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_path):
+    """`phalanx serve --tp-size 2` starts torchrun with 2 ranks (rank 0 serves, rank 1 runs its
+    shard); greedy completions equal the one-process engine's tokens; Ctrl-C stops every rank
+    without a traceback, well before torchrun's 30 s kill deadline."""
+    from phalanx.inference.openai_protocol import completion_logprobs
+
+    path, _ = im.save_model(tmp_path / "m", "llama")
+    prompts = ["Tensor parallel inference splits", im.mixed_prompts(1, seed=5, low=20, high=21)[0]]
+    engine = LLM(str(path), num_blocks=64, block_size=8, max_model_len=128)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    want = engine.generate(prompts, params)
+    server = ServeCommand(str(path), "--tp-size", "2", "--port", "0", "--kv-cache-gib", "0.01",
+                          "--max-model-len", "128", "--block-size", "8")
+    try:
+        url = server.start()
+        assert url.startswith("http://127.0.0.1:")
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompts, "max_tokens": 12, "temperature": 0,
+                                                      "ignore_eos": True, "logprobs": 1}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+    finally:
+        code, seconds, output = server.stop()
+    assert "Sending process" in output and output.count("closing signal SIGINT") == 2  # torchrun ran 2 ranks
+    assert len(choices) == len(want)
+    for choice, direct in zip(choices, want, strict=True):
+        assert choice["logprobs"]["tokens"] == completion_logprobs(direct, engine.tokenizer)["tokens"]
+        assert choice["text"] == direct.text and len(direct.token_ids) == 12
+    assert code == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
+    assert seconds < 20

@@ -8,13 +8,22 @@ import torch
 import inference_models as im
 from inference_tp_workers import tp_generate
 from phalanx.inference import LLM, SamplingParams
-from phalanx.testing import spawn
+from phalanx.testing import Diff, check, rounding_rtol, spawn
+
+# A log-prob is a logit minus the log-sum-exp over the vocabulary, so its fp32 error is absolute,
+# in units of the logits' magnitude: rounding_rtol over the longest reduction (the vocabulary).
+LOGPROB_RTOL = rounding_rtol(torch.float32, im.VOCAB + 1)
+
+
+def _logit_scale(model, prompts) -> float:
+    with torch.no_grad():
+        return max(model(input_ids=torch.tensor([p])).logits.abs().max().item() for p in prompts)
 
 
 def test_tp2_matches_tp1(tmp_path):
     tok = im.make_tokenizer()
-    llama, _ = im.save_model(tmp_path / "llama", "llama", tokenizer=tok)
-    qwen, _ = im.save_model(tmp_path / "qwen2", "qwen2", tokenizer=tok, vocab_size=im.VOCAB + 1)
+    llama, llama_model = im.save_model(tmp_path / "llama", "llama", tokenizer=tok)
+    qwen, qwen_model = im.save_model(tmp_path / "qwen2", "qwen2", tokenizer=tok, vocab_size=im.VOCAB + 1)
     draft, _ = im.save_model(tmp_path / "draft", "llama", num_hidden_layers=1, tokenizer=tok)
     other = im.make_model("llama", seed=21)
     torch.save(other.state_dict(), tmp_path / "other.pt")
@@ -24,16 +33,20 @@ def test_tp2_matches_tp1(tmp_path):
         {"path": str(qwen), "prompts": prompts, "new_tokens": 16},
         {"path": str(llama), "prompts": prompts[:2], "new_tokens": 12, "draft": str(draft)},
     ]
+    scales = {str(llama): _logit_scale(llama_model, prompts), str(qwen): _logit_scale(qwen_model, prompts)}
     ranks = spawn(tp_generate, 2, cases, timeout=300)
     assert ranks[0] == ranks[1], "TP ranks returned different outputs"
     got = ranks[0]
     params = SamplingParams(max_new_tokens=16, temperature=0, logprobs=1)
-    for case, result in zip(cases, got):
+    for case, result in zip(cases, got, strict=True):
         one = LLM(case["path"], num_blocks=64, block_size=8)
         want = one.generate(case["prompts"], SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1))
         assert result["tokens"] == [o.token_ids for o in want]
-        for a, b in zip(result["logprobs"], [o.logprobs for o in want]):
-            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+        what = f"{case['path'].rsplit('/', 1)[-1]}{' with a draft' if case.get('draft') else ''}"
+        for i, (a, b) in enumerate(zip(result["logprobs"], [o.logprobs for o in want], strict=True)):
+            worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            check(Diff(worst / scales[case["path"]], f"prompt {i}"), LOGPROB_RTOL,
+                  f"{what}: log-probs (relative to the logits' magnitude {scales[case['path']]:.3g})")
         if case.get("reload"):
             one.load_weights(other.state_dict())
             assert result["reloaded"] == [o.token_ids for o in one.generate(case["prompts"], params)]

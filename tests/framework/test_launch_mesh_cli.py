@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from phalanx.cli import build_run_command, environment_report
+from phalanx.cli import environment_report
 from phalanx.mesh import LayoutError, ParallelConfig
+from phalanx.torchrun import build_run_command
 
 
 def test_layout_arithmetic_in_error():
@@ -64,3 +66,46 @@ def test_phalanx_run_starts_two_ranks(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     line = [l for l in out.stdout.splitlines() if l.startswith("{")][0]
     assert json.loads(line) == {"world": 2, "sum": 3.0, "threads": 1}
+
+
+COMMAND_MODULES = ["phalanx.cli", "phalanx.torchrun", "phalanx.inference.serve"]
+FRAMEWORK = Path(__file__).resolve().parents[2] / "framework"
+
+
+def test_command_modules_import_fresh():
+    """Each module the `phalanx` command is made of imports on its own in a new interpreter (no
+    import order between them is needed)."""
+    procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for m in COMMAND_MODULES}
+    for module, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"import {module}:\n{out[-2000:]}"
+
+
+def _imported_modules(path) -> set[str]:
+    """Every module a file imports, at the top or inside functions (`from . import x` resolved)."""
+    import ast
+
+    package = ".".join(path.relative_to(FRAMEWORK).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_cli_is_imported_by_nothing_in_the_framework():
+    """Dependencies point one way: the command imports the framework, never the reverse (the
+    server used to import `phalanx.cli` to restart itself under torchrun; both now use
+    `phalanx.torchrun`)."""
+    files = sorted((FRAMEWORK / "phalanx").rglob("*.py"))
+    assert len(files) > 50
+    offenders = [str(f.relative_to(FRAMEWORK)) for f in files if f.name != "cli.py"
+                 and any(m == "phalanx.cli" or m.startswith("phalanx.cli.") for m in _imported_modules(f))]
+    assert offenders == []
+    assert "phalanx.torchrun" in _imported_modules(FRAMEWORK / "phalanx" / "inference" / "serve.py")

@@ -6,12 +6,16 @@ every family with a shard policy (Llama, Mistral, Qwen2, Qwen3, GPT-2 and OPT wi
 2 ranks: pp2 under each schedule (GPipe, 1F1B, interleaved 1F1B, ZB-V zero bubble), with
 clipping, ZeRO-1 and activation checkpointing in some; bf16/fp16; -100 labels; checkpoints saved under pp2 and loaded under tp2, by
 `from_pretrained` and under another schedule. 4 ranks: tp2+pp2, pp2+dp2 ZeRO-1, tp2+pp2 with
-split-gather sequence parallelism. Checked within 1e-5 (fp32): the loss, the global gradient norm
-(relative), every weight after the step; measured ~1e-7 / ~1e-8 / ~4e-9.
+split-gather sequence parallelism. Checked in fp32 with the measures of phalanx.testing, as in
+test_hybrid: rel errors of the loss, the global gradient norm and the forward-only loss and
+logits, and the update measure of every weight after the SGD step, within rounding_rtol
+(8·eps·√64 = 7.6e-6); after AdamW steps (checkpoints) the update measure within
+ADAMW_UPDATE_RTOL. docs/pipeline.md has the measured values.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hybrid_models as hm
 import hybrid_workers as hw
@@ -19,9 +23,10 @@ import pipeline_workers as pw
 from phalanx.booster.plugins.hybrid import HybridParallelPlugin
 from phalanx.mesh import LayoutError
 from phalanx.pipeline import bubble_fraction, split_layers
-from phalanx.testing import spawn
+from phalanx.testing import ADAMW_UPDATE_RTOL, check, rounding_rtol, spawn
 
-TOL = 1e-5
+TOKENS = 4 * 16  # hm.tokens: the longest reduction behind a loss or a weight gradient
+TOL = rounding_rtol(torch.float32, TOKENS)  # rel errors, and the update measure after SGD
 CLIP = 0.3
 
 TWO_RANKS = {
@@ -45,12 +50,12 @@ def _check(results: dict, layouts: dict, families=hm.FAMILIES) -> None:
         assert set(per_family) == set(families)
         for family, d in per_family.items():
             where = f"{layout}/{family}"
-            assert d["loss"] <= TOL, f"{where}: loss differs by {d['loss']}"
-            assert d["norm"] <= TOL, f"{where}: gradient norm differs by {d['norm']} (relative)"
-            assert d["param"] <= TOL, f"{where}: {d['param_at']} differs by {d['param']} after one step"
+            check(d["loss"], TOL, f"{where}: loss")
+            check(d["norm"], TOL, f"{where}: gradient norm")
+            check(d["param"], TOL, f"{where}: weights after one SGD step")
             assert d["saved_keys"], f"{where}: the gathered state dict does not have the model's names"
-            assert d["eval_loss"] <= TOL, f"{where}: forward-only loss differs by {d['eval_loss']}"
-            assert d["eval_logits"] <= TOL, f"{where}: forward-only logits differ by {d['eval_logits']}"
+            check(d["eval_loss"], TOL, f"{where}: forward-only loss")
+            check(d["eval_logits"], TOL, f"{where}: forward-only logits")
             assert d["eval_logit_ranks"] >= 1, f"{where}: no rank returned the forward-only logits"
             if layouts[layout].get("max_norm"):
                 assert d["ref_norm"] > CLIP, f"{where}: the clipping case does not clip"
@@ -75,28 +80,26 @@ def test_checkpoint_from_pp2_loads_in_other_layouts(tmp_path):
     results = spawn(pw.checkpoint_suite, 2, str(tmp_path), save, loads, timeout=600)[0]
     assert set(results) == {"logits", *loads}
     for where, per_family in results.items():
+        assert set(per_family) == {"llama", "gpt2"}, where
         for family, d in per_family.items():
-            for key, diff in d.items():
-                assert diff <= TOL, f"{family}: saved under pp2, {where}/{key} differs by {diff}"
+            assert d, (where, family)
+            for key, diff in d.items():  # the loss is a rel error, logits and weights follow AdamW
+                tol = TOL if key == "loss" else ADAMW_UPDATE_RTOL
+                check(diff, tol, f"{family}: saved under pp2, {where}/{key}")
 
 
-def test_bf16_fp16_pp2_zero1_track_fp32():
-    """Low precision through the pipeline: tolerances as in test_hybrid (bf16 8 mantissa bits, fp16 11);
-    fp16 scales each microbatch's loss by the ZeRO optimizer's loss scale."""
+def test_bf16_fp16_pp2_zero1_match_the_same_recipe_on_one_process():
+    """Low precision through the pipeline, checked as in test_hybrid; fp16 scales each
+    microbatch's loss by the ZeRO optimizer's loss scale."""
     layout = dict(pp_size=2, pp_schedule="1f1b", num_microbatches=2, zero_stage=1)
     r = spawn(hw.precision_suite, 2, ("llama", "gpt2"), layout, pw.LAYERS, timeout=300)[0]
-    assert len(r) == 4
-    for key, d in r.items():
-        precision = key.split("/")[1]
-        assert d["dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
-        assert d["saved_dtype"] == "torch.float32"
-        assert d["loss_rel"] <= 1e-3, (key, d)
-        assert d["update_rel"] <= (0.1 if precision == "bf16" else 3e-2), (key, d)
+    hw.check_low_precision(r, expected=4)
 
 
 def test_ignore_index_loss_is_token_weighted():
     r = spawn(pw.masked_labels_step, 2, dict(pp_size=2, pp_schedule="gpipe", num_microbatches=4))[0]
-    assert r["loss"] <= TOL and r["param"] <= TOL, r
+    check(r["loss"], TOL, "-100 labels: loss")
+    check(r["param"], TOL, "-100 labels: weights after one SGD step")
 
 
 def test_impossible_layouts_stop_before_work():

@@ -63,6 +63,31 @@ def test_explicit_bf16_is_honoured_with_one_warning_where_it_crawls(cpu_kind):
         assert resolve_precision("bf16", "cpu") == "bf16"
 
 
+def test_native_bf16_slower_than_fp32_trains_in_fp32(monkeypatch):
+    """An AVX512-BF16 CPU without AMX (seen: an Intel Xeon under KVM, bf16 0.6x fp32's rate):
+    bf16 is native (no emulation, weights may be packed) but `auto` trains in fp32 and an
+    explicit bf16 warns that it is slower; the probe's rates decide, so they are faked here."""
+    monkeypatch.delenv("PHALANX_CPU_BF16", raising=False)
+    monkeypatch.setattr(capability.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(capability, "_bf16_instructions", lambda: True)
+    rates = {torch.float32: 143.0, torch.bfloat16: 83.0}
+    monkeypatch.setattr(capability, "_matmul_gflops", lambda dtype, *a, **k: rates[dtype])
+    monkeypatch.setattr(amp_precision, "_warned", set())
+    capability.cpu_bf16_support.cache_clear()
+    try:
+        info = capability.cpu_bf16_support()
+        assert info.native and not info.faster_than_fp32 and "1.7x slower" in info.reason
+        assert capability.native_bf16("cpu") and not capability.bf16_is_fastest("cpu")
+        assert resolve_precision("auto", "cpu") == "fp32"
+        with pytest.warns(UserWarning, match=r"where bf16 is slower than fp32.*83\.0 GFLOP/s against 143\.0"):
+            assert resolve_precision("bf16", "cpu") == "bf16"
+        rates[torch.bfloat16] = 430.0  # the same CPU with AMX: bf16 ~3x faster
+        capability.cpu_bf16_support.cache_clear()
+        assert capability.cpu_bf16_support().faster_than_fp32 and resolve_precision("auto", "cpu") == "bf16"
+    finally:
+        capability.cpu_bf16_support.cache_clear()
+
+
 def test_unknown_precision_and_override_are_refused_clearly(cpu_kind, monkeypatch):
     with pytest.raises(ValueError, match="auto, fp32, bf16, fp16"):
         resolve_precision("bfloat16")

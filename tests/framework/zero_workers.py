@@ -13,13 +13,12 @@ hyper-parameters and the scheduler are exercised too.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.testing import tiny_llama
+from phalanx.testing import MasterWeights, tiny_llama
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -35,12 +34,13 @@ def make_batches(steps: int = STEPS, seed: int = 1234) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
 
 
-def make_optimizer(named: list[tuple[str, torch.Tensor]], kind: str = "adamw"):
+def make_optimizer(named: list[tuple[str, torch.Tensor]], kind: str = "adamw", lr_scale: float = 1.0):
     decay = [p for _, p in named if p.dim() >= 2]
     no_decay = [p for _, p in named if p.dim() < 2]
     if kind == "adamw":
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
-        optimizer = torch.optim.AdamW(groups, lr=1e-2)
+        groups = [{"params": decay, "weight_decay": 0.1},
+                  {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3 * lr_scale}]
+        optimizer = torch.optim.AdamW(groups, lr=1e-2 * lr_scale)
     elif kind == "sgd":
         groups = [{"params": decay}, {"params": no_decay, "lr": 0.25}]
         optimizer = torch.optim.SGD(groups, lr=0.5, momentum=0.9)
@@ -64,28 +64,17 @@ def reference(precision: str = "fp32", max_norm: float | None = None, kind: str 
     """Plain torch on one process over the global batch: a model in `precision`, fp32 master
     copies that the optimizer updates, torch.nn.utils.clip_grad_norm_, a constant loss scale
     for fp16."""
-    model = tiny_llama(seed=0).to(DTYPES[precision])
-    params = dict(model.named_parameters())
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
-    optimizer, scheduler = make_optimizer(list(masters.items()), kind)
+    mp = MasterWeights(tiny_llama(seed=0), DTYPES[precision])
+    optimizer, scheduler = make_optimizer(list(mp.masters.items()), kind)
     scale = FP16_SCALE if precision == "fp16" else 1.0
     losses, norms = [], []
     for batch in make_batches(steps):
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = mp.model(input_ids=batch, labels=batch).loss
         (loss * scale).backward()
-        for n, p in params.items():
-            masters[n].grad = p.grad.float() / scale
-            p.grad = None
-        norm = torch.nn.utils.clip_grad_norm_(list(masters.values()), max_norm if max_norm else math.inf)
-        optimizer.step()
+        norms.append(mp.step(optimizer, scale, max_norm))
         scheduler.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(masters[n])
         losses.append(loss.item())
-        norms.append(norm.item())
-    return {"losses": losses, "norms": norms, "params": {n: m.detach().clone() for n, m in masters.items()}}
+    return {"losses": losses, "norms": norms, "params": mp.state()}
 
 
 # ---------------------------------------------------------------------------- one boosted run
@@ -99,15 +88,26 @@ def _global_mean(value: float) -> float:
     return t.item() / dist.get_world_size()
 
 
-class Run:
-    """A boosted tiny Llama with its optimizer and scheduler, trained step by step."""
+# Deliberately broken variants of a correct run, which the fp32 comparison must reject:
+BUGS = {  # name: (this rank's weight on its loss in backward, learning-rate factor)
+    "rank1_gradient_dropped": (lambda rank, world: float(rank != 1), 1.0),  # half the batch ignored
+    "gradients_summed": (lambda rank, world: float(world), 1.0),  # summed over ranks, not averaged
+    "lr_3pct_high": (lambda rank, world: 1.0, 1.03),  # the update 3% too large
+}
 
-    def __init__(self, plugin, kind: str = "adamw"):
+
+class Run:
+    """A boosted tiny Llama with its optimizer and scheduler, trained step by step (`bug`: one of
+    BUGS, for the tests that show a broken run is caught)."""
+
+    def __init__(self, plugin, kind: str = "adamw", bug: str | None = None):
         from phalanx.booster import Booster
 
+        weight, lr_scale = BUGS[bug] if bug else (lambda rank, world: 1.0, 1.0)
+        self.loss_weight = weight(dist.get_rank(), dist.get_world_size())
         self.booster = Booster(plugin)
         model = tiny_llama(seed=0)
-        optimizer, scheduler = make_optimizer(list(model.named_parameters()), kind)
+        optimizer, scheduler = make_optimizer(list(model.named_parameters()), kind, lr_scale)
         self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer,
                                                                               lr_scheduler=scheduler)
         self.batches = make_batches(STEPS)
@@ -122,7 +122,7 @@ class Run:
             ctx = self.booster.no_sync(self.model, self.optimizer) if no_sync and not last else contextlib.nullcontext()
             with ctx:
                 loss = self.model(input_ids=micro, labels=micro).loss / accum
-                self.booster.backward(loss, self.optimizer)
+                self.booster.backward(loss * self.loss_weight, self.optimizer)
             total += loss.item()
         return total
 
@@ -176,23 +176,14 @@ CONFIGS = {
     "s2_accum": (2, "fp32", {}, "adamw", {"accum": 2}),
     "s1_accum_every_microstep": (1, "fp32", {}, "adamw", {"accum": 2, "no_sync": False}),
     "s2_accum_every_microstep": (2, "fp32", {}, "adamw", {"accum": 2, "no_sync": False}),
-    "s2_offload": (2, "fp32", {"cpu_offload": True}, "adamw", {}),
-    "s1_offload_bf16": (1, "bf16", {"cpu_offload": True}, "adamw", {}),
-    "s2_offload_fp16": (2, "fp16", {"cpu_offload": True}, "adamw", {}),
 }
 
 
 def run_config(name: str) -> dict:
-    stage, precision, options, kind, train = CONFIGS[name]
-    run = Run(zero(stage, precision, **options), kind).train(**train)
-    out = run.result()
-    if options.get("cpu_offload"):
-        opt = run.optimizer
-        out["host_devices"] = sorted({str(m.device) for m in opt.master_params()} |
-                                     {str(m.grad.device) for m in opt.master_params() if m.grad is not None} |
-                                     {str(t.device) for s in opt.state.values() for t in s.values()
-                                      if isinstance(t, torch.Tensor) and t.dim() > 0})
-    return out
+    """A configuration of CONFIGS, or "bug:<name>": s2_fp32 with one of BUGS."""
+    bug = name.removeprefix("bug:") if name.startswith("bug:") else None
+    stage, precision, options, kind, train = CONFIGS["s2_fp32" if bug else name]
+    return Run(zero(stage, precision, **options), kind, bug).train(**train).result()
 
 
 # ---------------------------------------------------------------------------- focused checks
@@ -255,7 +246,8 @@ def overflow() -> dict:
     opt.step()
     out["one_rank"] = {"skipped": opt.skipped, "scale": opt.scaler.scale,
                        "steps_unchanged": [float(s["step"]) for s in opt.state.values()] == steps_before,
-                       "masters_unchanged": all(torch.equal(a, b) for a, b in zip(masters_before, opt.master_params()))}
+                       "masters_unchanged": all(torch.equal(a, b) for a, b in
+                                                zip(masters_before, opt.master_params(), strict=True))}
     return out
 
 
@@ -281,6 +273,7 @@ def toy_padded() -> dict:
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
     torch.manual_seed(0)
     ref = _Toy()
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
     torch.manual_seed(0)
     model = _Toy()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
@@ -294,8 +287,7 @@ def toy_padded() -> dict:
         booster.backward(nn.functional.mse_loss(model(x[rows]), y[rows]), opt)
         opt.step()
         opt.zero_grad()
-    state = booster.plugin.full_model_state_dict(model)
-    return {"max_diff": max((state[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+    return {"params": booster.plugin.full_model_state_dict(model), "ref": ref.state_dict(), "start": start,
             "padding": opt.flat_groups[0].layout.padded_numel - opt.flat_groups[0].layout.numel,
             "launched_at_flush": opt.reducer.stats.launched_at_flush}
 
@@ -308,8 +300,9 @@ def train_and_save(directory: str) -> dict:
     """ZeRO-2: train SAVE_AT steps, save a checkpoint, continue to STEPS (the uninterrupted run)."""
     run = Run(zero(2)).train(SAVE_AT)
     run.booster.save_checkpoint(directory, run.model, run.optimizer, run.scheduler)
+    at_save = run.params()
     run.train(range(SAVE_AT, STEPS))
-    return run.result()
+    return {**run.result(), "params_at_save": at_save}
 
 
 def _resume(plugin, directory: str) -> Run:

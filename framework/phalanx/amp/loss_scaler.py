@@ -1,5 +1,9 @@
 """Dynamic loss scaling for fp16: grow the scale while steps are finite, halve and skip the
-step on overflow. The overflow decision is agreed across ranks so every rank skips together."""
+step on overflow. The overflow decision is agreed across ranks so every rank skips together.
+
+A `DynamicLossScaler` is the only holder of the scaling state (scale, steps since the last
+overflow, skipped steps): every phalanx optimizer has one as `.scaler`, and the Booster saves
+its `state_dict()` with the optimizer's checkpoint (nowhere else)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -38,6 +42,20 @@ class DynamicLossScaler:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
+
+    def unscale_or_skip(self, grads: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
+        """For optimizers that test the gradients themselves: False, after backing off, when any
+        rank of `group` holds a non-finite gradient (skip the step); else divide `grads` in place
+        by the scale and return True. A disabled scaler only returns True."""
+        if not self.enabled:
+            return True
+        if self.found_inf(grads, group):
+            self.update(True)
+            return False
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+        return True
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:

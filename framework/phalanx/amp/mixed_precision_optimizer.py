@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
-from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 
 
@@ -49,6 +48,15 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def master_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.optim.param_groups for p in g["params"]]
 
+    def load_masters(self, named_params, values: dict[str, torch.Tensor]) -> None:
+        """After the model's weights were loaded: set the fp32 master of each of `named_params`
+        ((name, model parameter) pairs) whose name is in `values`."""
+        with torch.no_grad():
+            for name, p in named_params:
+                master = self.master_of.get(id(p))
+                if master is not None and name in values:
+                    master.copy_(values[name].float())
+
     def _move_grads_to_master(self) -> list[torch.Tensor]:
         grads = []
         for p in self.model_params:
@@ -65,15 +73,9 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
     def unscale_and_clip(self) -> bool:
         """Unscale (fp16), check overflow, clip. Returns False when the step must be skipped."""
         grads = self._move_grads_to_master()
-        if self.scaler.enabled:
-            overflow = DynamicLossScaler.found_inf(grads, self.grad_group)
-            if overflow:
-                self.scaler.update(True)
-                self.last_grad_norm = float("inf")
-                return False
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
+        if not self.scaler.unscale_or_skip(grads, self.grad_group):
+            self.last_grad_norm = float("inf")
+            return False
         norm = global_grad_norm(grads, self.grad_group, sharded=self.grads_sharded)
         self.last_grad_norm = norm
         if self.max_norm:

@@ -18,14 +18,16 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError, atomic_directory, verify_manifest
 from phalanx.checkpoint.hf import load_hf_state_dict, save_hf_model
-from phalanx.checkpoint.optimizer import FragmentReader, save_fragments
+from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments, save_fragments
 from phalanx.checkpoint.train_state import TrainState, load_rng_state, save_rng_state
 from phalanx.launch import context
 
 MODEL_DIR, OPTIM_DIR, SCHED_FILE = "model", "optimizer", "lr_scheduler.json"
+LOSS_SCALER = "loss_scaler"  # key of the loss scaler's state in the optimizer checkpoint's index
 
 
 class Booster:
@@ -51,10 +53,14 @@ class Booster:
         if isinstance(model, ModelWrapper):
             raise ValueError("this model was already boosted; boost the original model once")
         wrapped = self.plugin.configure_model(model)
+        state = boosted_state(wrapped)
+        if state is None:  # a plugin that records nothing about the boosted model
+            state = boosted_state(self.plugin.boosted(wrapped))
         optim = None
         if optimizer is not None:
             optim = self.plugin.configure_optimizer(optimizer, wrapped)
-            object.__setattr__(wrapped, "phalanx_optimizer", optim)
+            state.optimizer = optim
+            state.attach(optim)
         if dataloader is not None:
             dataloader = self.plugin.configure_dataloader(dataloader, seed=seed)
         return wrapped, optim, criterion, dataloader, lr_scheduler
@@ -122,13 +128,28 @@ class Booster:
         """Write optimizer state sharded (each rank its part); loadable on any world size."""
         path = Path(path)
         with atomic_directory(path) as tmp:
-            save_fragments(self.plugin.optimizer_fragments(optimizer), tmp)
+            save_fragments(self._optimizer_fragments(optimizer), tmp)
         return path
 
     def load_optimizer(self, optimizer: Any, path: str | Path) -> None:
         path = Path(path)
         verify_manifest(path)
-        self.plugin.load_optimizer_fragments(optimizer, FragmentReader(path))
+        self._load_optimizer_fragments(optimizer, FragmentReader(path))
+
+    def _optimizer_fragments(self, optimizer: Any) -> OptimizerFragments:
+        """The plugin's fragments of the optimizer state, plus the loss scaler's state: the one
+        place it is saved (every rank's scaler agrees, the index keeps rank 0's)."""
+        frags = self.plugin.optimizer_fragments(optimizer)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:
+            frags.extra[LOSS_SCALER] = scaler.state_dict()
+        return frags
+
+    def _load_optimizer_fragments(self, optimizer: Any, reader: FragmentReader) -> None:
+        self.plugin.load_optimizer_fragments(optimizer, reader)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and LOSS_SCALER in reader.extra:
+            scaler.load_state_dict(reader.extra[LOSS_SCALER])
 
     # ------------------------------------------------------------------ scheduler
     def save_lr_scheduler(self, lr_scheduler: Any, path: str | Path) -> Path:
@@ -156,8 +177,6 @@ class Booster:
         state.world_size = dist.get_world_size()
         if lr_scheduler is not None:
             state.lr_scheduler = _scheduler_state(lr_scheduler)
-        if optimizer is not None and getattr(optimizer, "scaler", None) is not None:
-            state.loss_scaler = optimizer.scaler.state_dict()
         with atomic_directory(path, manifest_extra={"step": state.step}) as tmp:
             self._write_model(model, tmp / MODEL_DIR, tokenizer=tokenizer)
             if optimizer is not None:
@@ -165,7 +184,7 @@ class Booster:
                     (tmp / OPTIM_DIR).mkdir()
                 if dist.get_world_size() > 1:
                     dist.barrier()
-                save_fragments(self.plugin.optimizer_fragments(optimizer), tmp / OPTIM_DIR)
+                save_fragments(self._optimizer_fragments(optimizer), tmp / OPTIM_DIR)
             save_rng_state(tmp, self.rank)
             if extra_writer is not None:
                 extra_writer(tmp)
@@ -183,9 +202,7 @@ class Booster:
         if optimizer is not None:
             if not (path / OPTIM_DIR).is_dir():
                 raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; load only the model")
-            self.plugin.load_optimizer_fragments(optimizer, FragmentReader(path / OPTIM_DIR))
-            if state.loss_scaler and getattr(optimizer, "scaler", None) is not None:
-                optimizer.scaler.load_state_dict(state.loss_scaler)
+            self._load_optimizer_fragments(optimizer, FragmentReader(path / OPTIM_DIR))
         if lr_scheduler is not None and state.lr_scheduler:
             lr_scheduler.load_state_dict(state.lr_scheduler)
         if state.world_size == dist.get_world_size():

@@ -1,8 +1,10 @@
 """Everything besides weights and optimizer state needed to continue a run exactly.
 
-`TrainState` (step, epoch, sampler position, scheduler, loss scaler, user extras) is JSON. RNG
-states are saved per rank (`rng/rank00000.json`): python's, numpy's, torch's CPU generator and
-every CUDA generator, so dropout and shuffling continue identically after a restart.
+`TrainState` (step, epoch, sampler position, scheduler, user extras) is JSON. RNG states are
+saved per rank (`rng/rank00000.json`): python's, numpy's, torch's CPU generator and every CUDA
+generator, so dropout and shuffling continue identically after a restart. The fp16 loss scaler
+belongs to the optimizer and is saved with its state (`optimizer/index.json`); a `loss_scaler`
+entry of older checkpoints is ignored.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ class TrainState:
     epoch: int = 0
     sampler: dict[str, Any] = field(default_factory=dict)
     lr_scheduler: dict[str, Any] = field(default_factory=dict)
-    loss_scaler: dict[str, Any] = field(default_factory=dict)
     tokens_seen: int = 0
     world_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)

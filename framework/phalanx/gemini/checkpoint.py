@@ -53,7 +53,6 @@ def gemini_fragments(opt: GeminiOptimizer, names: dict[int, str]) -> OptimizerFr
             for key in STATES:
                 data = getattr(chunk, key)[start:start + (b - a)].detach().float().cpu().clone()
                 out.fragments.append(Fragment(names[id(p)], key, a, b, data))
-    out.extra["loss_scaler"] = opt.scaler.state_dict()
     return out
 
 
@@ -79,5 +78,3 @@ def load_gemini_fragments(opt: GeminiOptimizer, names: dict[int, str], reader: F
                 for key in STATES:
                     if key in reader.state_keys(name):
                         getattr(chunk, key)[start:start + (b - a)].copy_(reader.read(name, key, a, b))
-    if "loss_scaler" in reader.extra:
-        opt.scaler.load_state_dict(reader.extra["loss_scaler"])

@@ -7,7 +7,9 @@
 - post-accumulate-grad hook of every parameter: hand the gradient to the manager, which
   reduces a chunk as soon as all its gradients are in. A parameter used by several modules
   (tied embeddings) gets one accumulated gradient per backward, so it is reduced once;
-- root pre-hook: start an iteration (and the tracer's warm-up recording), and gather the
+- root pre-hook: start an iteration (and the tracer's warm-up recording), enter the manager's
+  saved-tensors hooks for the forward (so that autograd keeps chunk views, not gathered
+  buffers, for backward; `ChunkManager.saved_tensors`), and gather the
   *root-held* chunks: those of modules whose forward does not run although their weights are
   used, such as an LM head whose weight a fused linear-cross-entropy loss reads directly. Before
   the first forward that is the model's output embeddings; after it, every module with
@@ -47,8 +49,10 @@ def install_hooks(manager: ChunkManager, root: nn.Module, tracer=None) -> dict[s
                             "respect to module outputs since no inputs require gradients")
     ran: set[str] = set()
     held = {"names": _output_embeddings(root)}
+    manager.tracer = tracer
 
     depth = [0]
+    saving = []  # the saved-tensors hooks of the forward in progress
 
     def on_enter(module, args):
         """The outermost hooked module starting a forward (not a recompute in backward) starts
@@ -61,6 +65,9 @@ def install_hooks(manager: ChunkManager, root: nn.Module, tracer=None) -> dict[s
         ran.clear()
         if tracer is not None and manager.tracing:
             tracer.start_forward()
+        if torch.is_grad_enabled():
+            saving.append(manager.saved_tensors())
+            saving[-1].__enter__()
         chunks, params = held_chunks()
         for c, k in params:
             c.used.add(k)
@@ -82,6 +89,8 @@ def install_hooks(manager: ChunkManager, root: nn.Module, tracer=None) -> dict[s
         depth[0] = max(0, depth[0] - 1)
         if depth[0] or manager.in_backward:
             return
+        if saving:
+            saving.pop().__exit__(None, None, None)
         if tracer is not None:
             tracer.stop_forward()
         if manager.tracing and torch.is_grad_enabled():

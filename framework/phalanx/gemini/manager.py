@@ -18,10 +18,18 @@ It owns the chunks and the `MemoryTiers` accounting and offers the operations th
 `position` counts module steps (fetches) within an iteration; the trace of which chunks each
 position needed (recorded in the first iteration) drives prefetching and the auto policy's
 "evict what is needed farthest in the future".
+
+Saved tensors (`saved_tensors()`, entered by the hooks around every forward): autograd keeps
+what backward needs, and a linear layer keeps a view of its weight (`weight.t()`), i.e. of the
+chunk's gathered buffer. Kept as it is, that view would hold every gathered buffer of the
+forward until backward, whatever `release` and the budget say. The pack hook keeps a reference
+to the chunk and the view's geometry instead, and the unpack hook rebuilds the view on the
+buffer gathered again for backward (weights do not change within an iteration).
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -31,6 +39,23 @@ from torch import nn
 from phalanx.gemini.chunk import Chunk, ChunkState, build_layouts
 from phalanx.gemini.tiers import DEVICE, HOST, MemoryTiers
 from phalanx.zero import comm
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """A tensor autograd saved that is a view of a chunk's gathered buffer, without the buffer."""
+
+    chunk: Chunk
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the gathered buffer's
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """What an enclosing saved-tensors hook (e.g. the user's) packed."""
+
+    packed: object
 
 
 class ChunkManager:
@@ -60,6 +85,8 @@ class ChunkManager:
         self._uses: dict[int, list[int]] = {}
         self.in_backward = False
         self.stats = {"gathers": 0, "prefetched": 0, "evictions": 0, "reductions": 0}
+        self.tracer = None  # set by the plugin: told of the saved tensors that are not chunk views
+        self._by_storage: dict[int, Chunk] = {}  # storage address of a gathered buffer -> its chunk
 
     # ------------------------------------------------------------------ storage
     def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str]) -> None:
@@ -140,7 +167,7 @@ class ChunkManager:
             comm.wait(work, "gemini.prefetch")
             chunk.pending = None
             chunk.full = full
-            chunk.attach()
+            self._attach(chunk)
             return
         if chunk.full is not None:
             return
@@ -153,7 +180,11 @@ class ChunkManager:
             comm.wait(comm.all_gather_into(full, chunk.shard, self.group, "gemini.all_gather"), "gemini.all_gather")
             chunk.full = full
         self.stats["gathers"] += 1
+        self._attach(chunk)
+
+    def _attach(self, chunk: Chunk) -> None:
         chunk.attach()
+        self._by_storage[chunk.full.untyped_storage().data_ptr()] = chunk
 
     def _prefetch(self, pos: int, protect: Sequence[Chunk]) -> None:
         """Start the all-gathers of the next position's sharded chunks (from the trace), when
@@ -190,6 +221,7 @@ class ChunkManager:
             return
         if not chunk.full_is_shard:
             self.tiers.drop(DEVICE, chunk.full)
+        self._by_storage.pop(chunk.full.untyped_storage().data_ptr(), None)
         chunk.detach()
         chunk.full = None
         chunk.state = ChunkState.FREE
@@ -210,6 +242,39 @@ class ChunkManager:
         for pos, cis in enumerate(self.trace):
             for ci in cis:
                 self._uses.setdefault(ci, []).append(pos)
+
+    # ------------------------------------------------------------------ saved tensors
+    def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensors hooks for one forward (see the module docstring); a hook already
+        active outside (e.g. the user's `save_on_cpu`) still handles every other tensor."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer),
+                                                        lambda x: self._unpack(x, outer))
+
+    def _pack(self, t: torch.Tensor, outer):
+        chunk = None
+        if t.device.type != "meta":
+            try:
+                chunk = self._by_storage.get(t.untyped_storage().data_ptr())
+            except RuntimeError:  # a tensor without storage (e.g. a wrapper subclass)
+                chunk = None
+        if chunk is not None and chunk.full is not None and t.dtype == chunk.full.dtype:
+            return _SavedView(chunk, tuple(t.size()), tuple(t.stride()),
+                              t.storage_offset() - chunk.full.storage_offset())
+        if self.tracer is not None:
+            self.tracer.saw(t)
+        return _Outer(outer[0](t)) if outer is not None else t
+
+    def _unpack(self, packed, outer) -> torch.Tensor:
+        if isinstance(packed, _SavedView):
+            chunk = packed.chunk
+            if chunk.full is None:  # normally gathered by the module's backward pre-hook already
+                self.fetch([chunk], hold_user=False, step=False)
+            full = chunk.full
+            return full.as_strided(packed.size, packed.stride, full.storage_offset() + packed.offset)
+        if isinstance(packed, _Outer):
+            return outer[1](packed.packed)
+        return packed
 
     # ------------------------------------------------------------------ gradients
     def grad_arrived(self, param: nn.Parameter) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.gemini.manager import ChunkManager
 from phalanx.launch import collective
+from phalanx.param_binding import FOREIGN_PARAM
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 
 
@@ -42,8 +43,20 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    denom = exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(eps)  # the one temporary
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+NORM_BLOCK = 1 << 16  # elements: the gradient norm's float64 temporary stays at 0.5 MiB
+
+
+def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """sum(t**2) in float64 (on t's device), block by block: widening a whole chunk at once would
+    take 4x its fp32 size in memory the placement never planned for."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for block in t.split(NORM_BLOCK):
+        total += block.double().pow_(2).sum()
+    return total
 
 
 def _segments(chunk, group_of: dict[int, int]) -> list[tuple[int, int, int]]:
@@ -84,8 +97,7 @@ class GeminiOptimizer(OptimizerWrapper):
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) not in manager.where:
-                    raise ValueError("the optimizer holds a parameter that is not in the model: build it from "
-                                     "model.parameters() of the model you pass to boost()")
+                    raise ValueError(FOREIGN_PARAM)
                 self.group_of[id(p)] = gi
         self.segments = [_segments(c, self.group_of) for c in manager.chunks]
         self.steps = [0] * len(optimizer.param_groups)
@@ -110,7 +122,7 @@ class GeminiOptimizer(OptimizerWrapper):
             if not chunk.sharded and self.manager.dp_rank != 0:
                 continue
             for a, b, _ in segs:
-                local += chunk.master_grad[a:b].double().pow(2).sum().cpu()
+                local += sum_of_squares(chunk.master_grad[a:b]).cpu()
         total = local.to(self.manager.tiers.device).reshape(1)
         if self.manager.dp_size > 1:
             with collective("gemini.grad_norm"):

@@ -1,17 +1,20 @@
 """Byte accounting for the two memory tiers Gemini moves data between: "device" and "host".
 
-Why our own accounting: on a CPU-only machine the device and the host are the same memory, so
-`torch.cuda.max_memory_allocated()` cannot tell whether the manager kept its promise. Every
-tensor the chunk manager creates, moves or frees goes through `MemoryTiers`, which records the
-bytes per tier and the device peak, and refuses (with `BudgetExceeded`) an allocation that would
-take the device tier over its budget. When the compute device is CUDA the same calls also move
-the real tensors (`tensor.to(device)`); on CPU a move is bookkeeping only.
+Every tensor the chunk manager creates, moves or frees goes through `MemoryTiers`, which
+records the bytes per tier and the device peak, and refuses (with `BudgetExceeded`) an
+allocation that would take the device tier over its budget; the placement policies plan with
+these numbers. The tiers are real places, on a CPU-only machine too: the host tier is
+`phalanx.hostmem`'s pool (pinned memory on a GPU machine; shared anonymous pages, which the
+kernel counts apart from torch's allocations, on a CPU-only one), and a move is a real copy. So
+the budget can be checked against what the kernel reports (docs/gemini.md, "Memory, measured").
 """
 from __future__ import annotations
 
 import re
 
 import torch
+
+from phalanx.hostmem import host_copy, host_empty
 
 DEVICE, HOST = "device", "host"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -53,14 +56,10 @@ class MemoryTiers:
     def __init__(self, device: torch.device, budget: int):
         self.device = device
         self.budget = int(budget)
-        self.host_device = torch.device("cpu")
         self.bytes = {DEVICE: 0, HOST: 0}
         self.peak_device = 0
         self.reserve = 0  # non-model bytes the policy expects at the current step (auto)
         self.peak_device_with_reserve = 0
-
-    def torch_device(self, tier: str) -> torch.device:
-        return self.device if tier == DEVICE else self.host_device
 
     def free_device(self) -> int:
         """Device bytes still allowed, after the current non-model reserve."""
@@ -80,14 +79,15 @@ class MemoryTiers:
 
     def empty(self, tier: str, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         self._add(tier, numel * torch.empty((), dtype=dtype).element_size())
-        pin = tier == HOST and self.device.type == "cuda"
+        if tier == HOST:
+            return host_empty(numel, dtype, zero=zero, pinned=True)
         make = torch.zeros if zero else torch.empty
-        return make(numel, dtype=dtype, device=self.torch_device(tier), pin_memory=pin)
+        return make(numel, dtype=dtype, device=self.device)
 
-    def adopt(self, tier: str, t: torch.Tensor) -> torch.Tensor:
-        """Account an existing tensor to `tier` (moving it there if needed)."""
-        self._add(tier, nbytes(t))
-        return t.to(self.torch_device(tier))
+    def _copy_to(self, t: torch.Tensor, tier: str) -> torch.Tensor:
+        if tier == HOST:
+            return host_copy(t, pinned=True)
+        return t.to(self.device, copy=True)
 
     def drop(self, tier: str, t: torch.Tensor | None) -> None:
         if t is not None:
@@ -98,4 +98,4 @@ class MemoryTiers:
             return t
         self._add(dst, nbytes(t))
         self.bytes[src] -= nbytes(t)
-        return t.to(self.torch_device(dst), non_blocking=False)
+        return self._copy_to(t, dst)

@@ -4,9 +4,10 @@ During the warm-up iteration it records, at every module step (a position of the
 manager), how much memory the step needs besides the chunks: activations saved for backward,
 temporaries. On CUDA that is measured: `torch.cuda.memory_allocated()` minus the bytes the
 manager has on the device. On a CPU "device" nothing separates the two, so it is estimated
-from the tensors autograd saves for backward (a `saved_tensors_hooks` pack hook adds up the
-bytes of every saved tensor that is not a parameter); backward steps are charged the forward's
-total, an upper bound, since backward only frees saved activations.
+from the tensors autograd saves for backward (the manager's pack hook, `ChunkManager.saved_tensors`,
+reports every saved tensor that is not a view of a chunk, and the tracer adds up their bytes);
+backward steps are charged the forward's total, an upper bound, since backward only frees saved
+activations.
 
 It also records the peak *working set* of the iteration: gathered chunks, gradient buffers and
 non-model memory at the same step — what `AutoPlacement` must keep free when it moves
@@ -27,40 +28,32 @@ class MemoryTracer:
         self.peak_working = 0
         self._live = 0
         self._seen: set[tuple[int, int]] = set()
-        self._ctx = None
+        self._recording = False
         self._forward_total = 0
 
     # ------------------------------------------------------------------ saved activations (CPU)
-    def _pack(self, t: torch.Tensor):
-        if not isinstance(t, nn.Parameter) and t.device.type != "meta":
-            try:
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            except RuntimeError:
-                key = None
-            # Views of parameters (e.g. the `weight.t()` a linear layer saves) live in chunk
-            # buffers: model data, not activations.
-            if key is not None and key[0] in self._chunk_storages():
-                key = None
-            if key is not None and key not in self._seen:
-                self._seen.add(key)
-                self._live += key[1]
-        return t
-
-    def _chunk_storages(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for c in self.manager.chunks
-                for t in (c.full, c.shard) if t is not None}
+    def saw(self, t: torch.Tensor) -> None:
+        """A tensor autograd saved that is not a chunk view (the manager's pack hook filters
+        those): count its storage once while a traced forward runs."""
+        if not self._recording or isinstance(t, nn.Parameter) or t.device.type == "meta":
+            return
+        try:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        except RuntimeError:
+            return
+        if key not in self._seen:
+            self._seen.add(key)
+            self._live += key[1]
 
     def start_forward(self) -> None:
         self.by_position.clear()
         self.peak_working = 0
         self._live, self._seen = 0, set()
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
+        self._recording = True
 
     def stop_forward(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
+        if self._recording:
+            self._recording = False
             self._forward_total = self._live
 
     # ------------------------------------------------------------------ per step
@@ -68,7 +61,7 @@ class MemoryTracer:
         tiers = self.manager.tiers
         if tiers.device.type == "cuda":
             return max(0, torch.cuda.memory_allocated(tiers.device) - tiers.bytes[DEVICE])
-        return self._live if self._ctx is not None else self._forward_total
+        return self._live if self._recording else self._forward_total
 
     def record(self, pos: int, chunks=(), backward: bool = False) -> None:
         """Called right after the step at `pos` gathered `chunks`."""

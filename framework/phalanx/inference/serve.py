@@ -4,14 +4,17 @@
     phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32
     phalanx serve path/to/model --tp-size 2             # restarts itself under torchrun, 2 ranks
 
-With --tp-size N > 1 the command re-launches itself with `phalanx run -n N`; rank 0 serves HTTP
-and drives the engine, the other ranks run their model shards for every step it broadcasts.
+With --tp-size N > 1 the command runs torchrun's agent, which starts this module on N ranks; rank
+0 serves HTTP and drives the engine, the other ranks run their model shards for every step it
+broadcasts. Ctrl-C (SIGINT) or SIGTERM stops it cleanly: the agent passes the signal on, the
+other ranks ignore it and wait for rank 0, which stops serving and then tells them to stop.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -39,12 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGINT and SIGTERM stop the server the same way
+
+
 def serve_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.tp_size > 1 and "WORLD_SIZE" not in os.environ:
-        from phalanx.cli import run
-        return run(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])
+        from phalanx.torchrun import run_here
+        return run_here(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])
     if not os.path.isdir(args.model):
         print(f"phalanx serve: {args.model} is not a directory (expected a Hugging Face model directory)", file=sys.stderr)
         return 2
@@ -58,8 +65,15 @@ def serve_main(argv: list[str]) -> int:
                  draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
                  enable_prefix_caching=not args.no_prefix_caching)
     if not engine.tp.is_driver:
+        # A worker that left on the signal would break the driver's last broadcast ("stop").
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         engine.run_worker()
         return 0
+    # Explicitly, so the server stops on them even when started with SIGINT ignored (as a
+    # non-interactive shell starts a background job), as torchrun's agent does.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit)
     print(f"phalanx serve: {server.model_name} on {server.url}/v1 ({engine.num_blocks} KV blocks of "

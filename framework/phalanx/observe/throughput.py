@@ -4,11 +4,14 @@ Model FLOPs per token of a decoder-only transformer follow the PaLM / torchtitan
 
     6 * N  +  12 * layers * heads * head_dim * seq_len
 
-`6 N` is forward (2 N) plus backward (4 N) through every weight matrix, with N the parameters
-that take part in matmuls (every parameter except the input embedding table, which is a lookup;
-a tied output head is a matmul and counts once). The second term is the attention score and
-value matmuls (QK^T and PV: 2 matmuls, forward + backward = 3x, 2 FLOPs per multiply-add), which
-grow with the sequence length and are counted without the causal-mask discount, as is usual.
+`6 N` is forward (2 N) plus backward (4 N) through every weight matrix, with N every parameter
+except the input embedding table, which is a lookup (a tied output head is a matmul and counts
+once). Norm weights and biases are in N too, as the convention has it, although they cost
+elementwise work, not matmuls: 0.65% too many for the tests' tiny Llama, far less for real
+models (tests/framework/test_train_parts.py checks the formula against torch's FlopCounterMode).
+The second term is the attention score and value matmuls (QK^T and PV: 2 matmuls, forward +
+backward = 3x, 2 FLOPs per multiply-add), which grow with the sequence length and are counted
+without the causal-mask discount, as is usual.
 Recomputation (activation checkpointing) is not counted: MFU measures useful work.
 
 MFU = achieved model FLOP/s per rank / peak FLOP/s of one device. The peak is either given, or

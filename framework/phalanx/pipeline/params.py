@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.booster.plugins.base import _FOREIGN_PARAM
+from phalanx.param_binding import FOREIGN_PARAM, check_unstepped
 
 
 def _by_name(model: nn.Module, aliases: dict[str, str]) -> dict[str, nn.Parameter]:
@@ -23,15 +23,14 @@ def rebind_to_stages(optimizer: torch.optim.Optimizer, model: nn.Module, names_b
     """Point the optimizer at this rank's (split, trimmed) parameters by name, dropping those other
     pipeline ranks hold; returns id(param) -> the parameter's first (canonical) name, so optimizer
     state of a tied embedding has one name on every stage and layout."""
-    if optimizer.state:
-        raise ValueError("boost the model before the optimizer's first step (it already holds state)")
+    check_unstepped(optimizer)
     by_name = _by_name(model, aliases)
     for group in optimizer.param_groups:
         kept, seen = [], set()
         for p in group["params"]:
             name = names_before.get(id(p))
             if name is None:
-                raise ValueError(_FOREIGN_PARAM)
+                raise ValueError(FOREIGN_PARAM)
             q = by_name.get(name)
             if q is not None and id(q) not in seen:
                 seen.add(id(q))
@@ -43,17 +42,17 @@ def rebind_to_stages(optimizer: torch.optim.Optimizer, model: nn.Module, names_b
     return names
 
 
-def tied_across_stages(model: nn.Module, aliases: dict[str, str], stages) -> list[nn.Parameter]:
+def tied_across_stages(model: nn.Module, aliases: dict[str, str], stages) -> dict[str, nn.Parameter]:
     """Tied parameters this rank holds while the other end of the tie is on another pipeline rank
-    (the first stage's embedding / the last stage's head), ordered by first name so both ranks
-    list them alike. Empty when this rank holds both ends (ZB-V) or neither."""
+    (the first stage's embedding / the last stage's head), by first name and ordered by it so both
+    ranks list them alike. Empty when this rank holds both ends (ZB-V) or neither."""
     holds_first = any(s.is_first for s in stages)
     holds_last = any(s.is_last for s in stages)
     if holds_first == holds_last:
-        return []
+        return {}
     tied_names = set(aliases) | set(aliases.values())
     found = {aliases.get(n, n): p for n, p in model.named_parameters() if n in tied_names}
-    return [found[n] for n in sorted(found)]
+    return {n: found[n] for n in sorted(found)}
 
 
 def with_tied_aliases(aliases: dict[str, str] | None, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

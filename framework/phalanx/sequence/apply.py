@@ -71,7 +71,7 @@ def apply_sp(model: nn.Module, policy: Policy, *, mode: str, group) -> SequenceC
     else:
         register_attention_functions()
         for attention in policy.attention_modules(model):
-            attention.phalanx_sequence = seq
+            seq.attach(attention)
         model.config._attn_implementation = ULYSSES if mode == "ulysses" else RING
         model.register_forward_pre_hook(_RequireShardedInputs(seq))
     log.info("sequence parallel: %s over %d ranks", mode, seq.size)

@@ -5,7 +5,7 @@ transformers 5 looks attention up by name (`config._attn_implementation`) in its
 k/v [B, Hkv, L, D] (this rank's sequence shard, rotary embeddings already applied); it expects
 [B, L, H, D] back. Registering "phalanx_ulysses" and "phalanx_ring" there runs sequence-parallel
 attention inside an unmodified model. The sequence-parallel group comes from the module
-(`module.phalanx_sequence`, set by `apply_sp`).
+(`SequenceContext.of(module)`, attached by `apply_sp`).
 
 Both are causal self-attention without a padding mask (sequence-parallel batches are packed or
 full-length); a padding mask, a sliding window shorter than the sequence, or (ring) attention
@@ -24,7 +24,7 @@ ULYSSES, RING = "phalanx_ulysses", "phalanx_ring"
 
 
 def _context(module) -> SequenceContext:
-    seq = getattr(module, "phalanx_sequence", None)
+    seq = SequenceContext.of(module)
     if seq is None:
         raise RuntimeError(f"{type(module).__name__} uses sequence-parallel attention but was not prepared by "
                            "phalanx.sequence.apply_sp")

@@ -15,6 +15,9 @@ import torch.distributed as dist
 from phalanx.mesh import LayoutError
 
 MODES = ("split_gather", "ulysses", "ring")
+# Each attention module carries its context: transformers calls the registered attention function
+# with the module alone (phalanx.sequence.attention), so that is where the function finds it.
+MODULE_ATTR = "phalanx_sequence"
 
 
 @dataclass
@@ -33,6 +36,16 @@ class SequenceContext:
         if mode not in MODES:
             raise LayoutError(f"sequence_parallelism={mode!r} is not one of {', '.join(MODES)}")
         return cls(mode, group, dist.get_world_size(group), dist.get_rank(group))
+
+    def attach(self, module) -> None:
+        """Mark an attention module as running under this context."""
+        object.__setattr__(module, MODULE_ATTR, self)
+
+    @staticmethod
+    def of(module) -> "SequenceContext | None":
+        """The context `attach` gave `module`, or None."""
+        seq = getattr(module, MODULE_ATTR, None)
+        return seq if isinstance(seq, SequenceContext) else None
 
     @property
     def layout(self) -> str:

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from phalanx.amp.clip import clip_grads_by_norm
-from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
 from phalanx.shard.grads import PartialGradSync, flat_all_reduce, weighted_norm
 from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
@@ -79,13 +78,9 @@ class HybridOptimizer(MixedPrecisionOptimizer):
         flat_all_reduce([g for p, g in pairs if id(p) in self.partial_ids], self.tp_group, name="tp.partial_grad")
         flat_all_reduce([g for _, g in pairs], self.dp_group, average=True, name="dp.all_reduce_grads")
         grads = [g for _, g in pairs]
-        if self.scaler.enabled:
-            if DynamicLossScaler.found_inf(grads):
-                self.scaler.update(True)
-                self.last_grad_norm = float("inf")
-                return False
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
+        if not self.scaler.unscale_or_skip(grads):
+            self.last_grad_norm = float("inf")
+            return False
         dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         device = grads[0].device if grads else torch.device("cpu")
         self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), device)

@@ -11,6 +11,8 @@ training:
 - DDP, ZeRO-1/2: each rank holds the full, identical parameters; each keeps the same full average.
 - FSDP2: parameters are DTensor shards; each rank averages only its local shard (1/dp of the
   memory) and `full_state_dict` gathers the shards when saving.
+- Gemini: parameters are placeholders between steps; each rank averages its part of the fp32
+  masters in the chunks (`phalanx.gemini.local_masters`); `swapped` writes into the masters.
 The average is kept in fp32 whatever the training dtype. `fit` calls `bind` after the Booster
 has applied the layout, `after_step` after every optimizer step, and `save`/`load` inside each
 checkpoint (directory `ema/`, safetensors, in the checkpoint's manifest), so resume is exact.
@@ -44,6 +46,18 @@ def _full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _gemini_masters(model: nn.Module, names: list[str]):
+    """The fp32 master pieces to follow when GeminiPlugin boosted `model`, else None."""
+    from phalanx.booster.plugins.gemini import GeminiPlugin
+    from phalanx.booster.state import boosted_state
+
+    state = boosted_state(model)
+    if state is None or not isinstance(state.plugin, GeminiPlugin):
+        return None
+    from phalanx.gemini.local_masters import LocalMasters
+    return LocalMasters(state.plugin.manager, names)
+
+
 class EMA:
     """EMA of the trainable parameters: `shadow = decay * shadow + (1 - decay) * param`.
 
@@ -64,6 +78,7 @@ class EMA:
         self._names: list[str] = []
         self._params: list[torch.Tensor] = []
         self._shadow: list[torch.Tensor] = []
+        self._masters = None  # LocalMasters when the model is boosted by GeminiPlugin
 
     # ---------------------------------------------------------------- binding and updating
     def bind(self, model: nn.Module) -> "EMA":
@@ -77,8 +92,15 @@ class EMA:
             raise ValueError("EMA: the model has no trainable parameters to average")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._shadow = [_local(p.detach()).float().clone() for p in self._params]
+        self._masters = _gemini_masters(model, self._names)
+        self._shadow = [t.float().clone() for t in self._local_values()]
         return self
+
+    def _local_values(self) -> list[torch.Tensor]:
+        """This rank's part of each tracked weight, now."""
+        if self._masters is not None:
+            return self._masters.pieces()
+        return [_local(p.detach()) for p in self._params]
 
     def current_decay(self) -> float:
         if not self.warmup:
@@ -89,7 +111,7 @@ class EMA:
     def update(self) -> None:
         self._check_bound()
         weight = 1.0 - self.current_decay()
-        torch._foreach_lerp_(self._shadow, [_local(p.detach()).float() for p in self._params], weight)
+        torch._foreach_lerp_(self._shadow, [t.float() for t in self._local_values()], weight)
         self.num_updates += 1
 
     def after_step(self, step: int) -> None:
@@ -102,6 +124,14 @@ class EMA:
     def swapped(self) -> Iterator[None]:
         """Inside: the model's parameters hold the average; the trained weights come back after."""
         self._check_bound()
+        if self._masters is not None:
+            backup = [t.clone() for t in self._masters.pieces()]
+            self._masters.write(self._shadow)
+            try:
+                yield
+            finally:
+                self._masters.write(backup)
+            return
         backup = [_local(p.detach()).clone() for p in self._params]
         for p, s in zip(self._params, self._shadow):
             _local(p.data).copy_(s)
@@ -117,6 +147,8 @@ class EMA:
 
     def _gathered(self) -> dict[str, torch.Tensor]:
         self._check_bound()
+        if self._masters is not None:
+            return self._masters.gather(self._shadow)
         return {n: _full(s, p) for n, s, p in zip(self._names, self._shadow, self._params)}
 
     # ---------------------------------------------------------------- checkpoints
@@ -141,9 +173,11 @@ class EMA:
             if missing:
                 raise KeyError(f"{path} lacks EMA weights for {missing[:3]}: it belongs to a different model")
             state = {n: f.get_tensor(n) for n in self._names}
-        for n, s, p in zip(self._names, self._shadow, self._params):
+        for i, (n, s, p) in enumerate(zip(self._names, self._shadow, self._params)):
             full = state[n].float()
-            if hasattr(p, "to_local"):  # keep only this rank's shard of the full average
+            if self._masters is not None:
+                full = self._masters.piece_of(i, full)
+            elif hasattr(p, "to_local"):  # keep only this rank's shard of the full average
                 from torch.distributed.tensor import distribute_tensor
                 full = distribute_tensor(full, p.device_mesh, p.placements).to_local()
             s.copy_(full.to(s.device))

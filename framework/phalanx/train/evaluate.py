@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from phalanx.booster.state import boosted_state
 from phalanx.train.data import default_collate
 from phalanx.train.losses import (IGNORE_INDEX, causal_lm_labels, causal_lm_loss_sum, count_target_tokens,
                                   model_loss_sum, next_token_targets)
@@ -60,11 +61,12 @@ def causal_lm_eval(dataset: Any, batch_size: int = 8, collate_fn: Callable | Non
 
 
 def data_replica(model: nn.Module) -> tuple[int, int]:
-    """(this rank's data replica, number of replicas): the data-parallel rank and size under the
-    hybrid plugin, the global rank and world size otherwise."""
-    marked = getattr(model, "phalanx_data_replica", None)
-    if marked is not None:
-        return marked
+    """(this rank's data replica, number of replicas): the data-parallel rank and size of the
+    plugin that boosted `model` (tensor, sequence and pipeline peers are one replica), the global
+    rank and world size otherwise."""
+    state = boosted_state(model)
+    if state is not None:
+        return state.data_replica
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -75,15 +77,15 @@ def eval_loss_sum(model: nn.Module, batch: Mapping[str, Any], *, ignore_index: i
     """Sum of the batch's next-token losses (fp32 scalar) under the user's (boosted) causal LM,
     whatever the plugin (see the module doc). Padding: an attention_mask with zeros only at the
     end of rows (right padding) is turned into ignored labels for a pipeline."""
-    runner = getattr(model, "phalanx_pipeline", None)
-    boosted = getattr(model, "phalanx_boosted", None)  # set by the hybrid plugin
-    if runner is None and boosted is None:
+    state = boosted_state(model)
+    if state is None or not state.model_computes_loss:
         return causal_lm_loss_sum(model, batch, ignore_index=ignore_index)
     targets = count_target_tokens(batch, ignore_index)
     if targets == 0:  # the same batch on every peer, so all of them skip it together
         return torch.zeros((), dtype=torch.float32, device=batch["input_ids"].device)
+    runner = state.pipeline
     if runner is None:
-        return model_loss_sum(boosted, batch, targets).float()
+        return model_loss_sum(state.module, batch, targets).float()
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError("a pipeline evaluates without an attention_mask, so padding must be at the end of rows "

@@ -124,7 +124,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     plugin = _make_plugin(cfg)
     # A tensor/sequence-parallel plugin installs a vocabulary-parallel loss in the model itself;
     # every other layout gets the fused head + cross-entropy wrapper.
-    model_computes_loss = loss_fn is None and getattr(plugin, "model_computes_causal_lm_loss", False)
+    model_computes_loss = loss_fn is None and plugin.model_computes_causal_lm_loss
     if model_computes_loss:
         check_causal_lm(model)
     train_module = CausalLMLoss(model, chunk_size=cfg.loss_chunk_size) if loss_fn is None and not model_computes_loss \

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.booster import Booster
+from phalanx.booster.state import boosted_state
 from phalanx.observe import causal_lm_flops_per_token
 from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, count_target_tokens, model_loss_sum
 
@@ -46,7 +47,8 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
         scale, denominator = 1.0 / len(micro), float(len(micro) * dp_size)
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    if getattr(model, "phalanx_pipeline", None) is not None:
+    state = boosted_state(model)
+    if state is not None and state.pipeline is not None:
         loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, targets, scale)
     else:
         for i, batch in enumerate(micro):

@@ -1,7 +1,8 @@
 """The low-level ZeRO optimizer (stages 1 and 2) that `ZeroPlugin` uses.
 
 - `partition`: the flat, rank-partitioned layout of a param group (index arithmetic only);
-- `flat_group`: model params as views of one flat buffer, the fp32 master shard, offload;
+- `flat_group`: model params as views of one flat buffer, the fp32 master shard;
+- `offload`: the host store for CPU offload, and the bytes it moves each way;
 - `reducer`: gradient buckets reduced from backward hooks (all-reduce or reduce-scatter);
 - `optimizer`: `ZeroOptimizer` and its `ZeroConfig`;
 - `supported`: which torch optimizers are elementwise, hence shardable;

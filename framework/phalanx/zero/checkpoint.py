@@ -29,7 +29,8 @@ def _is_scalar_state(value) -> bool:
 
 
 def zero_fragments(zopt: ZeroOptimizer) -> OptimizerFragments:
-    """This rank's fragments of the optimizer state, plus hyper-parameters and loss-scaler state."""
+    """This rank's fragments of the optimizer state, plus hyper-parameters (the Booster adds the
+    loss scaler's state)."""
     out = OptimizerFragments()
     for group, flat in zip(zopt.optim.param_groups, zopt.flat_groups):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -52,7 +53,6 @@ def zero_fragments(zopt: ZeroOptimizer) -> OptimizerFragments:
                 if _is_elementwise_state(value, flat.layout.shard_numel):
                     data = value.detach()[start:start + (b - a)].float().cpu()
                     out.fragments.append(Fragment(name, key, a, b, data))
-    out.extra["loss_scaler"] = zopt.scaler.state_dict()
     return out
 
 
@@ -90,5 +90,3 @@ def load_zero_fragments(zopt: ZeroOptimizer, reader: FragmentReader) -> None:
         zopt.optim.state.pop(flat.master, None)
         if state:
             zopt.optim.state[flat.master] = state
-    if "loss_scaler" in reader.extra:
-        zopt.scaler.load_state_dict(reader.extra["loss_scaler"])

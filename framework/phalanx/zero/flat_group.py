@@ -8,10 +8,10 @@
   that replaces the group's params in the user's torch optimizer, so the optimizer's state is
   created for the slice only (1/N of the memory). Its `.grad` is the reduced fp32 gradient of
   the slice.
-- `host` is where the master shard, its gradient and (therefore) the optimizer state live: the
-  model's device, or the CPU with `cpu_offload=True`. Gradients are copied device→host as they
-  arrive from the reduction and the updated shard host→device before the all-gather; on a
-  CPU-only machine the copies are no-ops but the code path is the same.
+- With CPU offload (`store`, a `phalanx.zero.offload.HostStore`) the master shard, its gradient
+  and (therefore) the optimizer state live in host memory: gradients are copied device→host as
+  they arrive from the reduction, the updated shard host→device before the all-gather, both
+  through the store, which counts the bytes. Without, they live on the model's device.
 """
 from __future__ import annotations
 
@@ -22,19 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.zero import comm
+from phalanx.zero.offload import HostStore
 from phalanx.zero.partition import FlatLayout
-
-
-def _host_buffer(numel: int, host: torch.device) -> torch.Tensor:
-    """An fp32 buffer on `host`, page-locked when it is the CPU side of a GPU run (so that
-    device↔host copies can run at full bandwidth)."""
-    pin = host.type == "cpu" and torch.cuda.is_available()
-    return torch.zeros(numel, dtype=torch.float32, device=host, pin_memory=pin)
 
 
 class FlatParamGroup:
     def __init__(self, params: Sequence[nn.Parameter], *, rank: int, world_size: int,
-                 process_group: dist.ProcessGroup | None, host: torch.device | None = None):
+                 process_group: dist.ProcessGroup | None, store: HostStore | None = None):
         params = list(params)
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
@@ -48,7 +42,8 @@ class FlatParamGroup:
         self.layout = FlatLayout.build([p.numel() for p in params], world_size)
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.host = host or self.device
+        self.store = store
+        self.host = torch.device("cpu") if store is not None else self.device
 
         self.flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -57,9 +52,14 @@ class FlatParamGroup:
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
         lo, hi = self.shard_range
-        master = _host_buffer(self.layout.shard_numel, self.host)
+        master = self._fp32_shard()
         master.copy_(self.flat[lo:hi])
         self.master = nn.Parameter(master)
+
+    def _fp32_shard(self) -> torch.Tensor:
+        if self.store is not None:
+            return self.store.empty(self.layout.shard_numel)
+        return torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ coordinates
     @property
@@ -74,18 +74,23 @@ class FlatParamGroup:
         if values.numel() == 0:
             return
         if self.master.grad is None:
-            self.master.grad = _host_buffer(self.layout.shard_numel, self.host)
+            self.master.grad = self._fp32_shard()
         start = self.layout.to_shard(self.rank, flat_lo)
         target = self.master.grad[start:start + values.numel()]
-        # Transfer in the communication dtype (half the bytes for bf16), widen on the host.
-        target.add_(values.to(self.host).float())
+        if self.store is not None:  # transfer in the communication dtype, widen on the host
+            self.store.add_to(target, values)
+        else:
+            target.add_(values.float())
 
     # ------------------------------------------------------------------ weights
     def start_publish(self):
         """Start the all-gather that writes every rank's updated master shard, cast to the model
         dtype and copied host→device, into the model's parameters. Returns (work, shard): keep
         the shard alive until the work is waited on."""
-        shard = self.master.detach().to(device=self.device, dtype=self.dtype)
+        if self.store is not None:
+            shard = self.store.to_device(self.master.detach(), self.device, self.dtype)
+        else:
+            shard = self.master.detach().to(dtype=self.dtype)
         if self.layout.world_size == 1:
             self.flat.copy_(shard)
             return None, shard

@@ -35,6 +35,7 @@ from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.launch import collective
 from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
+from phalanx.zero.offload import HostStore
 from phalanx.zero.reducer import GradReducer
 from phalanx.zero.supported import check_elementwise, drop_unstepped_state
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
@@ -50,8 +51,9 @@ class ZeroConfig:
         fewer, more efficient collectives; smaller ones start communicating earlier in backward.
     overlap_communication: reduce buckets from backward hooks while backward runs; False
         reduces everything after backward (simpler to profile, no overlap).
-    cpu_offload: keep the fp32 master shard, its gradient and the optimizer state in CPU memory
-        and run the optimizer step there.
+    cpu_offload: keep the fp32 master shard, its gradient and the optimizer state in host
+        memory and run the optimizer step there (`phalanx.zero.offload`; the optimizer's
+        `offload.traffic` counts the bytes moved each way).
     max_norm: clip the global gradient norm to this value (None: no clipping).
     """
 
@@ -88,6 +90,7 @@ class ZeroOptimizer(OptimizerWrapper):
         self.skipped = False
 
         self.names: dict[int, str] = {}
+        self.offload = HostStore() if self.config.cpu_offload else None
         self.flat_groups: list[FlatParamGroup | None] = []
         order = self._flatten_groups(names or {})
         groups = [g for g in self.flat_groups if g is not None]
@@ -117,9 +120,8 @@ class ZeroOptimizer(OptimizerWrapper):
                 group["params"] = []
                 self.flat_groups.append(None)
                 continue
-            host = torch.device("cpu") if self.config.cpu_offload else params[0].device
             flat = FlatParamGroup(params, rank=self.rank, world_size=self.world_size,
-                                  process_group=self.process_group, host=host)
+                                  process_group=self.process_group, store=self.offload)
             group["params"] = [flat.master]
             self.flat_groups.append(flat)
         return order
@@ -168,6 +170,8 @@ class ZeroOptimizer(OptimizerWrapper):
             if self.max_norm:
                 clip_grads_by_norm(grads, self.max_norm, norm)
             self.optim.step()
+            if self.offload is not None:
+                self.offload.adopt_state(self.optim.state)
             if self.scaler.enabled:
                 self.scaler.update(False)
             self._publish()

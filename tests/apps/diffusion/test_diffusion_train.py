@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,9 +20,52 @@ def test_saved_pipeline_opens_in_plain_diffusers(tiny_pipeline):
     pipe = StableDiffusionPipeline.from_pretrained(str(tiny_pipeline), trust_remote_code=True)
     assert pipe.vae.config.scaling_factor != 1.0  # 1/std of the emoji latents, saved with the VAE
     assert pipe.vae_scale_factor == 8
-    image = pipe("dog face", num_inference_steps=2, height=64, width=64, output_type="np",
-                 generator=torch.Generator().manual_seed(0)).images[0]
-    assert image.shape == (64, 64, 3) and 0.0 <= image.min() and image.max() <= 1.0
+    def draw(prompt: str):
+        return pipe(prompt, num_inference_steps=2, height=64, width=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+
+    dog, dog_again, apple = draw("dog face"), draw("dog face"), draw("red apple")
+    assert dog.shape == (64, 64, 3)
+    np.testing.assert_array_equal(dog, dog_again)  # the seed fixes the sample
+    # Same noise, another prompt: the text encoder's output reaches the UNet's cross-attention.
+    assert np.abs(dog - apple).mean() > 1e-3, "the sample does not depend on the prompt"
+
+
+def test_training_lowers_the_fixed_noise_loss(tmp_path, make_config):
+    """The loss on the training images at fixed noise and timesteps, with the initial weights and
+    after 8 steps: deterministic (seeded init, one fixed batch), so the drop is not sampling noise.
+    Measured: 0.296 -> 0.236 (x0.80); untrained weights or a loss that ignores the UNet stay at x1."""
+    from phalanx.launch import seed_everything
+
+    from apps.diffusion.train_text_to_image import build_train_model, load_components, prepare_dataset, train
+    from apps.diffusion.validation import fixed_noise_loss
+
+    cfg = make_config(tmp_path, "train.max_steps=8", "train.lr=3e-3", "ema.enabled=false", "validation.prompts=[]")
+    seed_everything(cfg.train.seed)  # as train() does before building the components
+    parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
+    dataset = prepare_dataset(cfg, parts)
+    model = build_train_model(cfg, parts).eval()
+    batch = {"latents": dataset.latents, "prompt_ids": dataset.prompt_ids}  # train() validates on these 8
+    initial = fixed_noise_loss(model, batch, model.num_timesteps)
+    result, _ = train(cfg)
+    trained = result.last_eval["loss"]
+    assert math.isfinite(initial) and trained < 0.9 * initial, f"fixed-noise loss {initial:.4f} -> {trained:.4f}"
+
+
+def test_excluded_images_are_left_out_and_bad_filters_named():
+    from apps.diffusion.data import read_captioned_folder
+
+    from diffusion_tiny import EMOJI
+
+    every = read_captioned_folder(EMOJI)
+    kept = read_captioned_folder(EMOJI, exclude=["subcategory=cat-face", "file_name=images/1f431.png"])
+    removed = {p.name for p, _ in every} - {p.name for p, _ in kept}
+    assert len(every) == 1026 and len(kept) == 1016 and "1f431.png" in removed and "1f63a.png" in removed
+    assert all("cat face" not in text for _, text in kept)
+    with pytest.raises(ValueError, match="matches no line"):
+        read_captioned_folder(EMOJI, exclude=["subcategory=no-such-thing"])
+    with pytest.raises(ValueError, match="field=value"):
+        read_captioned_folder(EMOJI, exclude=["cat-face"])
 
 
 def test_training_writes_grid_metrics_and_ema(tiny_pipeline):

@@ -2,7 +2,9 @@
 
 A plugin decides how the model, optimizer and data are spread over ranks. It implements:
 
-- `configure(...)`: wrap model/optimizer/dataloader for its parallel layout;
+- `configure_model`, `configure_optimizer`, `configure_dataloader`: wrap them for its parallel
+  layout; `configure_model` records what the loop and the checkpoint hooks need to know about
+  the boosted model in a `phalanx.booster.state.BoostedState` (`self.boosted(wrapper, ...)`);
 - `backward`, `no_sync` (gradient accumulation), `clip_grad_norm`;
 - the checkpoint hooks used by `phalanx.checkpoint`:
   * `full_model_state_dict(model)`: the full, unsharded weights keyed by the *unwrapped* model's
@@ -25,10 +27,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from phalanx.amp.precision import check_precision
+from phalanx.booster.state import BoostedState
+from phalanx.booster.wrappers import ModelWrapper
 
 
 class Plugin(ABC):
     name: str = "plugin"
+    # True when the boosted model's forward computes the causal-LM loss from `labels` itself
+    # (vocabulary-parallel, sequence-aware): phalanx.train then uses it, not its fused-head wrapper.
+    model_computes_causal_lm_loss: bool = False
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None):
         self.precision = check_precision(precision)
@@ -55,6 +62,13 @@ class Plugin(ABC):
     @abstractmethod
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
         ...
+
+    def boosted(self, wrapper: ModelWrapper, **fields: Any) -> ModelWrapper:
+        """Attach this plugin's `BoostedState` (its `fields`: layout, pipeline runner, …) to the
+        boosted model and return it; every `configure_model` ends with it."""
+        state = BoostedState(plugin=self, module=wrapper, data_replica=(self.dp_rank, self.dp_size), **fields)
+        state.attach(wrapper)
+        return wrapper
 
     def configure_dataloader(self, dataloader: DataLoader, seed: int = 0) -> DataLoader:
         from phalanx.data.loader import distribute_dataloader
@@ -111,34 +125,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         else:
             break
     return model
-
-
-_FOREIGN_PARAM = ("the optimizer holds a parameter that is not in the model: build it from "
-                  "model.parameters() of the model you pass to boost()")
-
-
-def optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, str]:
-    """Map id(param) -> name in the unwrapped model, checking the optimizer holds only model params."""
-    names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
-    for group in optimizer.param_groups:
-        if any(id(p) not in names for p in group["params"]):
-            raise ValueError(_FOREIGN_PARAM)
-    return names
-
-
-def rebind_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module,
-                            names_before: dict[int, str]) -> dict[int, str]:
-    """Point the optimizer at the parameters that replaced the originals during sharding
-    (matched by name) and return id(param) -> name for the new ones."""
-    if optimizer.state:
-        raise ValueError("boost the model before the optimizer's first step (it already holds state)")
-    by_name = dict(unwrap_model(model).named_parameters())
-    for group in optimizer.param_groups:
-        try:
-            group["params"] = [by_name[names_before[id(p)]] for p in group["params"]]
-        except KeyError as exc:
-            raise ValueError(_FOREIGN_PARAM) from exc
-    return {id(p): n for n, p in by_name.items()}
 
 
 # Imported at the end to keep the type names available without import cycles.

@@ -10,10 +10,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, optimizer_param_names, unwrap_model
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.state import boosted_optimizer
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
+from phalanx.param_binding import optimizer_param_names
 
 
 class DDPPlugin(Plugin):
@@ -39,10 +41,10 @@ class DDPPlugin(Plugin):
         ddp = DDP(model, device_ids=device_ids, process_group=self.dp_group, bucket_cap_mb=self.bucket_cap_mb,
                   find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=True,
                   forward_sync_buffers=False, static_graph=self.static_graph)
-        return ModelWrapper(ddp, model)
+        return self.boosted(ModelWrapper(ddp, model))
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> MixedPrecisionOptimizer:
-        names = optimizer_param_names(optimizer, model)
+        names = optimizer_param_names(optimizer, unwrap_model(model))
         return MixedPrecisionOptimizer(optimizer, precision=self.precision, max_norm=self.max_norm, names=names)
 
     @contextlib.contextmanager
@@ -54,7 +56,7 @@ class DDPPlugin(Plugin):
     # ---- checkpoint hooks ----
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         unwrapped = unwrap_model(model)
-        optimizer = getattr(model, "phalanx_optimizer", None)
+        optimizer = boosted_optimizer(model)
         state = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items()}
         if optimizer is not None and optimizer.master_of:
             for name, p in unwrapped.named_parameters():
@@ -66,23 +68,16 @@ class DDPPlugin(Plugin):
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)
         unwrapped.load_state_dict(state_dict, strict=False)
-        optimizer = getattr(model, "phalanx_optimizer", None)
-        if optimizer is not None and optimizer.master_of:
-            with torch.no_grad():
-                for name, p in unwrapped.named_parameters():
-                    master = optimizer.master_of.get(id(p))
-                    if master is not None and name in state_dict:
-                        master.copy_(state_dict[name].float())
+        optimizer = boosted_optimizer(model)
+        if optimizer is not None:
+            optimizer.load_masters(unwrapped.named_parameters(), state_dict)
 
     def optimizer_fragments(self, optimizer: MixedPrecisionOptimizer) -> OptimizerFragments:
         if self.dp_rank != 0:  # every rank holds the same state: rank 0 writes it
             frags = OptimizerFragments()
         else:
             frags = fragments_from_full_state(optimizer.optim, optimizer.names)
-        frags.extra["loss_scaler"] = optimizer.scaler.state_dict()
         return frags
 
     def load_optimizer_fragments(self, optimizer: MixedPrecisionOptimizer, reader: FragmentReader) -> None:
         load_full_state_into(optimizer.optim, optimizer.names, reader)
-        if "loss_scaler" in reader.extra:
-            optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])

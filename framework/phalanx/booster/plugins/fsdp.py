@@ -19,14 +19,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
-from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, rebind_optimizer_params, unwrap_model
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError
 from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
                                           apply_param_group_hyperparams)
+from phalanx.param_binding import rebind_optimizer_params
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,9 @@ class FSDPOptimizer(OptimizerWrapper):
 
     def step(self, closure=None) -> None:
         grads = [_local(p.grad) for p in self.params() if p.grad is not None]
-        if self.scaler.enabled:
-            if DynamicLossScaler.found_inf(grads, self.group):
-                self.scaler.update(True)
-                self.skipped, self.last_grad_norm = True, float("inf")
-                return
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
+        if not self.scaler.unscale_or_skip(grads, self.group):
+            self.skipped, self.last_grad_norm = True, float("inf")
+            return
         self.last_grad_norm = global_grad_norm(grads, self.group, sharded=True)
         if self.max_norm:
             clip_grads_by_norm(grads, self.max_norm, self.last_grad_norm)
@@ -125,12 +122,10 @@ class FSDPPlugin(Plugin):
         for block in reversed(blocks):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        wrapper = ModelWrapper(model, model)
-        object.__setattr__(wrapper, "_names_before_sharding", old_names)
-        return wrapper
+        return self.boosted(ModelWrapper(model, model), param_names=old_names)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
-        names = rebind_optimizer_params(optimizer, model, model._names_before_sharding)
+        names = rebind_optimizer_params(optimizer, unwrap_model(model), boosted_state(model).param_names)
         return FSDPOptimizer(optimizer, names, self.precision, self.max_norm, self.dp_group)
 
     @contextlib.contextmanager
@@ -184,7 +179,6 @@ class FSDPPlugin(Plugin):
                             out.fragments.append(Fragment(name, key, start, end, local))
                     elif isinstance(value, torch.Tensor) and value.numel() == 1:
                         out.scalars.setdefault(name, {})[key] = float(value.item())
-        out.extra["loss_scaler"] = optimizer.scaler.state_dict()
         return out
 
     def load_optimizer_fragments(self, optimizer: FSDPOptimizer, reader: FragmentReader) -> None:
@@ -206,5 +200,3 @@ class FSDPPlugin(Plugin):
                     state[key] = torch.tensor(value, dtype=torch.float32)
                 if state:
                     optimizer.optim.state[p] = state
-        if "loss_scaler" in reader.extra:
-            optimizer.scaler.load_state_dict(reader.extra["loss_scaler"])

@@ -109,9 +109,7 @@ class GeminiPlugin(Plugin):
         table = install_hooks(self.manager, model, self.tracer)
         policy.check_fits(self.manager, table)  # before any memory is taken
         self.manager.materialise(*policy.initial_tiers(self.manager))
-        wrapper = ModelWrapper(model, model)
-        object.__setattr__(wrapper, "phalanx_gemini", self.manager)
-        return wrapper
+        return self.boosted(ModelWrapper(model, model))
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> GeminiOptimizer:
         if self.manager is None:

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from phalanx.amp.precision import dtype_of
-from phalanx.booster.plugins.base import Plugin, optimizer_param_names, unwrap_model
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.state import boosted_optimizer
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
+from phalanx.param_binding import optimizer_param_names
 from phalanx.zero import comm
 from phalanx.zero.checkpoint import load_zero_fragments, zero_fragments
 from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
@@ -55,16 +57,16 @@ class ZeroPlugin(Plugin):
                     if id(tensor) not in seen:
                         seen.add(id(tensor))
                         comm.broadcast_from_first(tensor.data, self.dp_group, "zero.broadcast_model")
-        return ModelWrapper(model, model)
+        return self.boosted(ModelWrapper(model, model))
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
-        names = optimizer_param_names(optimizer, model)
+        names = optimizer_param_names(optimizer, unwrap_model(model))
         return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group)
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module | None, optimizer: ZeroOptimizer | None) -> Iterator[None]:
-        optimizer = optimizer or getattr(model, "phalanx_optimizer", None)
+        optimizer = optimizer or boosted_optimizer(model)
         if optimizer is None:
             yield
             return
@@ -79,7 +81,7 @@ class ZeroPlugin(Plugin):
         """Buffers as they are; parameters from the gathered fp32 masters (full precision even
         when the model computes in bf16/fp16). Every rank gets the full dict."""
         unwrapped = unwrap_model(model)
-        optimizer = getattr(model, "phalanx_optimizer", None)
+        optimizer = boosted_optimizer(model)
         masters = optimizer.full_master_weights() if optimizer is not None else {}
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         state = {}
@@ -91,7 +93,7 @@ class ZeroPlugin(Plugin):
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)
         unwrapped.load_state_dict(state_dict, strict=False)  # copies into the flat buffer views
-        optimizer = getattr(model, "phalanx_optimizer", None)
+        optimizer = boosted_optimizer(model)
         if optimizer is not None:
             values = {id(p): state_dict[n] for n, p in unwrapped.named_parameters(remove_duplicate=False)
                       if n in state_dict}
