@@ -97,7 +97,7 @@ def cpu_bf16_support() -> CpuBf16Support:
     # An override of "native" stands for the fast kind (the tests' AVX512-BF16/AMX machine).
     faster = native and (override == "native" or slowdown < 1.0)
     if native and not faster:
-        reason += f", but a bf16 matmul measured {slowdown:.1f}x slower than fp32 (no AMX?)"
+        reason += ", but its bf16 matmul is slower than fp32 (no AMX?)"
     return CpuBf16Support(native, capability, instructions, fp32, bf16, reason, faster)
 
 
