@@ -109,6 +109,10 @@ def launch(
                 )
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    if device.type == "cpu" and world_size > 1:
+        from phalanx_kernels.capability import agree_across_ranks
+
+        agree_across_ranks()  # one precision decision for all ranks (see its docstring)
     if seed is not None:
         seed_everything(seed, rank)
     _CONTEXT = DistContext(rank, world_size, local_rank, local_world_size, device, backend)

@@ -75,7 +75,7 @@ def _bf16_instructions() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_bf16_support() -> CpuBf16Support:
+def _measured_cpu_bf16_support() -> CpuBf16Support:
     """Measure once per process whether this CPU runs bf16 matmuls natively."""
     capability = torch.backends.cpu.get_cpu_capability()
     instructions = _bf16_instructions()
@@ -109,6 +109,46 @@ def native_bf16(device: torch.device | str | None = None) -> bool:
     if device.type == "cpu":
         return cpu_bf16_support().native
     return False  # meta and other devices: assume nothing
+
+
+_agreed: list[CpuBf16Support] = []  # set by agree_across_ranks: the decision every rank shares
+
+
+def cpu_bf16_support() -> CpuBf16Support:
+    """This process's decision: measured once, or the one all ranks agreed on (`agree_across_ranks`)."""
+    return _agreed[0] if _agreed else _measured_cpu_bf16_support()
+
+
+def _clear_cpu_bf16_support() -> None:
+    _agreed.clear()
+    _measured_cpu_bf16_support.cache_clear()
+
+
+cpu_bf16_support.cache_clear = _clear_cpu_bf16_support  # the tests re-measure with other settings
+
+
+def agree_across_ranks(group=None) -> CpuBf16Support:
+    """Give every rank of a CPU (gloo) process group the same decision: the least capable rank's.
+
+    Each rank's probe is timed on cores the other ranks share, so on a CPU whose bf16 rate is
+    near a threshold two ranks could decide differently, and then compute in different dtypes
+    and exchange mismatched tensors (seen: a gloo all_reduce of bf16 on one rank against fp32 on
+    the other). Collective: every rank of `group` must call it (phalanx.launch does)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    support = _measured_cpu_bf16_support()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return support
+    flags = torch.tensor([int(support.native), int(support.faster_than_fp32)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    native, faster = bool(flags[0]), bool(flags[1])
+    if (native, faster) != (support.native, support.faster_than_fp32):
+        support = dataclasses.replace(support, native=native, faster_than_fp32=faster,
+                                      reason=support.reason + "; another rank measured less, all ranks follow it")
+    _agreed[:] = [support]
+    return support
 
 
 def bf16_is_fastest(device: torch.device | str | None = None) -> bool:

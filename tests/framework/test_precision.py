@@ -162,3 +162,24 @@ def test_llama_eval_precision_auto_autocasts_only_on_native_cpus(cpu_kind):
         assert seen and all(flag == (kind == "native") for flag in seen), (kind, seen)
     # bf16 autocast moves bits per character by rounding only (6 bpc here; bf16 ~3 significant digits).
     assert abs(results["native"] - results["emulated"]) <= 0.02 * results["emulated"]
+
+
+def _decide_with_rank_override():
+    """Rank 0 sees a fast-bf16 CPU, rank 1 an emulating one; both must follow rank 1."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["PHALANX_CPU_BF16"] = "native" if dist.get_rank() == 0 else "emulated"
+    capability.cpu_bf16_support.cache_clear()
+    alone = capability._measured_cpu_bf16_support().native
+    agreed = capability.agree_across_ranks()
+    return alone, agreed.native, resolve_precision("auto", "cpu"), capability.cpu_bf16_support() is agreed
+
+
+def test_ranks_agree_on_the_least_capable_decision():
+    from phalanx.testing import spawn
+
+    results = spawn(_decide_with_rank_override, 2)
+    assert [r[0] for r in results] == [True, False]  # they measured differently
+    assert all(r[1:] == (False, "fp32", True) for r in results), results
