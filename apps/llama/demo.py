@@ -23,13 +23,13 @@ import hashlib
 import json
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from phalanx.amp.precision import resolve_precision
+from phalanx.observe.memory import PeakResident
 
 from .config import RecipeConfig, load_recipe
 from .corpus import REPO_ROOT
@@ -72,30 +72,6 @@ def cached(name: str, out_dir: Path, key: str, run, log) -> bool:
     log(f"{name}: done in {time.perf_counter() - start:.0f} s")
     return True
 
-
-class PeakRSS:
-    """Peak resident memory of this process while a block runs (sampled; CPU has no allocator counter)."""
-
-    def __init__(self, every_s: float = 0.25):
-        import psutil
-
-        self._proc, self._every, self.peak = psutil.Process(), every_s, 0
-        self._stop = threading.Event()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            self._stop.wait(self._every)
-
-    def __enter__(self) -> "PeakRSS":
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def prepare(cfg: RecipeConfig, log) -> dict:
@@ -199,7 +175,7 @@ def run(argv: list[str]) -> dict:
         shutil.rmtree(cfg.train.output_dir, ignore_errors=True)  # a fresh, timed run every time
         log(f"training: {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, "
             f"plugin={cfg.train.plugin}, precision={cfg.train.precision}, lr={cfg.train.lr}")
-        with PeakRSS() as mem:
+        with PeakResident(interval=0.25) as mem:
             result = pretrain(cfg, model=model, with_eval=False)
         del model
         trained = load_model(Path(result.checkpoint_dir) / "model")
@@ -215,7 +191,7 @@ def run(argv: list[str]) -> dict:
             "char_ppl": {label: {c: m["bpc"][c]["char_ppl"] for c in categories} for label, m in rows},
             "samples": {label: m["samples"] for label, m in rows},
             "train": {"steps": result.final_step, "tokens_per_s": result.tokens_per_s, "wall_s": result.wall_time_s,
-                      "peak_rss_gib": mem.peak / 2**30, "first_loss": result.losses[0], "last_loss": result.losses[-1]},
+                      "peak_rss_gib": mem.max["total"] / 2**30, "first_loss": result.losses[0], "last_loss": result.losses[-1]},
             "total_s": time.perf_counter() - t0,
             "precision": {"train": cfg.train.precision, "eval": cfg.eval.precision,
                           "resolved": resolve_precision(cfg.train.precision)},

@@ -6,15 +6,13 @@ device often (`pinned=True`). On a CPU-only machine the device *is* the CPU, so 
 tensors would be indistinguishable from the rest: `host_empty` then takes them from a pool of
 their own, shared anonymous mappings outside torch's allocator. The kernel counts those pages
 as `RssShmem` and everything torch allocates (the "device") as `RssAnon`, so where a tensor lives
-and how much each side holds are measurable (`resident_bytes`, `memory_kind`) by the same code
+and how much each side holds are measurable (`phalanx.observe.memory.resident_bytes`, `memory_kind`) by the same code
 path that moves real data on a GPU: a move between the two is a real copy. The pool pages are
 not inherited by forked processes (`MADV_DONTFORK`), like private memory after exec.
 """
 from __future__ import annotations
 
 import mmap
-import threading
-import time
 import weakref
 
 import torch
@@ -64,20 +62,7 @@ def host_copy(t: torch.Tensor, *, pinned: bool = False) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------------- the kernel's view (Linux)
-def resident_bytes() -> dict[str, int]:
-    """{"anon", "shmem", "file"}: resident bytes of this process by kind, from /proc/self/status.
-    On a CPU-only machine "anon" is torch's allocations (the device side), "shmem" the host pool."""
-    wanted = {"RssAnon": "anon", "RssShmem": "shmem", "RssFile": "file"}
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in wanted:
-                out[wanted[key]] = int(value.split()[0]) * 1024
-    return out
-
-
+# ---------------------------------------------------------------------------- where a tensor lives (Linux)
 def memory_kind(t: torch.Tensor) -> str:
     """"shared" (the host pool, on a CPU-only machine) or "private" (torch's allocator): the
     kind of the mapping that holds `t`'s first byte, as /proc/self/maps reports it."""
@@ -89,42 +74,3 @@ def memory_kind(t: torch.Tensor) -> str:
             if lo <= address < hi:
                 return "shared" if perms[3] == "s" else "private"
     raise ValueError(f"address {address:#x} is in no mapping of this process")
-
-
-class PeakResident:
-    """The peak of `resident_bytes()` while it runs, sampled by a thread every `interval` seconds
-    and at every `sample()` call (e.g. from module hooks, so that no module step is missed).
-
-        with PeakResident() as peak:
-            train()
-        peak.max["anon"] - baseline["anon"]
-    """
-
-    def __init__(self, interval: float = 5e-4):
-        self.interval = interval
-        self.max: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def sample(self, *_args) -> None:
-        now = resident_bytes()
-        with self._lock:
-            for key, value in now.items():
-                self.max[key] = max(self.max.get(key, 0), value)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self.interval)
-
-    def __enter__(self) -> "PeakResident":
-        self.sample()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()

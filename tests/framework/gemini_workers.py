@@ -233,7 +233,7 @@ def _measured_run(budget: int | None, steps: int = 3) -> dict:
     RssShmem (the host tier's pool, `phalanx.hostmem`). test_gemini_gpu.py measures a GPU."""
     import gc
 
-    from phalanx.hostmem import PeakResident, resident_bytes
+    from phalanx.observe.memory import PeakResident, resident_bytes
 
     gc.collect()
     base = resident_bytes()

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import zero_workers as zw
-from phalanx.hostmem import memory_kind, resident_bytes
+from phalanx.hostmem import memory_kind
+from phalanx.observe.memory import resident_bytes
 
 # name: (stage, precision, cpu_offload, train options)
 CONFIGS = {

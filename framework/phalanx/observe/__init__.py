@@ -5,8 +5,8 @@ Every heavy or optional dependency (tqdm, wandb, matplotlib) is imported only wh
 that needs it is created, so `import phalanx.observe` stays cheap and side-effect free.
 """
 from phalanx.observe.log import get_logger, is_main_process
-from phalanx.observe.memory import (current_memory_bytes, peak_memory_bytes, release_free_memory,
-                                    reset_peak_memory)
+from phalanx.observe.memory import (PeakResident, current_memory_bytes, peak_memory_bytes, release_free_memory,
+                                    reset_peak_memory, resident_bytes)
 from phalanx.observe.metrics import MetricsWriter, read_metrics
 from phalanx.observe.plot import plot_loss_curve
 from phalanx.observe.progress import ProgressBar
@@ -15,7 +15,7 @@ from phalanx.observe.wandb_run import WandbRun
 
 __all__ = [
     "get_logger", "is_main_process", "current_memory_bytes", "peak_memory_bytes", "release_free_memory",
-    "reset_peak_memory", "MetricsWriter",
+    "reset_peak_memory", "resident_bytes", "PeakResident", "MetricsWriter",
     "read_metrics", "plot_loss_curve", "ProgressBar", "ThroughputMeter", "causal_lm_flops_per_token",
     "measure_matmul_flops", "WandbRun",
 ]

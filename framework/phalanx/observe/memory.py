@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -81,3 +83,61 @@ def release_free_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+
+
+# ---------------------------------------------------------------------------- resident memory by kind (Linux)
+def resident_bytes() -> dict[str, int]:
+    """{"anon", "shmem", "file", "total"}: resident bytes of this process by kind, from
+    /proc/self/status ("total" is VmRSS). On a CPU-only machine "anon" is torch's allocations (the
+    device side), "shmem" the host pool of `phalanx.hostmem`."""
+    wanted = {"RssAnon": "anon", "RssShmem": "shmem", "RssFile": "file", "VmRSS": "total"}
+    if not _STATUS.exists():  # not Linux: only the total is known
+        import psutil
+
+        return {"total": psutil.Process().memory_info().rss}
+    out = {}
+    with open(_STATUS) as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in wanted:
+                out[wanted[key]] = int(value.split()[0]) * 1024
+    return out
+
+
+class PeakResident:
+    """The peak of `resident_bytes()` while it runs, sampled by a thread every `interval` seconds
+    and at every `sample()` call (e.g. from module hooks, so that no module step is missed).
+
+        with PeakResident() as peak:
+            train()
+        peak.max["anon"] - baseline["anon"]
+    """
+
+    def __init__(self, interval: float = 5e-4):
+        self.interval = interval
+        self.max: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def sample(self, *_args) -> None:
+        now = resident_bytes()
+        with self._lock:
+            for key, value in now.items():
+                self.max[key] = max(self.max.get(key, 0), value)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakResident":
+        self.sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
