@@ -36,8 +36,9 @@ import torch
 
 
 def smollm2_dir() -> Path:
-    root = os.environ.get("PHALANX_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "phalanx")
-    return Path(root).expanduser() / "smollm2-135m-instruct"
+    from phalanx.pretrained import default_dir
+
+    return default_dir()
 
 
 def tiny_llama_dir(out: Path) -> Path:

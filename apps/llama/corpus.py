@@ -186,3 +186,13 @@ def domain_text(sources: list[SourceConfig], holdout_fraction: float, max_chars:
             if max_chars and total >= max_chars:
                 return out
     return out
+
+
+def load_chat_records(source) -> list[list[dict[str, str]]]:
+    """All conversations of one `ChatSourceConfig`, read and validated (phalanx.data.chat)."""
+    from phalanx.data.chat import conversations
+
+    return conversations(read_records(resolve_path(source.path)), fmt=source.format, source_name=str(source.path),
+                         messages_field=source.messages_field, prompt_field=source.prompt_field,
+                         response_field=source.response_field, system=source.system,
+                         max_examples=source.max_examples)

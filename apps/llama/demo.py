@@ -41,7 +41,7 @@ CONFIG = REPO_ROOT / "apps" / "llama" / "configs" / "smollm2_zh.yaml"
 DEMO_OVERRIDES = [
     "work_dir=runs/llama_demo",
     "data.seq_len=256",
-    "train.max_steps=40",
+    "train.max_steps=32",
     "train.micro_batch_size=4",
     "train.grad_accum_steps=1",
     "train.lr=5e-4",
@@ -79,7 +79,7 @@ def prepare(cfg: RecipeConfig, log) -> dict:
     from .expand_vocab import expand_vocab, format_report
     from .init_model import init_model
     from .prepare_data import prepare_pretrain
-    from .smollm2 import ensure_smollm2
+    from phalanx.pretrained import ensure_smollm2
 
     ensure_smollm2(Path(cfg.model.base).expanduser(), log=log)
     k_tok = _key(cfg.tokenizer, cfg.holdout_fraction, cfg.data.sources)
@@ -93,15 +93,16 @@ def prepare(cfg: RecipeConfig, log) -> dict:
     return report
 
 
-def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log) -> dict:
+def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log, with_samples: bool = True) -> dict:
+    """Held-out bits per character, and greedy samples of the demo's prompts where the table shows them."""
     from .evaluate import bits_per_char, format_results
     from .generate import sample
 
     start = time.perf_counter()
     bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.precision)
-    samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate)
+    samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate) if with_samples else []
     log(f"{label}: {format_results(bpc)}  ({time.perf_counter() - start:.0f} s)")
-    return {"bpc": bpc, "samples": dict(zip(cfg.generate.prompts, samples))}
+    return {"bpc": bpc, "samples": dict(zip(cfg.generate.prompts, samples, strict=False))}
 
 
 def _dir_stamp(path: Path) -> list:
@@ -109,14 +110,15 @@ def _dir_stamp(path: Path) -> list:
     return sorted((p.name, p.stat().st_size) for p in Path(path).iterdir() if p.is_file())
 
 
-def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cfg: RecipeConfig, log) -> dict:
+def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cfg: RecipeConfig, log,
+                   with_samples: bool = True) -> dict:
     """`measure` of a model that does not change between runs (the *before* rows), cached by key.
 
     The key covers the model, the held-out text, and the evaluation and sampling settings, so a
     changed corpus, tokenizer or setting measures again; the demo's reruns skip straight to training.
     """
     precision = resolve_precision(cfg.eval.precision)  # `auto` measures differently on another CPU
-    key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, precision, cfg.generate)
+    key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, precision, with_samples and cfg.generate)
     path = Path(cfg.work_dir) / "measurements" / f"{key}.json"
     if path.is_file():
         result = json.loads(path.read_text())
@@ -124,7 +126,7 @@ def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cf
 
         log(f"{label}: {format_results(result['bpc'])}  (cached)")
         return result
-    result = measure(label, load_model(), tokenizer, chunks, cfg, log)  # built only when not cached
+    result = measure(label, load_model(), tokenizer, chunks, cfg, log, with_samples)  # built only when not cached
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, ensure_ascii=False))
@@ -147,7 +149,7 @@ def run(argv: list[str]) -> dict:
 
     from .evaluate import load_heldout_chunks
     from .pretrain import load_model, pretrain
-    from .smollm2 import default_dir
+    from phalanx.pretrained import default_dir
     from .tokenizer_io import load_tokenizer
 
     t0 = time.perf_counter()
@@ -169,7 +171,8 @@ def run(argv: list[str]) -> dict:
             lambda: AutoModelForCausalLM.from_pretrained(str(smol), dtype=torch.float32), base_tok, chunks, cfg, log)
         tokenizer = load_tokenizer(cfg.model_init_dir)
         before = measure_cached("expanded vocabulary, step 0", (cfg.model_init_dir / ".demo_key").read_text(),
-                                lambda: load_model(cfg.model_init_dir), tokenizer, chunks, cfg, log)
+                                lambda: load_model(cfg.model_init_dir), tokenizer, chunks, cfg, log,
+                                with_samples=False)  # the table shows samples before and after only
         model = load_model(cfg.model_init_dir)
 
         shutil.rmtree(cfg.train.output_dir, ignore_errors=True)  # a fresh, timed run every time

