@@ -2,6 +2,7 @@
 
     phalanx run -n 4 train.py --config cfg.yaml        # torchrun with 4 processes on this node
     phalanx run -n 8 --nnodes 2 --rdzv-endpoint host:29500 -m apps.llama.pretrain --config …
+    phalanx run -n 4 --max-restarts 3 train.py         # restart all ranks when one fails (docs/reliability.md)
     phalanx env                                        # versions, devices, backends, Triton
     phalanx serve MODEL_DIR [--port 8000]              # OpenAI-compatible server (phalanx.inference)
 """

@@ -73,6 +73,28 @@ def seed_everything(seed: int, rank: int = 0, *, per_rank: bool = False) -> None
     torch.manual_seed(s)
 
 
+def elastic_attempt_store(world_size: int, timeout: _dt.timedelta) -> dist.Store | None:
+    """A store of this restart attempt's own, when torchrun's agent hosts the store.
+
+    Why: torchrun's c10d rendezvous starts one TCPStore in the agent and keeps it for every
+    restart, and torch's env:// initialisation connects the workers to it without a per-attempt
+    prefix. After a restart the new workers find the previous attempt's keys (gloo's rank
+    addresses), connect to a dead worker's old port and fail with "Connection refused" in
+    connectFullMesh. Prefixing the keys with the restart count gives every attempt clean keys.
+
+    The restart count is the agent's own: on one node every worker agrees. On several nodes the
+    agents may count differently (one restarts after a failure, another after being asked to
+    re-rendezvous), so `phalanx run` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead, which
+    makes each rendezvous round start a fresh store on a fresh port (then this returns None).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500), world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"phalanx/attempt{attempt}", client)
+
+
 def launch(
     seed: int | None = 42,
     *,
@@ -100,6 +122,9 @@ def launch(
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             kwargs = {"device_id": device} if device.type == "cuda" else {}
+            store = elastic_attempt_store(world_size, timeout)
+            if store is not None:
+                kwargs["store"] = store
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
         else:
             if world_size != 1:

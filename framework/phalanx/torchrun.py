@@ -72,9 +72,13 @@ def _split_at_program(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def run_environment() -> dict[str, str]:
     """The environment the ranks start in: one OpenMP thread until `launch()` gives each rank its
-    share of the cores, and the current directory importable so `-m apps.…` works from a checkout."""
+    share of the cores, the current directory importable so `-m apps.…` works from a checkout, and
+    a fresh rendezvous store for every restart so `--max-restarts` recovers."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A fresh rendezvous store per restart (see phalanx.launch.elastic_attempt_store for why the
+    # shared one breaks elastic restarts with gloo).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH", "")] if p)
     return env
 

@@ -1,6 +1,7 @@
 """launch (single process and torchrun), mesh layout arithmetic, and the `phalanx` command."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -109,3 +110,65 @@ def test_the_cli_is_imported_by_nothing_in_the_framework():
                  and any(m == "phalanx.cli" or m.startswith("phalanx.cli.") for m in _imported_modules(f))]
     assert offenders == []
     assert "phalanx.torchrun" in _imported_modules(FRAMEWORK / "phalanx" / "inference" / "serve.py")
+
+
+def test_phalanx_run_gives_each_restart_a_fresh_rendezvous_store(monkeypatch):
+    from phalanx.torchrun import run_environment
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert run_environment()["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_launch_prefixes_the_agent_store_with_the_restart_attempt(monkeypatch):
+    """Under torchrun's shared agent store, each restart attempt gets keys of its own (the stale
+    keys of the previous attempt made gloo connect to a dead rank's port)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from phalanx.launch import elastic_attempt_store
+    from phalanx.testing import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert elastic_attempt_store(1, datetime.timedelta(seconds=10)) is None  # torch's env:// is fine then
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    store = elastic_attempt_store(1, datetime.timedelta(seconds=10))
+    store.set("rank_0", "address")
+    assert agent_store.get("phalanx/attempt3/rank_0") == b"address"
+
+
+@pytest.mark.slow
+def test_plain_torchrun_restart_recovers_through_launch(tmp_path):
+    """`torchrun --standalone --max-restarts 1` (the shared agent store, not `phalanx run`): after
+    a rank is SIGKILLed the restarted ranks initialise through phalanx.launch and finish."""
+    script = tmp_path / "victim.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, torch, torch.distributed as dist, phalanx
+        ctx = phalanx.launch(seed=0)
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        for i in range(4):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            if attempt == 0 and ctx.rank == 1 and i == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        print(f"rank {ctx.rank} finished in attempt {attempt}", flush=True)
+        phalanx.shutdown()
+    """))
+    env = dict(os.environ, PHALANX_THREADS="1", OMP_NUM_THREADS="1")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=1", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        import signal
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "rank 0 finished in attempt 1" in out and "rank 1 finished in attempt 1" in out

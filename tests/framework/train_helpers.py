@@ -143,20 +143,20 @@ def rank_hybrid_layouts(output_root: str, layouts: dict, steps: int = 4):
 
 def kill_during_save(output_dir: str) -> None:
     """Train with a checkpoint every step and die (no cleanup, like SIGKILL) while the second
-    checkpoint's optimizer state is being written."""
-    import phalanx.booster.booster as booster_module
+    checkpoint's files are being written."""
+    from phalanx.checkpoint.writer import CheckpointWriter
 
-    real_save_fragments = booster_module.save_fragments
+    real_write_files = CheckpointWriter._write_files
     calls = []
 
-    def dying_save_fragments(frags, directory):
-        calls.append(directory)
+    def dying_write_files(self, snapshot):
+        calls.append(snapshot.tmp)
         if len(calls) == 2:
-            (Path(directory) / "partial.bin").write_bytes(b"half-written")
+            (snapshot.tmp / "partial.bin").write_bytes(b"half-written")
             os._exit(17)
-        return real_save_fragments(frags, directory)
+        return real_write_files(self, snapshot)
 
-    booster_module.save_fragments = dying_save_fragments
+    CheckpointWriter._write_files = dying_write_files
     train(output_dir, max_steps=4, save_every=1, keep_last=0)
 
 

@@ -107,12 +107,18 @@ def atomic_directory(path: str | Path, manifest_extra: dict | None = None) -> It
         raise
     barrier()
     if _is_main():
-        write_manifest(tmp, manifest_extra)
-        old = None
-        if path.exists():
-            old = path.parent / f"{path.name}.old-{token[0]}"
-            path.replace(old)
-        tmp.replace(path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_directory(tmp, path, manifest_extra)
     barrier()
+
+
+def commit_directory(tmp: Path, path: Path, manifest_extra: dict | None = None) -> None:
+    """Rank 0, once every rank's files are in `tmp`: write the manifest, then rename `tmp` to
+    `path` (an older `path` is moved aside first and deleted only after the new one is in place)."""
+    write_manifest(tmp, manifest_extra)
+    old = None
+    if path.exists():
+        old = path.parent / f"{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+        path.replace(old)
+    tmp.replace(path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

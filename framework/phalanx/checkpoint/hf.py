@@ -6,8 +6,10 @@ written with `huggingface_hub.save_torch_state_dict`, the same shard/index layou
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -99,3 +101,18 @@ def check_state_dict_matches(model: nn.Module, state_dict: dict[str, torch.Tenso
     if problems:
         raise CheckpointError("the checkpoint does not fit this model (" + "; ".join(problems) +
                               "): load it into a model built from the same config")
+
+
+@contextlib.contextmanager
+def quiet_hf_progress() -> Iterator[None]:
+    """Hide transformers' "Writing model shards" bar while a checkpoint is saved (it would print
+    one bar per checkpoint into the training log), restoring the user's setting afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -62,7 +62,18 @@ def save_fragments(frags: OptimizerFragments, directory: str | Path) -> None:
     """Collective: every rank passes its fragments; files go into `directory` (already created)."""
     directory = Path(directory)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    filename, tensors, local = fragment_tensors(frags, rank)
+    index = fragment_index(frags, local)
+    if tensors:
+        save_file(tensors, str(directory / filename))
+    if index is not None:
+        (directory / INDEX).write_text(json.dumps(index))
+
+
+def fragment_tensors(frags: OptimizerFragments, rank: int, *, copy: bool = False
+                     ) -> tuple[str, dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's file name, its tensors (1-D, on the CPU; copies when `copy`, so training may go
+    on while they are written) and the description of them that goes into the index."""
     filename = f"fragments-rank{rank:05d}.safetensors"
     tensors = {}
     entries = []
@@ -70,29 +81,34 @@ def save_fragments(frags: OptimizerFragments, directory: str | Path) -> None:
         if f.data.numel() != f.end - f.start:
             raise ValueError(f"fragment {f.param}/{f.key} has {f.data.numel()} elements for range {f.start}:{f.end}")
         name = f"{i:06d}"
-        tensors[name] = f.data.detach().reshape(-1).contiguous().cpu()
+        data = f.data.detach().reshape(-1)
+        tensors[name] = data.to("cpu", copy=True) if copy else data.contiguous().cpu()
         entries.append([f.param, f.key, f.start, f.end, filename, name, str(f.data.dtype).replace("torch.", "")])
-    if tensors:
-        save_file(tensors, str(directory / filename))
-    local = {"entries": entries, "scalars": frags.scalars, "shapes": frags.shapes}
+    return filename, tensors, {"entries": entries, "scalars": frags.scalars, "shapes": frags.shapes}
+
+
+def fragment_index(frags: OptimizerFragments, local: dict[str, Any]) -> dict[str, Any] | None:
+    """Collective: gather every rank's `local` description; rank 0 gets the index, others None."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     gathered: list[Any] = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, local)
     else:
         gathered = [local]
-    if rank == 0:
-        params: dict[str, Any] = {}
-        for part in gathered:
-            for name, shape in part["shapes"].items():
-                params.setdefault(name, {"shape": shape, "scalars": {}, "states": {}})
-            for name, sc in part["scalars"].items():
-                params.setdefault(name, {"shape": None, "scalars": {}, "states": {}})["scalars"].update(sc)
-            for pname, key, start, end, fname, tname, dtype in part["entries"]:
-                params.setdefault(pname, {"shape": None, "scalars": {}, "states": {}})
-                params[pname]["states"].setdefault(key, []).append([start, end, fname, tname])
-        index = {"format": FORMAT, "world_size": world, "param_groups": _jsonable_groups(frags.param_groups),
-                 "extra": frags.extra, "params": params}
-        (directory / INDEX).write_text(json.dumps(index))
+    if rank != 0:
+        return None
+    params: dict[str, Any] = {}
+    for part in gathered:
+        for name, shape in part["shapes"].items():
+            params.setdefault(name, {"shape": shape, "scalars": {}, "states": {}})
+        for name, sc in part["scalars"].items():
+            params.setdefault(name, {"shape": None, "scalars": {}, "states": {}})["scalars"].update(sc)
+        for pname, key, start, end, fname, tname, dtype in part["entries"]:
+            params.setdefault(pname, {"shape": None, "scalars": {}, "states": {}})
+            params[pname]["states"].setdefault(key, []).append([start, end, fname, tname])
+    return {"format": FORMAT, "world_size": world, "param_groups": _jsonable_groups(frags.param_groups),
+            "extra": frags.extra, "params": params}
 
 
 class FragmentReader:

@@ -59,13 +59,21 @@ def _to_json(value: Any) -> Any:
 
 
 def save_rng_state(directory: str | Path, rank: int) -> None:
+    write_rng_state(directory, rank, rng_state())
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch CPU, every CUDA device), JSON-ready."""
     np_state = np.random.get_state()
-    state = {
+    return {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": torch.get_rng_state().tolist(),
         "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
     }
+
+
+def write_rng_state(directory: str | Path, rank: int, state: dict[str, Any]) -> None:
     rng_dir = Path(directory) / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
     (rng_dir / f"rank{rank:05d}.json").write_text(json.dumps(state))

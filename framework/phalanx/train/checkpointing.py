@@ -1,15 +1,13 @@
-"""Checkpoint housekeeping for the loop: which checkpoint to resume, pruning, partial saves.
+"""Checkpoint housekeeping for the loop: which checkpoint to resume, partial saves.
 
-The writing itself is `Booster.save_checkpoint` (atomic: a temporary directory renamed into
-place, with a manifest). Here: rank 0 decides and every rank follows, so all ranks resume from
+The writing itself is `phalanx.checkpoint.writer.CheckpointWriter` (atomic: a temporary
+directory renamed into place, with a manifest; a failed save keeps the previous checkpoint). Here: rank 0 decides and every rank follows, so all ranks resume from
 the same step even if the file system shows them different views for a moment.
 """
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import torch.distributed as dist
 
@@ -50,31 +48,3 @@ def remove_partial_saves(output_dir: str | Path) -> list[Path]:
                 removed.append(path)
     barrier()
     return removed
-
-
-def prune_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
-    """Keep the newest `keep_last` complete checkpoints (0 keeps all). Called only after a new
-    checkpoint is complete, so there is always at least one loadable checkpoint on disk."""
-    removed = []
-    if keep_last > 0 and dist.get_rank() == 0:
-        found = list_checkpoints(output_dir)
-        for _, path in found[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    barrier()
-    return removed
-
-
-@contextlib.contextmanager
-def quiet_hf_progress() -> Iterator[None]:
-    """Hide transformers' "Writing model shards" bar while a checkpoint is saved (it would print
-    one bar per checkpoint into the training log), restoring the user's setting afterwards."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

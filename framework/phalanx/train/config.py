@@ -46,6 +46,17 @@ class TrainConfig:
     resume: bool = True                 # continue from the latest complete checkpoint in output_dir
     seed: int = 42                      # data order and per-rank RNG streams
 
+    # --- surviving faults (see docs/reliability.md) ------------------------------------------
+    async_save: bool = False            # snapshot to host memory, write checkpoints in a background thread
+    on_save_error: Literal["warn", "stop"] = "warn"  # a save that fails (disk full): warn and train on
+                                        # (the previous checkpoint stays intact), or stop; a failed final save always stops
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"  # NaN/inf loss: stop; skip the step; or
+                                        # reload the last checkpoint and scale lr by rollback_lr_factor
+    max_nonfinite: int = 10             # skips or rollbacks allowed in one run before stopping anyway
+    rollback_lr_factor: float = 0.5     # learning-rate multiplier applied at each rollback
+    hang_timeout_s: float = 0.0         # watchdog: name the missing rank and stop when an operation
+                                        # takes longer than this (0: off)
+
     # --- observability ------------------------------------------------------------------------
     wandb: bool = False                 # also log to Weights & Biases
     wandb_project: str = "phalanx"
@@ -92,6 +103,11 @@ class TrainConfig:
         need(self.log_every >= 1, "log_every", "must be at least 1")
         need(self.peak_tflops is None or self.peak_tflops >= 0, "peak_tflops", "must be 0 (off), positive, or null")
         need(self.num_workers >= 0, "num_workers", "must be 0 or more")
+        need(self.on_save_error in ("warn", "stop"), "on_save_error", "choose 'warn' or 'stop'")
+        need(self.on_nonfinite in ("stop", "skip", "rollback"), "on_nonfinite", "choose 'stop', 'skip' or 'rollback'")
+        need(self.max_nonfinite >= 1, "max_nonfinite", "must be at least 1")
+        need(0.0 < self.rollback_lr_factor <= 1.0, "rollback_lr_factor", "must be in (0, 1]")
+        need(self.hang_timeout_s >= 0, "hang_timeout_s", "must be 0 (off) or positive seconds")
         need(self.loss_chunk_size is None or self.loss_chunk_size >= 1, "loss_chunk_size", "must be positive or null")
 
     @property

@@ -46,15 +46,17 @@ from phalanx.config import ConfigError, config_to_dict
 from phalanx.launch import context, seed_everything
 from phalanx.observe import (MetricsWriter, ProgressBar, ThroughputMeter, WandbRun, get_logger,
                              measure_matmul_flops, plot_loss_curve)
-from phalanx.train.checkpointing import (existing_checkpoints, prune_checkpoints, quiet_hf_progress,
-                                         remove_partial_saves, resume_checkpoint)
+from phalanx.checkpoint.writer import CheckpointSaveError, CheckpointWriter
+from phalanx.train.checkpointing import existing_checkpoints, remove_partial_saves, resume_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.data import MicroBatches, check_dataset, check_first_sample, default_collate
 from phalanx.train.evaluate import eval_mode, eval_results
 from phalanx.train.losses import CausalLMLoss, check_causal_lm
+from phalanx.train.nonfinite import NonFiniteLossError, NonFinitePolicy
 from phalanx.train.optim import build_lr_scheduler, build_optimizer
 from phalanx.train.result import TrainResult
 from phalanx.train.step import LossFn, step_flops_estimator, train_step
+from phalanx.watchdog import Watchdog, set_step, track
 
 METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
 # fp16 skips steps whose gradients overflow (the loss scaler backs off); this many non-finite
@@ -79,10 +81,6 @@ def _hooks_writer(hooks: Sequence[TrainHook]) -> Callable[[Path], None]:
         for hook in hooks:
             hook.save(checkpoint_dir / hook.name)
     return write
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite; raised before that step changes anything."""
 
 
 def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Callable | None = None,
@@ -162,11 +160,16 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
         output_dir.mkdir(parents=True, exist_ok=True)
     remove_partial_saves(output_dir)
     state = TrainState()
-    if resume_from is not None:
-        state = booster.load_checkpoint(resume_from, model_b, optim_b, scheduler)
-        batches.load_state_dict(state.sampler)
+
+    def restore(checkpoint: Path) -> TrainState:
+        restored = booster.load_checkpoint(checkpoint, model_b, optim_b, scheduler)
+        batches.load_state_dict(restored.sampler)
         for hook in hooks:
-            hook.load(resume_from / hook.name)
+            hook.load(checkpoint / hook.name)
+        return restored
+
+    if resume_from is not None:
+        state = restore(resume_from)
         if state.world_size != dist.get_world_size():
             log.warning(f"resuming a {state.world_size}-rank checkpoint on {dist.get_world_size()} ranks: the data "
                         "position is carried over, the per-rank RNG streams restart")
@@ -191,11 +194,14 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     losses: list[float] = []
     window_losses: list[float] = []
     last_eval: dict[str, float] = {}
-    last_checkpoint = resume_from
     tokens_seen = state.tokens_seen
     nonfinite_streak = 0
+    nonfinite = NonFinitePolicy(cfg, lr_scale=state.extra.get("lr_scale", 1.0))
     step = start_step
     evaluated_at = None
+    writer = CheckpointWriter(booster, output_dir, keep_last=cfg.keep_last, async_write=cfg.async_save,
+                              on_error=cfg.on_save_error, last_good=resume_from)
+    dog = Watchdog(cfg.hang_timeout_s).start() if cfg.hang_timeout_s else None
 
     def run_eval(at_step: int) -> dict[str, float]:
         with eval_mode(model_b, model):
@@ -207,34 +213,63 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
         log.info(f"step {at_step} eval: " + ", ".join(f"{k}={v:.4g}" for k, v in result.items()))
         return result
 
-    def save(at_step: int) -> Path:
+    def save(at_step: int) -> None:
         train_state = TrainState(step=at_step, epoch=batches.epoch, sampler=batches.state_dict(),
                                  tokens_seen=tokens_seen,
                                  extra={"wandb_run_id": wandb.id if wandb else state.extra.get("wandb_run_id"),
-                                        "train_config": config_to_dict(cfg)})
-        with quiet_hf_progress():
-            path = booster.save_checkpoint(checkpoint_path(output_dir, at_step), model_b, optim_b, scheduler,
-                                           train_state, tokenizer=tokenizer,
-                                           extra_writer=_hooks_writer(hooks) if hooks else None)
-        pruned = prune_checkpoints(output_dir, cfg.keep_last)
-        log.info(f"saved {path}" + (f" (pruned {len(pruned)} older)" if pruned else ""))
-        return path
+                                        "train_config": config_to_dict(cfg), "lr_scale": nonfinite.lr_scale})
+        with track("checkpoint snapshot"):
+            writer.save(checkpoint_path(output_dir, at_step), at_step, model_b, optim_b, scheduler, train_state,
+                        tokenizer=tokenizer, hooks_writer=_hooks_writer(hooks) if hooks else None)
+
+    def roll_back(at_step: int, loss: float) -> TrainState:
+        """Load the last complete checkpoint, scale the learning rate down, return its step."""
+        with track("wait for checkpoint"):
+            writer.wait()
+        if writer.last_good is None:
+            raise NonFiniteLossError(_nonfinite_message(loss, at_step, cfg, None) + " (on_nonfinite='rollback' "
+                                     "needs a checkpoint to return to: set save_every)")
+        restored = restore(writer.last_good)
+        nonfinite.scale_lr(scheduler, optimizer, restored_scale=restored.extra.get("lr_scale", 1.0))
+        log.warning(f"training loss is {loss} at step {at_step}: rolled back to {writer.last_good} (step "
+                    f"{restored.step}) with the learning rate scaled by {nonfinite.lr_scale:g} "
+                    f"(rollback {nonfinite.count} of at most {cfg.max_nonfinite})")
+        metrics.log({"step": at_step, "event": "nonfinite_rollback", "to_step": restored.step,
+                     "lr_scale": nonfinite.lr_scale})
+        del losses[max(0, restored.step - start_step):]
+        return restored
 
     try:
         model_b.train()
-        for step in range(start_step + 1, cfg.max_steps + 1):
+        while step < cfg.max_steps:
+            step += 1
+            set_step(step)
             t0 = time.perf_counter()
-            micro = [_to_device(next(batches), ctx.device) for _ in range(cfg.grad_accum_steps)]
+            with track("load batch"):
+                micro = [_to_device(next(batches), ctx.device) for _ in range(cfg.grad_accum_steps)]
             loss, tokens, flops = train_step(booster, model_b, optim_b, micro, loss_fn, dp_size, step_flops,
                                               ctx.device, model_computes_loss=model_computes_loss)
+            skip = False
             if not math.isfinite(loss):
                 nonfinite_streak += 1
                 if cfg.precision != "fp16" or nonfinite_streak >= FP16_MAX_NONFINITE_STEPS:
-                    raise NonFiniteLossError(_nonfinite_message(loss, step, cfg, last_checkpoint))
+                    action = nonfinite.decide(_nonfinite_message(loss, step, cfg, writer.last_good))
+                    if action == "rollback":
+                        optim_b.zero_grad()
+                        restored = roll_back(step, loss)
+                        step, tokens_seen = restored.step, restored.tokens_seen
+                        window_losses.clear()
+                        continue
+                    skip = True
+                    log.warning(f"training loss is {loss} at step {step}: skipped the step (gradients dropped, "
+                                f"skip {nonfinite.count} of at most {cfg.max_nonfinite})")
+                    metrics.log({"step": step, "event": "nonfinite_skip", "skips": nonfinite.count})
             else:
                 nonfinite_streak = 0
             lr = optimizer.param_groups[0]["lr"]
-            optim_b.step()
+            if not skip:
+                with track("optimizer step"):
+                    optim_b.step()
             with warnings.catch_warnings():
                 # The order is right by construction; a plugin whose optimizer steps its own
                 # copy (Gemini) just never calls the wrapped `step` the scheduler looks for.
@@ -245,14 +280,15 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
                 hook.after_step(step)
             meter.step(tokens, time.perf_counter() - t0, flops)
             tokens_seen += tokens
-            losses.append(loss)
-            window_losses.append(loss)
+            if not skip:
+                losses.append(loss)
+                window_losses.append(loss)
 
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
+            if (step % cfg.log_every == 0 or step == cfg.max_steps) and window_losses:
                 rates = meter.window()
                 record = {"step": step, "loss": sum(window_losses) / len(window_losses), "lr": lr,
                           "grad_norm": getattr(optim_b, "last_grad_norm", None), "tokens_seen": tokens_seen,
-                          "epoch": batches.epoch, **rates, "skipped": bool(getattr(optim_b, "skipped", False)),
+                          "epoch": batches.epoch, **rates, "skipped": skip or bool(getattr(optim_b, "skipped", False)),
                           "elapsed_s": time.perf_counter() - wall_start}
                 window_losses.clear()
                 metrics.log(record)
@@ -265,15 +301,24 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
             bar.update(1)
 
             if eval_fn is not None and cfg.eval_every and step % cfg.eval_every == 0:
-                last_eval, evaluated_at = run_eval(step), step
+                with track("eval"):
+                    last_eval, evaluated_at = run_eval(step), step
             if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
-                last_checkpoint = save(step)
+                save(step)
+        with track("wait for checkpoint"):
+            writer.wait()
+        final = writer.outcomes[-1] if writer.outcomes else None
+        if final is not None and final.step == step and not final.ok:  # the only copy of the final weights
+            raise CheckpointSaveError(writer.failure_message(final) + " The final checkpoint is missing.")
 
         # 6. The end. The final checkpoint was written at max_steps above (a resumed run that was
         # already complete keeps its checkpoint); then the final eval and the loss curve.
         if eval_fn is not None and evaluated_at != step:
             last_eval = run_eval(step)
     finally:
+        writer.close()
+        if dog is not None:
+            dog.stop()
         bar.close()
         metrics.close()
         if wandb:
@@ -290,7 +335,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
                  + (f", {summary['tflops_per_rank']:.3g} TFLOP/s per rank" if summary["tflops_per_rank"] else "")
                  + (f", MFU {summary['mfu']:.1%}" if summary["mfu"] else ""))
     return TrainResult(final_step=step, losses=losses, metrics_path=output_dir / METRICS_FILE,
-                       checkpoint_dir=last_checkpoint, last_eval=last_eval, start_step=start_step,
+                       checkpoint_dir=writer.last_good, last_eval=last_eval, start_step=start_step,
                        tokens_per_s=summary["tokens_per_s"], tflops_per_rank=summary["tflops_per_rank"],
                        mfu=summary["mfu"], loss_plot=Path(plot) if plot else None,
                        wall_time_s=time.perf_counter() - wall_start)

@@ -20,6 +20,7 @@ from torch import nn
 from phalanx.booster import Booster
 from phalanx.booster.state import boosted_state
 from phalanx.observe import causal_lm_flops_per_token
+from phalanx.watchdog import track
 from phalanx.train.losses import IGNORE_INDEX, causal_lm_labels, count_target_tokens, model_loss_sum
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], torch.Tensor]
@@ -38,7 +39,8 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
     if loss_fn is None:
         targets = [count_target_tokens(b, IGNORE_INDEX) for b in micro]  # counted once per micro-batch
         local_targets = sum(targets)
-        global_targets = all_reduce_sum([float(local_targets)], device)[0] / replicas
+        with track("target-token all-reduce"):
+            global_targets = all_reduce_sum([float(local_targets)], device)[0] / replicas
         if global_targets == 0:
             raise ValueError("every label of this step's global batch is ignore_index (-100): the data has no "
                              "target tokens; check the labels / attention_mask produced by the dataset")
@@ -49,27 +51,31 @@ def train_step(booster: Booster, model: nn.Module, optimizer: Any, micro: list[d
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     state = boosted_state(model)
     if state is not None and state.pipeline is not None:
-        loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, targets, scale)
+        with track("pipeline schedule"):
+            loss_sum += _pipeline_loss_sum(booster, model, optimizer, micro, targets, scale)
     else:
         for i, batch in enumerate(micro):
             sync = booster.no_sync(model, optimizer) if i < len(micro) - 1 else contextlib.nullcontext()
             with sync:
-                if loss_fn is not None:
-                    raw = loss_fn(model, batch)
-                elif model_computes_loss:
-                    raw = model_loss_sum(model, batch, targets[i])
-                else:
-                    raw = model(**batch)
+                with track("forward"):
+                    if loss_fn is not None:
+                        raw = loss_fn(model, batch)
+                    elif model_computes_loss:
+                        raw = model_loss_sum(model, batch, targets[i])
+                    else:
+                        raw = model(**batch)
                 if not isinstance(raw, torch.Tensor) or raw.dim() != 0:
                     raise TypeError(f"the loss must be a scalar tensor, got {type(raw).__name__} "
                                     f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else ''}")
-                booster.backward(raw * scale, optimizer)
+                with track("backward + gradient all-reduce" if i == len(micro) - 1 else "backward"):
+                    booster.backward(raw * scale, optimizer)
             loss_sum += raw.detach().double()
 
     local_tokens = sum(tokens_in(b) for b in micro)
     local_flops = step_flops(micro) if step_flops is not None else 0.0
-    total_loss, tokens, flops = (v / replicas for v in all_reduce_sum([loss_sum, float(local_tokens), local_flops],
-                                                                      device))
+    with track("loss all-reduce"):
+        total_loss, tokens, flops = (v / replicas for v in all_reduce_sum([loss_sum, float(local_tokens),
+                                                                           local_flops], device))
     return total_loss / denominator, int(round(tokens)), (flops if step_flops is not None else None)
 
 

@@ -1,0 +1,83 @@
+"""Elastic restart through `phalanx run --max-restarts`: a rank killed (or raising, or hanging,
+or killed while a checkpoint is written) costs a restart, never the run, and the run ends exactly
+where an uninterrupted run ends (weights, losses, evals: bit for bit in fp32 on gloo).
+
+Real processes and signals; every job runs in its own session and is killed when the test ends.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from fault_helpers import assert_same_as_reference, run_faults
+from fault_worker import FAULT_STEP, SAVE_EVERY
+
+
+def test_rank_killed_mid_step_restarts_and_matches_uninterrupted_run(tmp_path):
+    rc, log, result, wall = run_faults(tmp_path, ["kill_step"], timeout=420)
+    assert rc == 0, log[-4000:]
+    assert "exitcode  : -9" in log or "exitcode: -9" in log, "the fault did not fire"
+    assert_same_as_reference(result, "kill_step")
+    events = result["kill_step"]["events"]
+    assert events["resumed_step"] == FAULT_STEP - SAVE_EVERY  # the last complete checkpoint
+    assert events["resumed"] > events["fault"]
+
+
+@pytest.mark.slow
+def test_raise_kill_during_save_async_write_and_hang_all_recover(tmp_path):
+    faults = ["raise_step", "kill_save", "kill_async_write", "hang"]
+    rc, log, result, wall = run_faults(tmp_path, faults, timeout=600)
+    assert rc == 0, log[-6000:]
+    for fault in faults:
+        assert_same_as_reference(result, fault)
+        events = result[fault]["events"]
+        assert "fault" in events, f"{fault} did not fire"
+        assert events["resumed_step"] == FAULT_STEP - SAVE_EVERY, (fault, events)
+        # only complete checkpoints remain (the partial one was cleared on resume)
+        assert all(".tmp-" not in name for name in result[fault]["checkpoints"]), result[fault]["checkpoints"]
+    assert "injected failure inside a training step" in log
+    # the hang is named by the watchdogs of both ranks: which rank, which operation, which step
+    assert f"Missing from it: rank 1" in log, log[-6000:]
+    assert f"at step {FAULT_STEP}" in log and "last entered 'forward'" in log
+    assert "This rank is behind" in log  # rank 1's own watchdog knows it is the late one
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_agents_nnodes_2_recover_when_one_node_dies(tmp_path):
+    """Two torchrun agents (`--nnodes 2`, c10d rendezvous on 127.0.0.1), 2 x 2 ranks; at step 6
+    every process of the second agent is SIGKILLed; both agents restart their workers and the run
+    matches a 4-rank uninterrupted run: losses and evals bit for bit; the weights to within a few
+    fp32 roundings (measured: max 1.5e-8 absolute). Not yet explained; probably the order of the
+    4-way gradient sum differs in a restarted process's first step (DDP rebuilds its buckets after
+    the first iteration), which a sum over 2 ranks cannot show: with 2 ranks the weights match bit
+    for bit."""
+    import time
+
+    from fault_helpers import WORKER, kill_tree, start_run
+
+    port = _free_port()
+    root = tmp_path / "job"
+    root.mkdir()
+    common = ["-n", "2", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "fault-test", "--max-restarts", "2", str(WORKER), str(root), "kill_node"]
+    agents = [start_run(common, tmp_path / f"agent{i}.log") for i in range(2)]
+    try:
+        deadline = time.time() + 600
+        codes = [agent.wait(max(1.0, deadline - time.time())) for agent in agents]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    logs = "\n".join((tmp_path / f"agent{i}.log").read_text(errors="replace") for i in range(2))
+    assert codes == [0, 0], logs[-6000:]
+    import json
+
+    result = json.loads((root / "result.json").read_text())
+    assert_same_as_reference(result, "kill_node", weight_atol=1e-6)
+    assert result["kill_node"]["events"]["resumed_step"] == FAULT_STEP - SAVE_EVERY
