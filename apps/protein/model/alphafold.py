@@ -1,0 +1,172 @@
+"""AlphaFold 2 without templates: embedders, recycling, extra-MSA stack, Evoformer, structure
+module and heads (pLDDT, distogram, masked MSA). Algorithm 2 of the AlphaFold 2 supplement.
+
+The Evoformer and extra-MSA stacks run under an `Axial` (one process, or Dynamic Axial
+Parallelism over a group); embedders, structure module and heads run on whole tensors on every
+rank. `batch` is the dict of `apps.protein.features.make_features` (stacked over B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from apps.protein import constants as rc
+from apps.protein.model.dap import Axial
+from apps.protein.model.evoformer import EvoformerConfig, EvoformerStack
+from apps.protein.model.primitives import LayerNorm, linear
+from apps.protein.model.structure import StructureConfig, StructureModule
+from apps.protein.sidechains import ideal_tables
+
+DISTOGRAM_BINS = 64          # 2.3125 .. 21.6875 Angstrom, as AlphaFold
+PLDDT_BINS = 50
+RECYCLE_BINS = (3.375, 21.375, 15)
+
+
+@dataclass
+class ModelConfig:
+    c_m: int = 256
+    c_z: int = 128
+    c_e: int = 64                    # extra-MSA channels
+    c_s: int = 384
+    evoformer_blocks: int = 48
+    extra_msa_blocks: int = 4
+    relpos_k: int = 32
+    recycles: int = 3                # extra passes through the network (training samples 0..recycles)
+    evoformer: EvoformerConfig = field(default_factory=EvoformerConfig)
+    structure: StructureConfig = field(default_factory=StructureConfig)
+
+    def synced(self) -> "ModelConfig":
+        """Channel sizes the sub-configs share, taken from the top level."""
+        self.evoformer.c_m, self.evoformer.c_z = self.c_m, self.c_z
+        self.structure.c_s, self.structure.c_z = self.c_s, self.c_z
+        return self
+
+
+def distance_bins(x: torch.Tensor, low: float, high: float, n: int) -> torch.Tensor:
+    """One-hot [.., i, j, n] of the pairwise distances of points x [.., L, 3] in n bins whose
+    inner edges run from low to high (squared-distance comparison, as AlphaFold)."""
+    edges = torch.linspace(low, high, n - 1, device=x.device, dtype=x.dtype)
+    d2 = ((x[..., :, None, :] - x[..., None, :, :]) ** 2).sum(-1, keepdim=True)
+    index = (d2 > edges ** 2).sum(-1)
+    return torch.nn.functional.one_hot(index, n).to(x.dtype)
+
+
+class InputEmbedder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.relpos_k = cfg.relpos_k
+        self.z_i, self.z_j = linear(22, cfg.c_z), linear(22, cfg.c_z)
+        self.m_target, self.m_msa = linear(22, cfg.c_m), linear(49, cfg.c_m)
+        self.relpos = linear(2 * cfg.relpos_k + 1, cfg.c_z)
+
+    def forward(self, target_feat, residue_index, msa_feat):
+        z = self.z_i(target_feat)[:, :, None] + self.z_j(target_feat)[:, None, :]
+        offset = (residue_index[:, :, None] - residue_index[:, None, :]).clamp(-self.relpos_k, self.relpos_k)
+        z = z + self.relpos(torch.nn.functional.one_hot(offset + self.relpos_k, 2 * self.relpos_k + 1).to(z.dtype))
+        m = self.m_msa(msa_feat) + self.m_target(target_feat)[:, None]
+        return m, z
+
+
+class RecyclingEmbedder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_m, self.norm_z = LayerNorm(cfg.c_m), LayerNorm(cfg.c_z)
+        self.dist = linear(RECYCLE_BINS[2], cfg.c_z)
+
+    def forward(self, m0_prev, z_prev, x_prev):
+        """Updates for the first MSA row and the pair, from the previous pass (x: pseudo-beta)."""
+        return self.norm_m(m0_prev), self.norm_z(z_prev) + self.dist(distance_bins(x_prev, *RECYCLE_BINS))
+
+
+def pseudo_beta(atom37: torch.Tensor, aatype: torch.Tensor) -> torch.Tensor:
+    """CB, or CA for glycine: [.., L, 3]."""
+    is_gly = (aatype == rc.THREE.index("GLY"))[..., None]
+    return torch.where(is_gly, atom37[..., rc.ATOM37_INDEX["CA"], :], atom37[..., rc.ATOM37_INDEX["CB"], :])
+
+
+class Heads(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        c = 128
+        self.plddt = nn.Sequential(LayerNorm(cfg.c_s), linear(cfg.c_s, c, init="relu"), nn.ReLU(),
+                                   linear(c, c, init="relu"), nn.ReLU(), linear(c, PLDDT_BINS, init="zeros"))
+        self.distogram = linear(cfg.c_z, DISTOGRAM_BINS, init="zeros")
+        self.masked_msa = linear(cfg.c_m, rc.MSA_CLASSES, init="zeros")
+
+    def forward(self, single, z):
+        """pLDDT and (symmetric) distogram logits; the masked-MSA head is applied to the MSA apart."""
+        logits = self.distogram(z)
+        return {"plddt_logits": self.plddt(single), "distogram_logits": logits + logits.transpose(1, 2)}
+
+
+def plddt_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Expected lDDT-Ca (0..100) per residue from the pLDDT head's bins."""
+    centres = (torch.arange(PLDDT_BINS, device=logits.device, dtype=logits.dtype) + 0.5) / PLDDT_BINS
+    return (torch.softmax(logits, -1) * centres).sum(-1) * 100
+
+
+class AlphaFold(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg.synced()
+        self.input_embedder = InputEmbedder(cfg)
+        self.recycling_embedder = RecyclingEmbedder(cfg)
+        self.extra_msa_embedder = linear(25, cfg.c_e)
+        self.extra_msa_stack = EvoformerStack(cfg.evoformer, cfg.extra_msa_blocks, c_m=cfg.c_e, global_column=True)
+        self.evoformer = EvoformerStack(cfg.evoformer, cfg.evoformer_blocks)
+        self.single = linear(cfg.c_m, cfg.c_s)
+        self.structure_module = StructureModule(cfg.structure)
+        self.heads = Heads(cfg)
+        for name, value in ideal_tables().items():
+            self.register_buffer(name, value, persistent=False)
+        self.axial: Axial = Axial()
+
+    def use_axial(self, axial: Axial) -> "AlphaFold":
+        """Run the Evoformer stacks split over a DAP group (`DapAxial`) or in one process (`Axial()`)."""
+        self.axial = axial
+        return self
+
+    def forward(self, target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask,
+                aatype, recycles: int | None = None, **unused) -> dict[str, torch.Tensor]:
+        """recycles: extra passes (default cfg.recycles); all but the last run without gradients."""
+        recycles = self.cfg.recycles if recycles is None else recycles
+        b, n = aatype.shape
+        prev_m0 = target_feat.new_zeros(b, n, self.cfg.c_m)
+        prev_z = target_feat.new_zeros(b, n, n, self.cfg.c_z)
+        prev_x = target_feat.new_zeros(b, n, 3)
+        inputs = (target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask, aatype)
+        for cycle in range(recycles + 1):
+            last = cycle == recycles
+            with torch.set_grad_enabled(last and torch.is_grad_enabled()):
+                out = self.iteration(*inputs, prev_m0, prev_z, prev_x)
+            prev_m0, prev_z = out["msa_first_row"].detach(), out["pair"].detach()
+            prev_x = pseudo_beta(out["atom37"], aatype).detach()
+        return out
+
+    def iteration(self, target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask,
+                  aatype, prev_m0, prev_z, prev_x) -> dict[str, torch.Tensor]:
+        ax = self.axial
+        pair_mask = seq_mask[:, :, None] * seq_mask[:, None, :]
+        m, z = self.input_embedder(target_feat, residue_index, msa_feat)
+        dm0, dz = self.recycling_embedder(prev_m0, prev_z, prev_x)
+        m = torch.cat([m[:, :1] + dm0[:, None], m[:, 1:]], 1)
+        z = z + dz
+        # Split for the stacks: MSA by rows, pair by its first residue axis.
+        z = ax.scatter(z, 1)
+        e = ax.scatter(self.extra_msa_embedder(extra_msa_feat), 1)
+        _, z = self.extra_msa_stack(e, z, extra_msa_mask, pair_mask, ax)
+        m, z = self.evoformer(ax.scatter(m, 1), z, msa_mask, pair_mask, ax)
+        # Whole tensors again for the structure module and heads (run on every rank).
+        first_row = ax.gather(ax.transpose(m, 2, 1)[:, 0], 1)
+        z = ax.gather(z, 1)
+        msa_logits = ax.gather(self.heads.masked_msa(m), 1)
+        s = self.single(first_row)
+        out = self.structure_module(s, z, aatype, seq_mask, {"default_frames": self.default_frames,
+                                                             "atom14_local": self.atom14_local})
+        heads = self.heads(out["single"], z)
+        heads["masked_msa_logits"] = msa_logits
+        out.update(heads)
+        out.update({"msa_first_row": first_row, "pair": z, "plddt": plddt_from_logits(heads["plddt_logits"])})
+        return out

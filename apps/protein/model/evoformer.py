@@ -1,0 +1,211 @@
+"""The Evoformer (AlphaFold 2, algorithms 6-15), written for Dynamic Axial Parallelism.
+
+Shapes: MSA m [B, S, R, c_m], pair z [B, R, R, c_z]. Each operation receives its activations in
+the split it works in and says, through `ax` (an `Axial`), what it must gather or transpose:
+
+- row mode: m split along S (rows), z split along its first residue axis i;
+- column mode: m split along R; the column attention and the outer product mean run there.
+
+With `Axial()` (one process) every split is the whole tensor and the code is plain AlphaFold.
+Masks come in full and each operation takes its slice with `ax.scatter`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from apps.protein.model.dap import Axial
+from apps.protein.model.primitives import Attention, LayerNorm, Transition, linear
+
+
+@dataclass
+class EvoformerConfig:
+    c_m: int = 256           # MSA channels
+    c_z: int = 128           # pair channels
+    heads_msa: int = 8
+    c_hidden_msa: int = 32
+    heads_pair: int = 4
+    c_hidden_pair: int = 32
+    c_hidden_mul: int = 128  # triangle multiplication channels
+    c_hidden_opm: int = 32   # outer product mean channels
+    transition_n: int = 4
+    chunk_size: int | None = None  # attention rows per chunk (None: all at once)
+
+
+def pair_bias(ax: Axial, norm: LayerNorm, proj: nn.Linear, z: torch.Tensor) -> torch.Tensor:
+    """[B, 1, H, R, R] attention bias from the row-split pair representation (gathered whole)."""
+    return ax.gather(proj(norm(z)), 1).permute(0, 3, 1, 2).unsqueeze(1)
+
+
+class MSARowAttentionWithPairBias(nn.Module):
+    def __init__(self, cfg: EvoformerConfig, c_m: int):
+        super().__init__()
+        self.norm_m, self.norm_z = LayerNorm(c_m), LayerNorm(cfg.c_z)
+        self.bias = linear(cfg.c_z, cfg.heads_msa, bias=False)
+        self.attn = Attention(c_m, cfg.c_hidden_msa, cfg.heads_msa)
+
+    def forward(self, m, z, msa_mask, ax: Axial, chunk_size=None):
+        """m: row mode [B, S/n, R, c]; msa_mask full [B, S, R]."""
+        bias = pair_bias(ax, self.norm_z, self.bias, z)
+        return self.attn(self.norm_m(m), ax.scatter(msa_mask, 1), bias, chunk_size)
+
+
+class MSAColumnAttention(nn.Module):
+    def __init__(self, cfg: EvoformerConfig, c_m: int):
+        super().__init__()
+        self.norm = LayerNorm(c_m)
+        self.attn = Attention(c_m, cfg.c_hidden_msa, cfg.heads_msa)
+
+    def forward(self, m, msa_mask, ax: Axial, chunk_size=None):
+        """m: column mode [B, S, R/n, c]."""
+        mask = ax.scatter(msa_mask, 2).transpose(1, 2)
+        out = self.attn(self.norm(m).transpose(1, 2), mask, None, chunk_size)
+        return out.transpose(1, 2)
+
+
+class MSAColumnGlobalAttention(nn.Module):
+    """The extra-MSA stack's column attention (algorithm 19): one averaged query per column and
+    single-head keys/values, linear in the (large) number of extra sequences."""
+
+    def __init__(self, cfg: EvoformerConfig, c_m: int, c_hidden: int = 8):
+        super().__init__()
+        self.heads, self.c_hidden = cfg.heads_msa, c_hidden
+        self.norm = LayerNorm(c_m)
+        self.q = linear(c_m, self.heads * c_hidden, bias=False)
+        self.k = linear(c_m, c_hidden, bias=False)
+        self.v = linear(c_m, c_hidden, bias=False)
+        self.g = linear(c_m, self.heads * c_hidden, init="gating")
+        self.o = linear(self.heads * c_hidden, c_m, init="zeros")
+
+    def forward(self, m, msa_mask, ax: Axial, chunk_size=None):
+        x = self.norm(m).transpose(1, 2)                               # [B, R/n, S, c]
+        mask = ax.scatter(msa_mask, 2).transpose(1, 2)                 # [B, R/n, S]
+        q_avg = (x * mask[..., None]).sum(-2) / (mask.sum(-1, keepdim=True) + 1e-10)
+        q = self.q(q_avg).view(*q_avg.shape[:-1], self.heads, self.c_hidden) * self.c_hidden ** -0.5
+        k, v = self.k(x), self.v(x)                                    # [B, R/n, S, c]
+        logits = torch.einsum("brhc,brsc->brhs", q, k)
+        from phalanx_kernels import masked_softmax
+        w = masked_softmax(logits, mask[..., None, :])
+        o = torch.einsum("brhs,brsc->brhc", w, v)
+        g = torch.sigmoid(self.g(x)).view(*x.shape[:-1], self.heads, self.c_hidden)
+        out = (g * o[..., None, :, :]).reshape(*x.shape[:-1], self.heads * self.c_hidden)
+        return self.o(out).transpose(1, 2)
+
+
+class OuterProductMean(nn.Module):
+    def __init__(self, cfg: EvoformerConfig, c_m: int):
+        super().__init__()
+        c = cfg.c_hidden_opm
+        self.norm = LayerNorm(c_m)
+        self.a, self.b = linear(c_m, c), linear(c_m, c)
+        self.o = linear(c * c, cfg.c_z, init="zeros")
+
+    def forward(self, m, msa_mask, ax: Axial):
+        """m: column mode [B, S, R/n, c] -> pair update, row mode [B, R/n, R, c_z]."""
+        x = self.norm(m)
+        mask_local = ax.scatter(msa_mask, 2)[..., None]
+        a, b = self.a(x) * mask_local, self.b(x) * mask_local
+        b = ax.gather(b, 2)
+        outer = torch.einsum("bsic,bsjd->bijcd", a, b)
+        outer = self.o(outer.reshape(*outer.shape[:3], -1))
+        norm = torch.einsum("bsi,bsj->bij", mask_local[..., 0], msa_mask)
+        return outer / (norm[..., None] + 1e-3)
+
+
+class TriangleMultiplication(nn.Module):
+    """outgoing: z_ij += sum_k a_ik b_jk; incoming: z_ij += sum_k a_ki b_kj (algorithms 11, 12)."""
+
+    def __init__(self, cfg: EvoformerConfig, outgoing: bool):
+        super().__init__()
+        c, h = cfg.c_z, cfg.c_hidden_mul
+        self.outgoing = outgoing
+        self.norm_in, self.norm_out = LayerNorm(c), LayerNorm(h)
+        self.a_p, self.a_g = linear(c, h), linear(c, h, init="gating")
+        self.b_p, self.b_g = linear(c, h), linear(c, h, init="gating")
+        self.g, self.o = linear(c, c, init="gating"), linear(h, c, init="zeros")
+
+    def forward(self, z, pair_mask, ax: Axial):
+        """z: row mode [B, R/n, R, c]; pair_mask full [B, R, R]."""
+        zn = self.norm_in(z)
+        if self.outgoing:
+            src, mask = zn, ax.scatter(pair_mask, 1)[..., None]
+        else:  # a_ki needs every k of this rank's columns i: switch to column mode
+            src, mask = ax.transpose(zn, 2, 1), ax.scatter(pair_mask, 2)[..., None]
+        a = torch.sigmoid(self.a_g(src)) * self.a_p(src) * mask
+        b = torch.sigmoid(self.b_g(src)) * self.b_p(src) * mask
+        if self.outgoing:
+            out = torch.einsum("bikc,bjkc->bijc", a, ax.gather(b, 1))
+        else:
+            out = torch.einsum("bkic,bkjc->bijc", a, ax.gather(b, 2))
+        return torch.sigmoid(self.g(zn)) * self.o(self.norm_out(out))
+
+
+class TriangleAttention(nn.Module):
+    """Around the starting node (rows of z) or the ending node (the same on z transposed)."""
+
+    def __init__(self, cfg: EvoformerConfig, starting: bool):
+        super().__init__()
+        self.starting = starting
+        self.norm = LayerNorm(cfg.c_z)
+        self.bias = linear(cfg.c_z, cfg.heads_pair, bias=False)
+        self.attn = Attention(cfg.c_z, cfg.c_hidden_pair, cfg.heads_pair)
+
+    def forward(self, z, pair_mask, ax: Axial, chunk_size=None):
+        if self.starting:
+            x, mask = self.norm(z), ax.scatter(pair_mask, 1)
+        else:  # rows of z^T are columns of z: column mode, then swap the axes locally
+            x = ax.transpose(self.norm(z), 2, 1).transpose(1, 2)
+            mask = ax.scatter(pair_mask.transpose(1, 2), 1)
+        bias = ax.gather(self.bias(x), 1).permute(0, 3, 1, 2).unsqueeze(1)
+        out = self.attn(x, mask, bias, chunk_size)
+        if self.starting:
+            return out
+        return ax.transpose(out.transpose(1, 2), 1, 2)
+
+
+class EvoformerBlock(nn.Module):
+    """One block: MSA stack (row attention, column attention, transition, outer product mean),
+    then the pair stack (two triangle multiplications, two triangle attentions, transition)."""
+
+    def __init__(self, cfg: EvoformerConfig, c_m: int | None = None, global_column: bool = False):
+        super().__init__()
+        c_m = c_m or cfg.c_m
+        self.row_attn = MSARowAttentionWithPairBias(cfg, c_m)
+        self.col_attn = MSAColumnGlobalAttention(cfg, c_m) if global_column else MSAColumnAttention(cfg, c_m)
+        self.msa_transition = Transition(c_m, cfg.transition_n)
+        self.opm = OuterProductMean(cfg, c_m)
+        self.tri_mul_out = TriangleMultiplication(cfg, outgoing=True)
+        self.tri_mul_in = TriangleMultiplication(cfg, outgoing=False)
+        self.tri_att_start = TriangleAttention(cfg, starting=True)
+        self.tri_att_end = TriangleAttention(cfg, starting=False)
+        self.pair_transition = Transition(cfg.c_z, cfg.transition_n)
+        self.chunk_size = cfg.chunk_size
+
+    def forward(self, m, z, msa_mask, pair_mask, ax: Axial):
+        """m row mode [B, S/n, R, c_m], z row mode [B, R/n, R, c_z] -> the same, updated."""
+        c = self.chunk_size
+        m = m + self.row_attn(m, z, msa_mask, ax, c)
+        m = ax.transpose(m, 2, 1)                      # -> column mode
+        m = m + self.col_attn(m, msa_mask, ax, c)
+        m = m + self.msa_transition(m)
+        z = z + self.opm(m, msa_mask, ax)
+        m = ax.transpose(m, 1, 2)                      # -> row mode
+        z = z + self.tri_mul_out(z, pair_mask, ax)
+        z = z + self.tri_mul_in(z, pair_mask, ax)
+        z = z + self.tri_att_start(z, pair_mask, ax, c)
+        z = z + self.tri_att_end(z, pair_mask, ax, c)
+        z = z + self.pair_transition(z)
+        return m, z
+
+
+class EvoformerStack(nn.Module):
+    def __init__(self, cfg: EvoformerConfig, blocks: int, c_m: int | None = None, global_column: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(EvoformerBlock(cfg, c_m, global_column) for _ in range(blocks))
+
+    def forward(self, m, z, msa_mask, pair_mask, ax: Axial):
+        for block in self.blocks:
+            m, z = block(m, z, msa_mask, pair_mask, ax)
+        return m, z

@@ -1,0 +1,87 @@
+"""Building blocks: LayerNorm and gated multi-head attention through phalanx_kernels.
+
+`masked_softmax` (the Evoformer's biased, masked softmax) and `layer_norm` run as Triton kernels
+on GPU and as their torch references on CPU. `chunk_size` splits attention over the batch-like
+axis of long inputs, so the [.., H, Q, K] logits never exist for all rows at once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from phalanx_kernels import layer_norm, masked_softmax
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def linear(c_in: int, c_out: int, bias: bool = True, init: str = "default") -> nn.Linear:
+    """AlphaFold's initialisations: "default" (LeCun normal), "relu" (He), "zeros" (last layer of
+    every residual branch, so each block starts as the identity), "gating" (weights 0, bias 1)."""
+    layer = nn.Linear(c_in, c_out, bias=bias)
+    with torch.no_grad():
+        if init in ("zeros", "gating"):
+            layer.weight.zero_()
+        else:
+            scale = 2.0 if init == "relu" else 1.0
+            layer.weight.normal_(0.0, math.sqrt(scale / c_in))
+        if bias:
+            layer.bias.fill_(1.0 if init == "gating" else 0.0)
+    return layer
+
+
+class Attention(nn.Module):
+    """Gated multi-head attention: q from `x_q`, k/v from `x_kv`, an additive `bias` (e.g. the pair
+    representation) and a key `mask`. Shapes: x [*, Q, c], bias broadcast to [*, H, Q, K]."""
+
+    def __init__(self, c_in: int, c_hidden: int, heads: int, gating: bool = True):
+        super().__init__()
+        self.heads, self.c_hidden = heads, c_hidden
+        self.q = linear(c_in, heads * c_hidden, bias=False)
+        self.k = linear(c_in, heads * c_hidden, bias=False)
+        self.v = linear(c_in, heads * c_hidden, bias=False)
+        self.g = linear(c_in, heads * c_hidden, init="gating") if gating else None
+        self.o = linear(heads * c_hidden, c_in, init="zeros")
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> torch.Tensor:
+        """x [B, N, Q, c] (N rows attended independently), mask [B, N, K] (1 keep), bias
+        [B, 1, H, Q, K]. chunk_size: rows per chunk (None: all at once)."""
+        rows = x.shape[-3]
+        if chunk_size is None or rows <= chunk_size:
+            return self._attend(x, mask, bias)
+        outs = []
+        for s in range(0, rows, chunk_size):
+            part = slice(s, s + chunk_size)
+            outs.append(self._attend(x[..., part, :, :], mask[..., part, :], bias))
+        return torch.cat(outs, -3)
+
+    def _attend(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        *lead, q_len, _ = x.shape
+        def heads(t):
+            return t.view(*lead, q_len, self.heads, self.c_hidden).transpose(-2, -3)
+        q = heads(self.q(x)) / math.sqrt(self.c_hidden)
+        k, v = heads(self.k(x)), heads(self.v(x))
+        logits = q @ k.transpose(-1, -2)                     # [*, H, Q, K]
+        weights = masked_softmax(logits, mask[..., None, None, :], bias)
+        out = (weights @ v).transpose(-2, -3).reshape(*lead, q_len, self.heads * self.c_hidden)
+        if self.g is not None:
+            out = out * torch.sigmoid(self.g(x))
+        return self.o(out)
+
+
+class Transition(nn.Module):
+    """The two-layer MLP after each attention (n x wider in the middle)."""
+
+    def __init__(self, c: int, n: int = 4):
+        super().__init__()
+        self.norm = LayerNorm(c)
+        self.fc1 = linear(c, n * c, init="relu")
+        self.fc2 = linear(n * c, c, init="zeros")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))

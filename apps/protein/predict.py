@@ -1,0 +1,115 @@
+"""Predict a structure from a sequence (+ optional MSA) with trained weights.
+
+    python -m apps.protein.predict --config apps/protein/configs/tiny.yaml \
+        --checkpoint runs/protein/tiny --fasta seq.fasta [--msa seq.a3m] --out runs/protein/pred
+
+Weights: a training output directory or one checkpoint (its EMA average when it has one), or
+--af2-params FILE for parameters in the official AlphaFold 2 / OpenFold naming (apps.protein.weights).
+Writes <out>/<name>.pdb and .cif (pLDDT in the B-factor column), <name>_confidence.png and
+<name>.json (mean pLDDT, and metrics when --reference gives the true structure).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from apps.protein.config import RecipeConfig, load_recipe, resolve
+from apps.protein.features import FeatureConfig, make_features
+from apps.protein.io import ProteinChain, read_fasta, read_msa
+from apps.protein.model import AlphaFold
+from apps.protein.output import plot_confidence, to_atom_array, write_structure
+
+
+def latest_weights(path: Path) -> tuple[Path, Path | None]:
+    """(model.safetensors, ema.safetensors or None) of a checkpoint or of the newest one in a run."""
+    from phalanx.checkpoint.train_state import latest_checkpoint
+
+    path = Path(path)
+    step = path if (path / "model").is_dir() else latest_checkpoint(path)
+    if step is None or not (step / "model" / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint with model/model.safetensors (give a training output_dir "
+                                "or one of its checkpoints/step-* directories)")
+    ema = step / "ema" / "ema.safetensors"
+    return step / "model" / "model.safetensors", ema if ema.is_file() else None
+
+
+def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str | None = None) -> AlphaFold:
+    from safetensors.torch import load_file
+
+    model = AlphaFold(cfg.model)
+    if af2_params:
+        from apps.protein.weights import load_af2_params
+        load_af2_params(model, af2_params)
+    elif checkpoint:
+        weights, ema = latest_weights(resolve(checkpoint))
+        state = load_file(str(weights))
+        if ema is not None:
+            state.update(load_file(str(ema)))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{weights}: does not fit the model of this config (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}); pass the --config it was trained with")
+    else:
+        raise ValueError("give --checkpoint (a training run) or --af2-params (AlphaFold 2 parameters)")
+    return model.eval()
+
+
+@torch.no_grad()
+def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_file: str | None,
+            recycles: int | None = None) -> dict[str, np.ndarray]:
+    length = len(sequence)
+    chain = ProteinChain(name, sequence, np.zeros((length, 37, 3), np.float32), np.zeros((length, 37), np.float32),
+                         np.arange(length, dtype=np.int64))
+    alignment = read_msa(msa_file) if msa_file else None
+    fcfg = FeatureConfig(crop_size=length, max_msa_clusters=cfg.data.max_msa_clusters,
+                         max_extra_msa=cfg.data.max_extra_msa, masked_msa_fraction=0.0)
+    feats = make_features(chain, alignment, fcfg, np.random.default_rng(0), with_truth=False)
+    batch = {k: v[None] for k, v in feats.items()}
+    out = model(**batch, recycles=recycles)
+    return {"atom37": out["atom37"][0].numpy(), "atom37_mask": out["atom37_mask"][0].numpy(),
+            "plddt": out["plddt"][0].numpy(), "distogram_logits": out["distogram_logits"][0].numpy()}
+
+
+def write_prediction(pred: dict, sequence: str, name: str, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arr = to_atom_array(sequence, pred["atom37"], pred["atom37_mask"], pred["plddt"])
+    return {"pdb": write_structure(arr, out_dir / f"{name}.pdb"), "cif": write_structure(arr, out_dir / f"{name}.cif"),
+            "png": plot_confidence(pred["plddt"], pred["distogram_logits"], out_dir / f"{name}_confidence.png",
+                                   title=f"{name}: mean pLDDT {pred['plddt'].mean():.1f}")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Predict a protein structure.")
+    parser.add_argument("--config", "-c", required=True, help="the recipe YAML the weights were trained with")
+    parser.add_argument("--checkpoint", help="training output_dir or checkpoints/step-* directory")
+    parser.add_argument("--af2-params", help="AlphaFold 2 / OpenFold parameters (.npz) in the official naming")
+    parser.add_argument("--fasta", required=True)
+    parser.add_argument("--msa", help="A3M or Stockholm alignment of the sequence (default: the sequence alone)")
+    parser.add_argument("--out", default="runs/protein/predictions")
+    parser.add_argument("--recycles", type=int, default=None)
+    parser.add_argument("--reference", help="true structure (mmCIF/PDB) to score the prediction against")
+    parser.add_argument("--chain", help="chain of --reference (default: its first protein chain)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    cfg = load_recipe(args.config, args.overrides)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
+    (header, sequence), *_ = read_fasta(args.fasta)
+    name = header.split()[0].replace("/", "_") or "prediction"
+    model = load_model(cfg, args.checkpoint, args.af2_params)
+    pred = predict(model, cfg, name, sequence, args.msa, args.recycles)
+    paths = write_prediction(pred, sequence, name, resolve(args.out))
+    summary = {"name": name, "length": len(sequence), "mean_plddt": float(pred["plddt"].mean()),
+               **{k: str(v) for k, v in paths.items()}}
+    if args.reference:
+        from apps.protein.evaluate import score_files
+        summary["metrics"] = score_files(paths["pdb"], args.reference, ref_chain=args.chain)
+    (resolve(args.out) / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Shared pieces of the protein tests: a tiny model config, a real cropped batch, and the rank
+function of the DAP equivalence test (importable, so spawned ranks can run it)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from apps.protein.data_sets import msa_path, structure_path
+from apps.protein.features import FeatureConfig, crop_window, make_features
+from apps.protein.io import read_msa, read_structure
+from apps.protein.model import AlphaFold, ModelConfig
+from apps.protein.model.evoformer import EvoformerConfig
+from apps.protein.model.structure import StructureConfig
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    cfg = ModelConfig(c_m=16, c_z=8, c_e=8, c_s=16, evoformer_blocks=1, extra_msa_blocks=1, recycles=1,
+                      evoformer=EvoformerConfig(heads_msa=2, c_hidden_msa=4, heads_pair=2, c_hidden_pair=4,
+                                                c_hidden_mul=8, c_hidden_opm=4, transition_n=2),
+                      structure=StructureConfig(c_ipa=4, heads=2, query_points=2, value_points=2, layers=2,
+                                                c_resnet=8))
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg.synced()
+
+
+def tiny_model(seed: int = 0, **overrides) -> AlphaFold:
+    torch.manual_seed(seed)
+    model = AlphaFold(tiny_model_config(**overrides))
+    # Break the zero initialisation of the output layers, so every parameter gets a gradient
+    # and every branch contributes to the output (a fresh model's residual branches are all 0).
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def real_batch(crop: int = 16, clusters: int = 4, extra: int = 4, batch: int = 2, seed: int = 0):
+    """A batch of `batch` crops of 2q2k chain A with its real Stockholm MSA."""
+    chain = read_structure(structure_path("2q2k"), "A")
+    alignment = read_msa(msa_path("2q2k_A/uniref90_hits.sto"))
+    cfg = FeatureConfig(crop_size=crop, max_msa_clusters=clusters, max_extra_msa=extra)
+    samples = []
+    for i in range(batch):
+        rng = np.random.default_rng(seed + i)
+        samples.append(make_features(chain, alignment, cfg, rng, crop_window(chain, crop, rng)))
+    from phalanx.train.data import default_collate
+    return default_collate(samples)
+
+
+def loss_and_outputs(model, batch):
+    from apps.protein.losses import LossWeights, alphafold_loss
+
+    out = model(**batch, recycles=1)
+    tables = {"default_frames": model.default_frames, "atom14_local": model.atom14_local}
+    loss, _ = alphafold_loss(out, batch, tables, LossWeights())
+    return loss, out
+
+
+def dap_ranks(crop: int, clusters: int, extra: int) -> dict:
+    """On every rank: the one-process result, then the same model under DAP over all ranks.
+    Returns both (loss, outputs, averaged gradients) for the test to compare."""
+    import torch.distributed as dist
+
+    from apps.protein.model.dap import Axial, DapAxial
+
+    batch = real_batch(crop, clusters, extra)
+    results = {}
+    for name, axial in (("one", Axial()), ("dap", DapAxial())):
+        model = tiny_model().use_axial(axial)
+        loss, out = loss_and_outputs(model, batch)
+        loss.backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.detach().clone()
+            if name == "dap":  # what DDP does over the DAP group
+                dist.all_reduce(g)
+                g /= dist.get_world_size()
+            grads[n] = g
+        results[name] = {"loss": loss.detach(), "atom37": out["atom37"].detach(), "pair": out["pair"].detach(),
+                         "msa_logits": out["masked_msa_logits"].detach(), "grads": grads}
+    return results

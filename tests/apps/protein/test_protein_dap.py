@@ -1,0 +1,54 @@
+"""Dynamic Axial Parallelism equals one process, forward and backward, on 2 and 4 gloo ranks.
+
+Tolerance: the same arithmetic with sums split differently (row blocks of einsums, gathered
+operands), so `rounding_rtol(fp32, n)` with n the longest reduction behind a weight gradient:
+batch x residues x residues x MSA rows (the outer product mean's weight gradient)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.testing import check, rel_diff, rounding_rtol, spawn
+from protein_tiny import dap_ranks
+
+
+def _compare(results, crop, clusters):
+    tol = rounding_rtol(torch.float32, 2 * crop * crop * clusters)
+    for rank, r in enumerate(results):
+        one, dap = r["one"], r["dap"]
+        check(rel_diff(dap["loss"], one["loss"]), tol, f"rank {rank} loss")
+        check(rel_diff(dap["atom37"], one["atom37"]), tol, f"rank {rank} atom positions")
+        check(rel_diff(dap["pair"], one["pair"]), tol, f"rank {rank} pair representation")
+        check(rel_diff(dap["msa_logits"], one["msa_logits"]), tol, f"rank {rank} masked-MSA logits")
+        # The bias of a pair-bias projection (IPA's) or of the LayerNorm before one (row attention's)
+        # shifts every logit of a row equally, which the softmax ignores: the true gradient is 0 and
+        # both runs hold rounding noise (~1e-9 of the largest gradient). Those tensors are compared
+        # on the scale of the largest gradient instead.
+        biggest = max(g.abs().max().item() for g in one["grads"].values())
+        noise = {k for k, g in one["grads"].items() if g.abs().max() < 1e-6 * biggest}
+        assert noise <= {k for k in noise if k.endswith(("row_attn.norm_z.bias", "ipa.bias.bias"))}, f"unexpected zero gradients {noise}"
+        for k in noise:
+            assert dap["grads"][k].abs().max() < 1e-6 * biggest, k
+        real = {k: g for k, g in one["grads"].items() if k not in noise}
+        check(rel_diff({k: dap["grads"][k] for k in real}, real), tol, f"rank {rank} gradients")
+
+
+def test_dap_two_ranks_equals_one_process():
+    results = spawn(dap_ranks, 2, 16, 4, 4, timeout=300)
+    _compare(results, 16, 4)
+
+
+@pytest.mark.slow
+def test_dap_four_ranks_equals_one_process():
+    results = spawn(dap_ranks, 4, 16, 4, 4, timeout=400)
+    _compare(results, 16, 4)
+
+
+def test_dap_rejects_uneven_split():
+    import pytest as _pytest
+    from apps.protein.model.dap import DapAxial
+
+    ax = DapAxial.__new__(DapAxial)
+    ax.size = 3
+    with _pytest.raises(ValueError, match="multiple of 3"):
+        ax._check(torch.zeros(2, 16, 8), 1)
