@@ -1,0 +1,125 @@
+"""Loading the recipe's models and tokenizers from local Hugging Face directories (nothing downloads).
+
+A model path in a config may be:
+- ``""`` or ``"smollm2"``: SmolLM2-135M-Instruct, converted once by `phalanx.pretrained`;
+- a Hugging Face model directory (``config.json`` + weights);
+- a training checkpoint (``<output_dir>/checkpoints/step_N``, whose ``model/`` is such a directory),
+  or a training ``output_dir``, meaning its latest complete checkpoint.
+
+The reward model is ``AutoModelForSequenceClassification`` with one label on the policy's backbone,
+so any tool that opens HF classifiers opens it. Its padding token is ``<|endoftext|>`` (id 0 for
+SmolLM2), not the chat end-of-turn token: transformers scores the *last non-padding* token of a row,
+and a padding id that also closes every turn would move that position.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+BASE_ALIASES = ("", "smollm2", "base")
+
+
+def base_model_dir() -> Path:
+    """The SmolLM2-135M-Instruct directory (converted through phalanx.pretrained on first use)."""
+    from phalanx.pretrained import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+def resolve_model_dir(path: str | Path | None) -> Path:
+    """A directory with config.json, from any of the forms in the module docstring."""
+    if path is None or str(path) in BASE_ALIASES:
+        return base_model_dir()
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    if (p / "model" / "config.json").is_file():
+        return p / "model"
+    from phalanx.checkpoint import latest_checkpoint
+
+    if p.is_dir() and (ckpt := latest_checkpoint(p)) is not None and (Path(ckpt) / "model" / "config.json").is_file():
+        return Path(ckpt) / "model"
+    raise FileNotFoundError(f"no model at {str(p)!r}: expected a Hugging Face model directory (with config.json), a "
+                            "checkpoint directory (with model/), or a training output_dir with checkpoints; "
+                            "train that stage first or fix the path")
+
+
+def load_tokenizer(path: str | Path | None = None):
+    """The tokenizer of a model directory, with a chat template and a padding token."""
+    from transformers import AutoTokenizer
+
+    from phalanx.data.chat import ensure_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(path)))
+    ensure_chat_template(tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str | Path | None = None, dtype: torch.dtype | None = None):
+    """A causal LM (policy or reference), float32 unless `dtype` says otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype or torch.float32)
+
+
+def reward_pad_token(tokenizer) -> str:
+    """A padding token that never closes a chat turn (see the module docstring)."""
+    for candidate in (tokenizer.unk_token, "<|endoftext|>", tokenizer.pad_token):
+        if candidate and candidate != tokenizer.eos_token and candidate in tokenizer.get_vocab():
+            return candidate
+    return tokenizer.pad_token
+
+
+def init_reward_model(base: str | Path | None = None, dtype: torch.dtype | None = None):
+    """(model, tokenizer): a one-output sequence classifier on `base`'s backbone, score head
+    initialised small (N(0, 1e-3)) so every reward starts near 0."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = resolve_model_dir(base)
+    tokenizer = load_tokenizer(directory)
+    tokenizer.pad_token = reward_pad_token(tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(directory), num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=dtype or torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1e-3)
+    return model, tokenizer
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype | None = None):
+    """(model, tokenizer) of a trained reward model (train_rm's output_dir, a checkpoint or a directory)."""
+    from transformers import AutoModelForSequenceClassification
+
+    directory = resolve_model_dir(path)
+    model = AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=dtype or torch.float32)
+    if model.config.num_labels != 1:
+        raise ValueError(f"{directory} is a classifier with {model.config.num_labels} labels; a reward model has one "
+                         "(train it with python -m apps.chat_rlhf.train_rm)")
+    tokenizer = load_tokenizer(directory)
+    if model.config.pad_token_id is not None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+    return model, tokenizer
+
+
+def train_top_layers(model, layers: int) -> None:
+    """Freeze all but the top `layers` transformer blocks, the final norm and (for a reward model)
+    the score head; 0 leaves everything trainable. On CPU this makes a preference step cheap:
+    no backward through the frozen blocks, no optimizer state for them or the (tied) embeddings."""
+    if layers <= 0:
+        return
+    backbone = model.base_model
+    blocks = getattr(backbone, "layers", None)
+    if blocks is None or not hasattr(backbone, "norm"):
+        raise ValueError(f"train_layers={layers} needs a decoder with .layers and .norm (Llama family); "
+                         f"{type(model).__name__} has neither: set train_layers=0")
+    if layers > len(blocks):
+        raise ValueError(f"train_layers={layers} but the model has {len(blocks)} blocks")
+    model.requires_grad_(False)
+    for block in blocks[len(blocks) - layers:]:
+        block.requires_grad_(True)
+    backbone.norm.requires_grad_(True)
+    if hasattr(model, "score"):
+        model.score.requires_grad_(True)
