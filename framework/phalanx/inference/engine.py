@@ -232,11 +232,14 @@ class LLM:
                           history=(history if history is not None else seq.token_ids) if penalty else None,
                           banned=self.stop_checker.banned_now(seq, extra_tokens))
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None) -> bool:
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None,
+                processed: float | None = None) -> bool:
         seq.token_ids.append(token)
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top or {})
+        if seq.params.processed_logprobs:
+            seq.processed_logprobs.append(processed)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         return self.stop_checker.check(seq)
@@ -275,7 +278,8 @@ class LLM:
             result = self.sampler(logits, [self._row(seq) for seq in sampling])
             for i, seq in enumerate(sampling):
                 touched.append(seq)
-                if self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]):
+                processed = result.processed_logprobs[i] if result.processed_logprobs is not None else None
+                if self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], processed):
                     self._retire(seq)
         return touched
 
@@ -292,6 +296,7 @@ class LLM:
             token_ids=list(seq.output_token_ids), text=seq.text, finished=seq.is_finished,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if want else None, top_logprobs=list(seq.top_logprobs) if want else None,
+            processed_logprobs=list(seq.processed_logprobs) if seq.params.processed_logprobs else None,
             num_cached_tokens=seq.num_cached_prompt_tokens, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time)
 

@@ -12,6 +12,8 @@ class RequestOutput:
     `transformers.generate`); text is their decoding, cut before a matched stop string.
     logprobs[i] is the raw-model log-probability of token_ids[i] and top_logprobs[i] maps the most
     likely token ids to theirs (only when the request asked for log-probs).
+    processed_logprobs[i] is the log-probability of token_ids[i] under the distribution it was drawn
+    from (after penalties, temperature, top-k/top-p; only with `processed_logprobs=True`).
     """
 
     request_id: str
@@ -24,6 +26,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    processed_logprobs: list[float | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None

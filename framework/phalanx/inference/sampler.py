@@ -30,6 +30,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
+    processed_logprobs: list[float | None] | None = None  # per row, for rows that asked for them
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
@@ -130,18 +131,23 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
         needs_penalty = any(r.params.repetition_penalty != 1.0 or r.banned for r in rows)
-        if not needs_penalty and all(r.params.greedy and r.params.logprobs is None for r in rows):
+        wants_processed = any(r.params.processed_logprobs for r in rows)
+        if not needs_penalty and not wants_processed and all(r.params.greedy and r.params.logprobs is None
+                                                             for r in rows):
             # max(dim) returns the first maximal index like argmax, and measured ~3x faster on CPU
             tokens = logits.float().max(dim=-1).indices.tolist()
             return SampleOutput(tokens, [None] * len(rows), [None] * len(rows))
         raw = logits.float()
         work = apply_penalties(raw.clone(), rows) if needs_penalty else raw
         tokens = work.max(dim=-1).indices
+        processed: list[float | None] = [0.0 if r.params.processed_logprobs else None for r in rows]
         if not all(r.params.greedy for r in rows):
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             idx = torch.tensor(sampled, device=logits.device)
             probs = sampling_logits(work[idx], [rows[i] for i in sampled]).softmax(dim=-1)
             for j, i in enumerate(sampled):
                 tokens[i] = draw(probs[j], rows[i].generator)
+                if rows[i].params.processed_logprobs:
+                    processed[i] = float(torch.log(probs[j, tokens[i]]))
         chosen, tops = raw_logprobs(raw, tokens, rows)
-        return SampleOutput(tokens.tolist(), chosen, tops)
+        return SampleOutput(tokens.tolist(), chosen, tops, processed if wants_processed else None)

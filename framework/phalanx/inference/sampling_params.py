@@ -16,6 +16,8 @@ class SamplingParams:
     logprobs: None for none; 0 for the log-probability of each chosen token; N > 0 also returns the
     N most likely tokens per step. Log-probs are of the model's raw distribution (before
     temperature, top-k/top-p and penalties), which is what RLHF's importance ratios compare against.
+    processed_logprobs: also return the log-probability of each chosen token under the distribution
+    it was actually drawn from (after penalties, temperature, top-k and top-p; 0.0 for greedy).
     seed: a per-request generator, so the same request samples the same tokens in any batch.
     """
 
@@ -29,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_new_tokens: int = 0
     logprobs: int | None = None
+    processed_logprobs: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
 

@@ -45,6 +45,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.processed_logprobs: list[float | None] = []
         self.text = ""  # detokenized output, cut at a stop string when one matched
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

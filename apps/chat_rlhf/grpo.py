@@ -1,0 +1,489 @@
+"""GRPO and its family in one trainer, with rollouts on our own engine.
+
+    python -m apps.chat_rlhf.grpo --config apps/chat_rlhf/configs/grpo_arithmetic.yaml train.max_steps=20
+    phalanx run -n 2 -m apps.chat_rlhf.grpo --config ... train.plugin=fsdp
+
+One optimizer step (inside `phalanx.train.fit`, which brings the layout, checkpoints, resume and
+logging): each rank takes its micro-batch of prompts, samples `n` completions per prompt on its
+colocated engine, scores them, turns rewards into advantages, recomputes the sampled tokens'
+log-probs with the trainer (the stale-weight guard compares them with the engine's), and takes
+the clipped policy-gradient loss against the engine's log-probs; after the step `RLHook` copies
+the new weights into the engine. The variants are options of `grpo:` (see `GRPOSettings`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.observe import MetricsWriter, get_logger
+from phalanx.train import TrainConfig, fit
+
+from . import rl_losses as L
+from .rewards import RewardSet
+from .rollout import LogProbGap, Rollout, RolloutEngine, completion_batch, completion_logprobs, padded
+
+ROLLOUT_METRICS = "rollouts.jsonl"
+
+
+# -- configuration ---------------------------------------------------------------------------------
+@dataclass
+class DataSettings:
+    source: str = "arithmetic"   # "arithmetic" (the generated task of tasks.py) or prompt records (.jsonl/.parquet/dir)
+    heldout: str = ""            # held-out prompt records; "" with arithmetic: generated, disjoint from training
+    num_train: int = 400         # arithmetic: training problems; files: at most this many records (0: all)
+    num_heldout: int = 200       # held-out problems scored by eval
+    max_operand: int = 20        # arithmetic: operands in 1..max_operand
+    seed: int = 0                # arithmetic: generator seed
+    kind: str = "prompt"         # files: "prompt" records, or "preference" pairs whose prompts are used (e.g. hh-rlhf)
+
+
+@dataclass
+class EngineSettings:
+    max_model_len: int = 512          # prompt + completion tokens per sequence
+    max_num_seqs: int = 64            # sequences decoded together
+    block_size: int = 16              # KV-cache block (prompt blocks are shared by the n samples)
+    kv_cache_memory_gib: float = 0.5  # KV-cache budget per rank on CPU
+
+
+@dataclass
+class GRPOSettings:
+    num_generations: int = 8          # n samples per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0          # sampling only; importance ratios use the raw distribution
+    top_p: float = 1.0
+    top_k: int = 0
+    baseline: str = "grpo"            # grpo (group mean) | rloo (leave-one-out) | reinforce_pp (batch mean)
+    scale: str = "group"              # group std (GRPO) | batch std | none (Dr. GRPO)
+    aggregation: str = "token"        # token: mean over all tokens (DAPO) | sequence: mean of sequence means
+    clip_low: float = 0.2             # ratio lower bound 1 - clip_low
+    clip_high: float = 0.28           # ratio upper bound 1 + clip_high (clip-higher, DAPO; 0.2 = symmetric)
+    dynamic_sampling: bool = False    # drop groups whose rewards are all equal (no signal) from the loss
+    overlong_penalty: float = 0.0     # subtracted (at most) from completions near/at max_new_tokens
+    overlong_buffer: int = 0          # soft zone: penalty grows over the last N tokens (0: truncated ones only)
+    kl_coef: float = 0.0              # k3 KL to the frozen initial policy (0: no reference model is built)
+    kl_target: float | None = None    # adaptive KL controller target (None: fixed kl_coef)
+    kl_horizon: int = 10000
+    rewards: list[str] = field(default_factory=lambda: ["numeric"])  # built-ins, rm:<dir>, module:function
+    reward_weights: list[float] = field(default_factory=list)
+    max_logprob_gap: float = 0.5      # stale-weight guard: stop when mean |engine - trainer| log-prob exceeds it ...
+    gap_jump: float = 20.0            # ... or jumps to this many times its running median
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"grpo config '{key}'={getattr(self, key)!r}: {why}")
+        need(self.num_generations >= 1, "num_generations", "must be at least 1")
+        need(self.baseline in ("grpo", "rloo", "reinforce_pp"), "baseline", "choose grpo, rloo or reinforce_pp")
+        need(self.baseline != "rloo" or self.num_generations >= 2, "baseline", "rloo needs num_generations >= 2")
+        need(self.scale in ("group", "batch", "none"), "scale", "choose group, batch or none")
+        need(self.aggregation in ("token", "sequence"), "aggregation", "choose token or sequence")
+        need(self.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+        need(self.temperature > 0, "temperature", "must be > 0 (sampling; greedy rollouts have no spread)")
+        need(0 <= self.clip_low < 1, "clip_low", "must be in [0, 1)")
+        need(self.clip_high >= 0, "clip_high", "must be >= 0")
+        need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        need(self.overlong_buffer < self.max_new_tokens, "overlong_buffer", "must be below max_new_tokens")
+        need(self.max_logprob_gap > 0, "max_logprob_gap", "must be positive")
+
+
+@dataclass
+class GRPOConfig:
+    model: str = ""                   # policy: "" (SmolLM2-135M-Instruct), an HF directory or a checkpoint
+    data: DataSettings = field(default_factory=DataSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/chat_rlhf/grpo", lr=1e-6,
+                                                                    micro_batch_size=4, precision="auto"))
+
+
+def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GRPOConfig:
+    cfg = load_config(GRPOConfig, path, overrides)
+    cfg.grpo.validate()
+    cfg.train.validate()
+    return cfg
+
+
+# -- data ------------------------------------------------------------------------------------------
+def load_prompt_sets(data: DataSettings) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) prompt records {"prompt": messages, "ground_truth": str | None}."""
+    if data.source == "arithmetic":
+        from .tasks import train_and_heldout
+        return train_and_heldout(data.num_train, data.num_heldout, data.seed, data.max_operand)
+    from .data import load_records
+
+    def read(source: str, limit: int) -> list[dict]:
+        if data.kind == "preference":
+            return [{"prompt": r["prompt"], "ground_truth": None}
+                    for r in load_records(source, "preference", max_records=limit)]
+        if data.kind != "prompt":
+            raise ConfigError(f"data.kind={data.kind!r}: choose prompt or preference")
+        return load_records(source, "prompt", max_records=limit)
+
+    if data.heldout:
+        return read(data.source, data.num_train), read(data.heldout, data.num_heldout)
+    if data.kind == "preference" and data.num_heldout:  # one file: the last num_heldout prompts are held out
+        records = read(data.source, data.num_train + data.num_heldout if data.num_train else 0)
+        return records[:-data.num_heldout], records[-data.num_heldout:]
+    return read(data.source, data.num_train), []
+
+
+def encode_prompts(tokenizer, records: Sequence[dict]) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for r in records]
+
+
+class PromptIndices(torch.utils.data.Dataset):
+    """What fit's sampler shuffles and shards: prompt indices (the rollout happens in the loss)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"index": torch.tensor(i)}
+
+
+def sample_seed(seed: int, step: int, index: int, sample: int) -> int:
+    """A rollout's sampling seed from where it is in the run, so a resumed run replays it exactly."""
+    digest = hashlib.sha256(f"{seed}/{step}/{index}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+# -- the step --------------------------------------------------------------------------------------
+class StepStats:
+    """Per-step sums on this rank, reduced over ranks once per step (in RLHook.after_step)."""
+
+    KEYS = ("samples", "reward_sum", "reward_sq_sum", "groups", "zero_spread_groups", "completion_tokens",
+            "truncated", "entropy_sum", "kl_sum", "tokens", "clipped_low", "clipped_high", "gap_sum",
+            "generate_s", "score_s")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.values = dict.fromkeys(self.KEYS, 0.0)
+        self.started: float | None = None
+
+    def add(self, **values: float) -> None:
+        for k, v in values.items():
+            self.values[k] += float(v)
+
+
+def global_sum(values: Sequence[float]) -> list[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """All ranks' [P, n] rewards stacked (equal P on every rank: fit's sampler drops the remainder),
+    and where this rank's rows start; batch-level baselines and scales need the global batch."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return rewards, 0
+    parts = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, rewards.contiguous())
+    return torch.cat(parts), dist.get_rank() * rewards.shape[0]
+
+
+def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_new: int, penalty: float, buffer: int
+                     ) -> torch.Tensor:
+    """DAPO's overlong penalty (<= 0): linear over the last `buffer` tokens, full when truncated."""
+    if penalty == 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    if buffer == 0:
+        return -penalty * truncated.float()
+    over = (lengths.float() - (max_new - buffer)).clamp(min=0) / buffer
+    return -penalty * torch.where(truncated, torch.ones_like(over), over.clamp(max=1.0))
+
+
+class GRPOLoss:
+    """fit's loss_fn: rollout, score, advantages, guard, clipped policy loss (+ optional k3 KL)."""
+
+    def __init__(self, settings: GRPOSettings, records: Sequence[dict], prompt_ids: Sequence[list[int]],
+                 rewards: RewardSet, rollout_fn: Callable[[list[int], int], Rollout], pad_id: int, *,
+                 reference: torch.nn.Module | None = None, seed: int = 0) -> None:
+        self.s, self.records, self.prompt_ids = settings, records, prompt_ids
+        self.rewards, self.rollout_fn, self.pad_id = rewards, rollout_fn, pad_id
+        self.reference, self.seed = reference, seed
+        self.kl = L.AdaptiveKLController(settings.kl_coef, settings.kl_target, settings.kl_horizon)
+        self.guard = LogProbGap(settings.max_logprob_gap, settings.gap_jump)
+        self.stats = StepStats()
+        self.step = 0  # the last completed optimizer step (RLHook keeps it)
+
+    def __call__(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        s, st = self.s, self.stats
+        if st.started is None:
+            st.started = time.perf_counter()
+        indices = batch["index"].tolist()
+        step = self.step + 1
+        with torch.no_grad():
+            rollout = self.rollout_fn(indices, step)
+        n = rollout.n
+        t0 = time.perf_counter()
+        prompts = [self.records[i]["prompt"] for i in indices for _ in range(n)]
+        truths = [self.records[i].get("ground_truth") for i in indices for _ in range(n)]
+        scores, _ = self.rewards(prompts, rollout.texts, truths)
+        lengths = torch.tensor([len(c) for c in rollout.completion_ids])
+        truncated = torch.tensor(rollout.truncated)
+        scores = scores + overlong_shaping(lengths, truncated, s.max_new_tokens, s.overlong_penalty, s.overlong_buffer)
+        grouped = scores.view(len(indices), n)
+        everyone, start = gather_rewards(grouped)
+        adv = L.group_advantages(everyone, baseline=s.baseline, scale=s.scale)[start:start + len(indices)].reshape(-1)
+        zero = L.zero_spread_groups(grouped)
+        keep_seq = (~zero).repeat_interleave(n) if s.dynamic_sampling else torch.ones(len(scores), dtype=torch.bool)
+        score_s = time.perf_counter() - t0
+
+        tb = completion_batch(rollout.prompt_ids, rollout.completion_ids, self.pad_id)
+        mask = tb["completion_mask"] * keep_seq.unsqueeze(1)
+        dev = next(model.parameters()).device
+        tb = {k: v.to(dev) for k, v in tb.items()}
+        mask = mask.to(dev)
+        logp, entropy = completion_logprobs(model, tb, with_entropy=True)
+        engine_lp = padded(rollout.engine_logprobs, logp.shape[1]).to(dev)
+        raw_mask = tb["completion_mask"].float()
+        local_gap = float(((logp.detach() - engine_lp).abs() * raw_mask).sum())
+        tokens, kept_tokens, kept_seqs, gap_sum = global_sum([raw_mask.sum().item(), mask.sum().item(),
+                                                              float(keep_seq.sum()), local_gap])
+        self.guard.check(gap_sum / max(tokens, 1.0), step)
+
+        loss, clip = L.policy_loss(logp, engine_lp, adv.to(dev).float(), mask, clip_low=s.clip_low,
+                                   clip_high=s.clip_high, aggregation=s.aggregation,
+                                   token_total=max(kept_tokens, 1.0), seq_total=max(kept_seqs, 1.0))
+        kl_sum = 0.0
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_lp, _ = completion_logprobs(self.reference, tb)
+            kl = L.k3_kl(logp, ref_lp)
+            loss = loss + self.kl.value * L.aggregate(kl, mask, s.aggregation, token_total=max(kept_tokens, 1.0),
+                                                       seq_total=max(kept_seqs, 1.0))
+            kl_sum = float((kl.detach() * raw_mask).sum())
+        # fit averages gradients over data-parallel ranks; the totals above are global, so scale back up.
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        st.add(samples=len(scores), reward_sum=float(scores.sum()), reward_sq_sum=float((scores ** 2).sum()),
+               groups=len(indices), zero_spread_groups=float(zero.sum()), completion_tokens=float(lengths.sum()),
+               truncated=float(truncated.sum()), entropy_sum=float(entropy.sum()), kl_sum=kl_sum,
+               tokens=float(raw_mask.sum()), clipped_low=float(clip["clipped_low"]),
+               clipped_high=float(clip["clipped_high"]), gap_sum=local_gap,
+               generate_s=rollout.generate_s, score_s=score_s)
+        return loss * world
+
+
+class RLHook:
+    """fit hook: weight sync into the engine after every step, the step's metrics (JSONL + log
+    line), and the RL state (step, KL controller, guard) inside every checkpoint."""
+
+    name = "rl_state"
+
+    def __init__(self, loss: GRPOLoss, engine: RolloutEngine | None, output_dir: str | Path) -> None:
+        self.loss, self.engine, self.output_dir = loss, engine, Path(output_dir)
+        self.model = None
+        self.writer: MetricsWriter | None = None
+        self.log = get_logger("apps.chat_rlhf")
+        self.history: list[dict] = []
+
+    def bind(self, model) -> None:
+        self.model = model
+        if self.engine is not None:
+            self.engine.sync(model)
+
+    def _writer(self) -> MetricsWriter:
+        if self.writer is None:
+            main = not dist.is_initialized() or dist.get_rank() == 0
+            self.writer = MetricsWriter(self.output_dir / ROLLOUT_METRICS, enabled=main,
+                                        resume_step=self.loss.step if self.loss.step else None)
+        return self.writer
+
+    def after_step(self, step: int) -> None:
+        st = self.loss.stats
+        elapsed = time.perf_counter() - (st.started or time.perf_counter())
+        train_s = elapsed - st.values["generate_s"] - st.values["score_s"]
+        sync_s = self.engine.sync(self.model) if self.engine is not None else 0.0
+        v = dict(zip(StepStats.KEYS, global_sum([st.values[k] for k in StepStats.KEYS])))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        samples, tokens = max(v["samples"], 1.0), max(v["tokens"], 1.0)
+        mean = v["reward_sum"] / samples
+        record = {
+            "step": step, "reward_mean": mean, "reward_std": max(v["reward_sq_sum"] / samples - mean ** 2, 0.0) ** 0.5,
+            "zero_spread_frac": v["zero_spread_groups"] / max(v["groups"], 1.0),
+            "completion_len": v["completion_tokens"] / samples, "clipped_len_frac": v["truncated"] / samples,
+            "entropy": v["entropy_sum"] / tokens, "kl": v["kl_sum"] / tokens, "kl_coef": self.loss.kl.value,
+            "clip_frac_low": v["clipped_low"] / tokens, "clip_frac_high": v["clipped_high"] / tokens,
+            "logprob_gap": v["gap_sum"] / tokens,
+            "rollout_tokens_per_s": v["completion_tokens"] / max(v["generate_s"], 1e-9),
+            "time_generate_s": v["generate_s"] / world, "time_score_s": v["score_s"] / world,
+            "time_train_s": train_s, "time_sync_s": sync_s,
+        }
+        self.loss.kl.update(record["kl"], 1)
+        self.loss.step = step
+        st.reset()
+        self.history.append(record)
+        self._writer().log(record)
+        self.log.info(f"step {step} | reward {mean:.3f} | zero-spread {record['zero_spread_frac']:.2f} | len "
+                      f"{record['completion_len']:.1f} | gap {record['logprob_gap']:.2e} | "
+                      f"gen {record['time_generate_s']:.1f}s "
+                      f"train {train_s:.1f}s sync {sync_s:.2f}s")
+
+    def save(self, directory: Path) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            state = {"step": self.loss.step, "kl": self.loss.kl.state_dict(), "guard": self.loss.guard.state_dict()}
+            (directory / "state.json").write_text(json.dumps(state))
+
+    def load(self, directory: Path) -> None:
+        state = json.loads((directory / "state.json").read_text())
+        self.loss.step = int(state["step"])
+        self.loss.kl.load_state_dict(state["kl"])
+        self.loss.guard.load_state_dict(state["guard"])
+        if self.engine is not None:
+            self.engine.sync(self.model)  # the checkpoint's weights, not the initial ones
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# -- evaluation ------------------------------------------------------------------------------------
+def heldout_eval(engine: RolloutEngine, records: Sequence[dict], prompt_ids: Sequence[list[int]], rewards: RewardSet
+                 ) -> Callable[[Any, int], dict]:
+    """eval_fn: greedy answers from the engine (which holds the latest weights), scored by the rewards;
+    each rank scores its share, counts are summed."""
+    def run(model=None, step: int = 0) -> dict:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = list(range(rank, len(records), world))
+        correct = total = 0.0
+        if mine:
+            out = engine.generate([prompt_ids[i] for i in mine], 1, greedy=True)
+            scores, _ = rewards([records[i]["prompt"] for i in mine], out.texts,
+                                [records[i].get("ground_truth") for i in mine])
+            correct, total = float(scores.sum()), float(len(mine))
+        correct, total = global_sum([correct, total])
+        return {"heldout_reward": correct / max(total, 1.0), "heldout_n": total}
+    return run
+
+
+def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 0.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def plot_rl_curves(output_dir: str | Path, keys: Sequence[str] = ("reward_mean", "kl", "logprob_gap")) -> Path | None:
+    """loss (from fit's metrics.jsonl) and the rollout metrics against step, one panel each."""
+    from phalanx.observe import read_metrics
+    output_dir = Path(output_dir)
+    rl = read_metrics(output_dir / ROLLOUT_METRICS) if (output_dir / ROLLOUT_METRICS).exists() else []
+    fit_m = read_metrics(output_dir / "metrics.jsonl") if (output_dir / "metrics.jsonl").exists() else []
+    series = {"loss": [(r["step"], r["loss"]) for r in fit_m if isinstance(r.get("loss"), (int, float))]}
+    for key in keys:
+        series[key] = [(r["step"], r[key]) for r in rl if isinstance(r.get(key), (int, float))]
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), dpi=110)
+    for ax, (key, pts) in zip(axes if len(series) > 1 else [axes], series.items()):
+        ax.plot(*zip(*pts), linewidth=1.2)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = output_dir / "rl_curves.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# -- wiring ----------------------------------------------------------------------------------------
+@dataclass
+class GRPORun:
+    """Everything a GRPO run is made of, built before training (so every input error comes first)."""
+
+    cfg: GRPOConfig
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: RolloutEngine
+    loss: GRPOLoss
+    hook: RLHook
+    train_records: list[dict]
+    heldout_records: list[dict]
+    heldout_ids: list[list[int]]
+    rewards: RewardSet
+
+    def evaluate(self) -> dict:
+        return heldout_eval(self.engine, self.heldout_records, self.heldout_ids, self.rewards)()
+
+    def train(self):
+        eval_fn = heldout_eval(self.engine, self.heldout_records, self.heldout_ids, self.rewards) \
+            if self.heldout_records else None
+        try:
+            return fit(self.cfg.train, self.model, PromptIndices(len(self.train_records)), loss_fn=self.loss,
+                       eval_fn=eval_fn, tokenizer=self.tokenizer, hooks=[self.hook])
+        finally:
+            self.hook.close()
+
+
+def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
+    from .models import load_policy, load_tokenizer
+    from phalanx.launch import context
+    context()
+    if cfg.train.plugin == "hybrid":
+        raise ConfigError("train.plugin=hybrid: online RL here trains with data-parallel layouts (ddp, zero1, zero2, "
+                          "fsdp, gemini); tensor/pipeline-parallel training of the policy is not wired yet")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+    model = model if model is not None else load_policy(cfg.model)
+    s, e = cfg.grpo, cfg.engine
+    rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
+    train_records, heldout_records = load_prompt_sets(cfg.data)
+    if not train_records:
+        raise ValueError(f"no training prompts in {cfg.data.source!r}")
+    train_ids, heldout_ids = encode_prompts(tokenizer, train_records), encode_prompts(tokenizer, heldout_records)
+    engine = RolloutEngine.build(model, tokenizer, max_new_tokens=s.max_new_tokens, max_model_len=e.max_model_len,
+                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=cfg.train.seed,
+                                 max_num_seqs=e.max_num_seqs, block_size=e.block_size,
+                                 kv_cache_memory_gib=e.kv_cache_memory_gib)
+    engine.check_prompts(train_ids, "training prompt")
+    engine.check_prompts(heldout_ids, "held-out prompt")
+    reference = None
+    if s.kl_coef > 0:
+        import copy
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def rollout_fn(indices: list[int], step: int) -> Rollout:
+        seeds = [sample_seed(cfg.train.seed, step, i, j) for i in indices for j in range(s.num_generations)]
+        return engine.generate([train_ids[i] for i in indices], s.num_generations, seeds=seeds)
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    loss = GRPOLoss(s, train_records, train_ids, rewards, rollout_fn, pad, reference=reference, seed=cfg.train.seed)
+    hook = RLHook(loss, engine, cfg.train.output_dir)
+    return GRPORun(cfg, model, tokenizer, engine, loss, hook, train_records, heldout_records, heldout_ids, rewards)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, _ = parse_config_args("GRPO-family training with rollouts on the Phalanx engine", load_grpo_config, argv,
+                               example="apps/chat_rlhf/configs/grpo_arithmetic.yaml")
+    run = build_run(cfg)
+    result = run.train()
+    png = plot_rl_curves(cfg.train.output_dir) if (not dist.is_initialized() or dist.get_rank() == 0) else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"done: step {result.final_step}, held-out {result.last_eval}, curves {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The arithmetic of online RL, as plain tensor functions (no models, no engines).
+
+Shapes: per-token tensors are [B, T] with a 0/1 `mask` over completion tokens; rewards of the
+GRPO family are [P, n] (P prompts, n samples each). Every function here has a hand-computed test.
+
+- `group_advantages`: GRPO (group mean baseline), RLOO (leave-one-out baseline), REINFORCE++
+  (batch mean baseline), each scaled by the group std, the batch std, or not at all (Dr. GRPO).
+- `policy_loss`: the clipped importance-weighted objective with asymmetric bounds (clip-higher,
+  DAPO), aggregated per token over the batch (DAPO) or per sequence (GRPO paper).
+- `k3_kl`: Schulman's unbiased, always-positive KL estimator, exp(r) - r - 1 with r = ref - logp.
+- `gae`, `value_loss`, `whiten`, `AdaptiveKLController`: PPO's pieces (InstructGPT).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+Scale = Literal["group", "batch", "none"]
+Baseline = Literal["grpo", "rloo", "reinforce_pp"]
+Aggregation = Literal["token", "sequence"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, *, shift_mean: bool = True, eps: float = 1e-8
+           ) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance, as in InstructGPT/TRL)."""
+    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return out if shift_mean else out + mean
+
+
+def group_advantages(rewards: torch.Tensor, *, baseline: Baseline = "grpo", scale: Scale = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """Sequence-level advantages [P, n] from rewards [P, n].
+
+    baseline grpo: r - mean of the group; rloo: r - mean of the *other* n-1 samples (unbiased);
+    reinforce_pp: r - mean of the whole batch. scale group: divide by the group's std (GRPO);
+    batch: by the batch's std (REINFORCE++ and Lite-PPO); none: no division (Dr. GRPO, which
+    removes the question-difficulty bias). Stds are unbiased; eps keeps zero-spread groups finite.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, samples], got shape {tuple(rewards.shape)}")
+    r = rewards.double()
+    n = r.shape[1]
+    if baseline == "grpo":
+        adv = r - r.mean(dim=1, keepdim=True)
+    elif baseline == "rloo":
+        if n < 2:
+            raise ValueError("the RLOO baseline needs at least 2 samples per prompt (n >= 2)")
+        adv = (r - r.mean(dim=1, keepdim=True)) * n / (n - 1)  # r - (sum - r) / (n - 1)
+    elif baseline == "reinforce_pp":
+        adv = r - r.mean()
+    else:
+        raise ValueError(f"baseline={baseline!r}: choose grpo, rloo or reinforce_pp")
+    if scale == "group":
+        std = r.std(dim=1, keepdim=True) if n > 1 else torch.zeros_like(r[:, :1])
+        adv = adv / (std + eps)
+    elif scale == "batch":
+        adv = adv / (r.std() + eps) if r.numel() > 1 else adv
+    elif scale != "none":
+        raise ValueError(f"scale={scale!r}: choose group, batch or none")
+    return adv.to(rewards.dtype)
+
+
+def zero_spread_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """[P] bool: groups whose samples all got the same reward (no learning signal under GRPO)."""
+    return (rewards.max(dim=1).values - rewards.min(dim=1).values) == 0
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased under pi)."""
+    r = ref_logp - logp
+    return torch.exp(r) - r - 1
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation, *, token_total: float | None = None,
+              seq_total: float | None = None) -> torch.Tensor:
+    """Reduce [B, T] to a scalar: token = sum over all tokens / number of tokens (DAPO: long answers
+    weigh by length); sequence = mean over sequences of each sequence's token mean (GRPO paper).
+    `token_total` / `seq_total` replace the local counts with global ones (data-parallel ranks)."""
+    mask = mask.to(per_token.dtype)
+    if how == "token":
+        return (per_token * mask).sum() / (token_total if token_total is not None else mask.sum().clamp(min=1))
+    if how == "sequence":
+        per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_seq.sum() / (seq_total if seq_total is not None else max(per_token.shape[0], 1))
+    raise ValueError(f"aggregation={how!r}: choose token or sequence")
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, aggregation: Aggregation = "token",
+                token_total: float | None = None, seq_total: float | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) per token.
+
+    advantages: [B] (one per sequence) or [B, T]. Returns (loss, stats) where stats hold the
+    per-token masked *sums* clipped_low / clipped_high (ratio cut at the lower / upper bound and the
+    bound active) and the token count, so callers can reduce them over ranks."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logp - old_logp)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    loss = aggregate(per_token, mask, aggregation, token_total=token_total, seq_total=seq_total)
+    m = mask.to(logp.dtype)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - clip_low) & (advantages < 0)).to(m.dtype)
+        high = ((ratio > 1.0 + clip_high) & (advantages > 0)).to(m.dtype)
+        stats = {"clipped_low": (low * m).sum(), "clipped_high": (high * m).sum(), "tokens": m.sum()}
+    return loss, stats
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0, lam: float = 0.95
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each completion: (advantages, returns), both [B, T].
+
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}; V beyond a sequence's
+    last completion token is 0 (the episode ends there). Masked positions get 0."""
+    mask = mask.to(values.dtype)
+    values = values * mask
+    B, T = rewards.shape
+    adv = torch.zeros_like(values)
+    last = torch.zeros(B, dtype=values.dtype, device=values.device)
+    for t in reversed(range(T)):
+        next_v = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        last = (delta + gamma * lam * last) * mask[:, t]
+        adv[:, t] = last
+    return adv, (adv + values) * mask
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+               clip: float | None = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), token mean; returns (loss, clip fraction)."""
+    err = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * masked_mean(err, mask), torch.zeros(())
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err_clipped = (clipped - returns) ** 2
+    return 0.5 * masked_mean(torch.maximum(err, err_clipped), mask), masked_mean((err_clipped > err).float(), mask)
+
+
+class AdaptiveKLController:
+    """InstructGPT's proportional controller: coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon.
+    With target None the coefficient stays fixed."""
+
+    def __init__(self, init_coef: float, target: float | None = 6.0, horizon: int = 10000) -> None:
+        if init_coef < 0:
+            raise ValueError(f"the KL coefficient must be >= 0, got {init_coef}")
+        if horizon < 1:
+            raise ValueError(f"the KL horizon must be >= 1, got {horizon}")
+        self.value, self.target, self.horizon = float(init_coef), target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        if self.target is not None and math.isfinite(current_kl):
+            error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.target, self.horizon = float(state["value"]), state["target"], int(state["horizon"])

@@ -1,0 +1,154 @@
+"""One GRPO step, Phalanx (rollouts on its own engine, in-memory weight sync) against TRL's
+`GRPOTrainer` (Hugging Face `generate`), same model, prompts, n and lengths, in the same run.
+
+    python bench/rlhf.py                                   # SmolLM2-135M-Instruct, 4 prompts x 8 samples, 32 tokens
+    python bench/rlhf.py --prompts 2 --n 4 --max-new-tokens 16 --steps 3
+
+Prints step time and its split (generate / score / train / weight sync), rollout tokens/s, the
+ratio of step throughputs, and one JSON line. The first step of each (warm-up) is not counted.
+TRL is a dev-only dependency. Both train in fp32 with the same learning rate, no KL (beta 0), one
+policy update per rollout, temperature 1, sampling to the full length (EOS ignored on neither:
+lengths may differ, so throughput is compared per completion token as well as per step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(key, "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def reward_len(completions, **_):
+    """Any cheap reward with spread; both sides score the same text with it."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(len(t) % 7) for t in texts]
+
+
+def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
+    from apps.chat_rlhf.grpo import build_run, load_grpo_config
+    overrides = [f"model={model_dir}", f"grpo.num_generations={args.n}", f"grpo.max_new_tokens={args.max_new_tokens}",
+                 "grpo.rewards=[rlhf:reward_len]", "grpo.clip_high=0.2", "data.num_heldout=0",
+                 f"data.num_train={len(records)}", f"train.micro_batch_size={args.prompts}",
+                 f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.resume=false", "train.lr=1e-6",
+                 "train.progress_bar=false", "train.plot=false", "train.save_every=0", "train.keep_last=1",
+                 "engine.max_model_len=256", "train.precision=fp32"]
+    cfg = load_grpo_config(None, overrides)
+    run = build_run(cfg)
+    run.train_records[:] = records  # the bench's prompts, not the generated task's
+    from apps.chat_rlhf.grpo import encode_prompts
+    run.loss.prompt_ids[:] = encode_prompts(run.tokenizer, records)
+    t0 = time.perf_counter()
+    run.train()
+    total = time.perf_counter() - t0
+    hist = run.hook.history[1:] or run.hook.history
+    step = [r["time_generate_s"] + r["time_score_s"] + r["time_train_s"] + r["time_sync_s"] for r in hist]
+    return {"step_s": statistics.median(step), "generate_s": statistics.median(r["time_generate_s"] for r in hist),
+            "score_s": statistics.median(r["time_score_s"] for r in hist),
+            "train_s": statistics.median(r["time_train_s"] for r in hist),
+            "sync_s": statistics.median(r["time_sync_s"] for r in hist),
+            "completion_tokens": statistics.median(r["completion_len"] for r in hist) * args.prompts * args.n,
+            "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in hist), "total_s": total}
+
+
+def run_trl(model_dir: str, records: list[dict], args, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen_times: list[float] = []
+    original = model.generate
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        result = original(*a, **k)
+        gen_times.append(time.perf_counter() - t)
+        return result
+
+    model.generate = timed_generate
+    step_times: list[float] = []
+    lengths: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step_times.append(time.perf_counter() - self.t)
+
+        def on_log(self, _a, _s, _c, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    cfg = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.prompts * args.n,
+                     num_generations=args.n, max_completion_length=args.max_new_tokens, max_steps=args.steps,
+                     learning_rate=1e-6, beta=0.0, temperature=1.0, top_p=1.0, use_cpu=True, bf16=False,
+                     report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
+                     dataloader_num_workers=0)
+    dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in records])
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_len], args=cfg, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timer()])
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    steps, gens = step_times[1:] or step_times, gen_times[1:] or gen_times
+    mean_len = statistics.median(lengths[1:] or lengths) if lengths else float("nan")
+    gen = statistics.median(gens)
+    return {"step_s": statistics.median(steps), "generate_s": gen, "train_s": statistics.median(steps) - gen,
+            "completion_tokens": mean_len * args.prompts * args.n,
+            "rollout_tokens_per_s": mean_len * args.prompts * args.n / gen, "total_s": total}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is warm-up")
+    parser.add_argument("--skip-trl", action="store_true")
+    args = parser.parse_args(argv)
+    sys.modules.setdefault("rlhf", sys.modules[__name__])
+
+    import torch
+    from apps.chat_rlhf.models import resolve_model_dir
+    from apps.chat_rlhf.tasks import arithmetic_records
+    model_dir = str(resolve_model_dir(args.model or None))
+    records = arithmetic_records(args.prompts * args.steps, seed=7)
+    load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
+    print(f"model {model_dir}; {args.prompts} prompts x {args.n} samples, {args.max_new_tokens} new tokens, "
+          f"{args.steps} steps; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, loadavg {' '.join(load)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = run_phalanx(model_dir, records, args, Path(tmp) / "phalanx")
+        print("phalanx:", json.dumps({k: round(v, 3) for k, v in ours.items()}), flush=True)
+        theirs = None if args.skip_trl else run_trl(model_dir, records, args, Path(tmp) / "trl")
+        if theirs:
+            print("trl:    ", json.dumps({k: round(v, 3) for k, v in theirs.items()}), flush=True)
+    load_after = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
+    line = {"bench": "rlhf_grpo_step", "phalanx": ours, "trl": theirs, "prompts": args.prompts, "n": args.n,
+            "max_new_tokens": args.max_new_tokens, "loadavg_before": load, "loadavg_after": load_after}
+    if theirs:
+        line["step_speedup"] = theirs["step_s"] / ours["step_s"]
+        line["rollout_speedup"] = ours["rollout_tokens_per_s"] / theirs["rollout_tokens_per_s"]
+        print(f"step throughput: phalanx {1 / ours['step_s']:.3f} steps/s vs TRL {1 / theirs['step_s']:.3f} "
+              f"-> {line['step_speedup']:.2f}x; rollout tokens/s {line['rollout_speedup']:.2f}x; "
+              f"weight sync {ours['sync_s'] * 1000:.0f} ms")
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The demo's task and its command, on a tiny model (the real run is documented in ONLINE.md)."""
+import json
+
+from apps.chat_rlhf.rewards import numeric_first
+from apps.chat_rlhf.tasks import train_and_heldout
+
+
+def test_task_is_seeded_disjoint_and_verifiable():
+    train, heldout = train_and_heldout(300, 200, seed=0)
+    assert (train, heldout) == train_and_heldout(300, 200, seed=0)
+    assert len(heldout) == 200 and len({r["prompt"][0]["content"] for r in heldout}) == 200
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in heldout}
+    q = heldout[0]["prompt"][0]["content"]
+    a, op, b = q.split("?")[0].removeprefix("What is ").split()
+    want = int(a) + int(b) if op == "+" else int(a) - int(b)
+    assert heldout[0]["ground_truth"] == str(want)
+    assert op == "+" or int(a) >= int(b)  # differences are never negative
+    assert numeric_first(completions=[str(want), f"{a} {op} {b} = {want}"], ground_truth=[str(want)] * 2)[0] == 1.0
+
+
+def test_demo_command_runs_and_reports_intervals(tiny_chat_model, tmp_path):
+    from apps.chat_rlhf.demo import main
+    summary = main([f"model={tiny_chat_model}", "train.max_steps=2", "data.num_train=8", "data.num_heldout=6",
+                    "grpo.num_generations=2", "grpo.max_new_tokens=4", "train.micro_batch_size=2",
+                    f"train.output_dir={tmp_path}", "train.progress_bar=false"])
+    saved = json.loads((tmp_path / "demo_result.json").read_text())
+    assert saved["n"] == 6 and saved["steps"] == 2
+    lo, hi = saved["after_ci95"]
+    assert 0.0 <= lo <= saved["after"] <= hi <= 1.0
+    assert (tmp_path / "rl_curves.png").exists() and summary["before"] == saved["before"]
