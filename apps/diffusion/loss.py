@@ -7,7 +7,8 @@ noise for epsilon-prediction, v = sqrt(a_t) noise - sqrt(1-a_t) x0 for v-predict
 Min-SNR (Hang et al. 2023) weighs each sample by min(SNR_t, gamma) / SNR_t (epsilon) or
 min(SNR_t, gamma) / (SNR_t + 1) (v). Caption dropout replaces prompts by the empty prompt here,
 on the training RNG stream, so exact resume covers it. With prior preservation the loss is
-mean(instance losses) + prior_loss_weight x mean(class-image losses), as in DreamBooth.
+mean(instance losses) + prior_loss_weight x mean(class-image losses), as in DreamBooth. The formulas
+come from `phalanx.diffusion` (shared with apps/video_gen).
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import contextlib
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from phalanx.diffusion import (add_noise, drop_captions, epsilon_or_v_target, min_snr_weights, per_sample_mse, snr,
+                               uniform_discrete_timesteps)
 
 from .config import NoiseConfig
 
@@ -50,21 +53,19 @@ class DiffusionTrainModel(nn.Module):
     def forward(self, latents: torch.Tensor, prompt_ids: torch.Tensor, is_prior: torch.Tensor | None = None,
                 timesteps: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
         b = latents.shape[0]
-        if self.training and self.caption_dropout > 0:
-            drop = torch.rand(b, device=latents.device) < self.caption_dropout
-            prompt_ids = torch.where(drop[:, None], self.empty_prompt_ids.expand(b, -1), prompt_ids)
+        if self.training:
+            prompt_ids = drop_captions(prompt_ids, self.empty_prompt_ids, self.caption_dropout)
         if noise is None:
             noise = torch.randn_like(latents)
             if self.ncfg.noise_offset:
                 noise = noise + self.ncfg.noise_offset * torch.randn(b, latents.shape[1], 1, 1, device=latents.device)
         if timesteps is None:
-            timesteps = torch.randint(0, self.num_timesteps, (b,), device=latents.device)
-        a = self.alphas_cumprod[timesteps].view(b, 1, 1, 1)
-        noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
-        target = noise if self.ncfg.prediction_type == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * latents
+            timesteps = uniform_discrete_timesteps(b, self.num_timesteps, device=latents.device)
+        noisy = add_noise(latents, noise, self.alphas_cumprod, timesteps)
+        target = epsilon_or_v_target(self.ncfg.prediction_type, latents, noise, self.alphas_cumprod, timesteps)
         hidden = self.encode_prompts(prompt_ids).to(self.unet.dtype)
         pred = self.unet(noisy.to(self.unet.dtype), timesteps, hidden).sample
-        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        per_sample = per_sample_mse(pred, target)
         if self.ncfg.snr_gamma is not None:
             per_sample = per_sample * self.snr_weights(timesteps)
         if is_prior is None:  # present only with class images, always after the instance rows
@@ -73,10 +74,7 @@ class DiffusionTrainModel(nn.Module):
 
     def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
         """Min-SNR-γ loss weights (`noise.snr_gamma` must be set)."""
-        a = self.alphas_cumprod[timesteps]
-        snr = a / (1 - a)
-        clipped = snr.clamp(max=self.ncfg.snr_gamma)
-        return clipped / snr if self.ncfg.prediction_type == "epsilon" else clipped / (snr + 1)
+        return min_snr_weights(snr(self.alphas_cumprod, timesteps), self.ncfg.snr_gamma, self.ncfg.prediction_type)
 
 
 def diffusion_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from phalanx.diffusion import save_grid
+
 from .components import SCHEDULERS, make_scheduler, open_pipeline
-from .validation import save_grid
 
 
 def sample(pipeline_dir: str | Path, prompts: list[str], out_dir: str | Path, *, lora: str | Path | None = None,

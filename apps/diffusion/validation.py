@@ -12,28 +12,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phalanx.diffusion import save_grid
 from phalanx.observe import is_main_process
 
 from .components import Components, make_pipeline
 from .config import ValidationConfig
-
-
-def image_grid(images: list, captions: list[str] | None = None, columns: int | None = None):
-    """PIL images (equal size) in a grid, each with its caption underneath when given."""
-    from PIL import Image, ImageDraw
-
-    columns = columns or min(len(images), 4)
-    rows = (len(images) + columns - 1) // columns
-    w, h = images[0].size
-    label = 14 if captions else 0
-    grid = Image.new("RGB", (columns * w, rows * (h + label)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, im in enumerate(images):
-        x, y = (i % columns) * w, (i // columns) * (h + label)
-        grid.paste(im, (x, y))
-        if captions:
-            draw.text((x + 2, y + h + 1), captions[i][: w // 6], fill="black")
-    return grid
 
 
 @torch.no_grad()
@@ -89,12 +72,6 @@ def root_unsharded(model: nn.Module):
         yield
     finally:
         model.reshard()
-
-
-def save_grid(images: list, prompts: list[str], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, prompts).save(path)
-    return path
 
 
 def _wandb_image(path: Path, step: int) -> None:

@@ -1,0 +1,161 @@
+"""The video recipe's config: one dataclass per section, filled from YAML + `key=value`.
+
+    python -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml train.max_steps=50
+
+Relative paths are resolved against the repository root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.data.buckets import Bucket, BucketConfigError
+from phalanx.train import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def resolve(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO / p
+
+
+@dataclass
+class DataConfig:
+    # Generated "moving shapes": a coloured shape moving in a named direction; captions from the generator.
+    shapes_videos: int = 512                    # clips
+    shapes_images: int = 128                    # single frames ("a red square"): joint image + video training
+    shapes_frames: int = 8
+    shapes_size: int = 16                       # height = width of the generated frames
+    shapes_seed: int = 0
+    # Real clips: a folder with captions.jsonl ({"file": ..., "text": ...}) and the video files
+    # (decoded with PyAV); each is cut into clips of `clip_frames` frames. null: none.
+    clips_dir: str | None = "apps/video_gen/data/clips"
+    clip_frames: int = 8
+    clip_stride: int = 2                        # keep every n-th frame (motion per frame at low fps)
+    clips_per_video: int = 8
+    clip_height: int = 16                       # real clips are resized to this height (aspect kept)
+    # Buckets [frames, height, width, batch_size]: each sample goes to the nearest by aspect and length.
+    buckets: list[list[int]] = field(default_factory=lambda: [[1, 16, 16, 16], [8, 16, 16, 8], [8, 16, 28, 4]])
+    held_out: float = 0.1                       # share of the moving-shapes clips kept for the evaluation loss
+    caption_dropout: float = 0.1                # empty prompt instead of the caption (classifier-free guidance)
+    max_prompt_tokens: int = 12
+
+
+@dataclass
+class ModelConfig:
+    # A local pipeline directory this recipe exported (transformer/, text_encoder/, tokenizer/, vae/?):
+    # start from its weights. null: build the tiny models below, randomly initialised.
+    init_from: str | None = None
+    patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
+    num_layers: int = 4
+    num_heads: int = 4
+    head_dim: int = 16
+    ffn_dim: int = 256
+    freq_dim: int = 64
+    text_hidden_size: int = 64
+    text_layers: int = 2
+    text_heads: int = 4
+    gradient_checkpointing: bool = False        # recompute each transformer block in backward (memory for time)
+
+
+@dataclass
+class FlowConfig:
+    # Rectified flow: x_t = (1 - t) x0 + t noise, velocity target noise - x0.
+    timesteps: str = "logit_normal"             # logit_normal | uniform
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    # Resolution/length shift sqrt(tokens / shift_base_tokens) (Open-Sora, SD3); 0 turns it off.
+    shift_base_tokens: int = 64
+    max_shift: float = 3.0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0                              # steps between evaluations (0: only at the end)
+    timesteps: int = 10                         # Open-Sora's evaluation loss: this many fixed t per held-out clip
+    max_clips: int = 32                         # held-out clips per bucket scored
+    motion_samples: int = 0                     # clips sampled for the motion check at the end (0: off)
+    sample_steps: int = 24
+    guidance_scale: float = 2.0
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    # Ulysses sequence parallelism over the video tokens on all ranks (sp_size = world size), or 1: off.
+    sp_size: int = 1
+
+
+@dataclass
+class VAEConfig:
+    # `python -m apps.video_gen.train_vae`: a tiny AutoencoderKLWan (causal 3D) trained on the same clips.
+    pretrained_dir: str | None = None           # a local diffusers AutoencoderKLWan directory to start from
+    base_dim: int = 16
+    z_dim: int = 4
+    dim_mult: list[int] = field(default_factory=lambda: [1, 2])                 # 2 levels: 2x spatial downsampling
+    temporal_downsample: list[bool] = field(default_factory=lambda: [True])     # 2x temporal (clips of 1 + 2k frames)
+    num_res_blocks: int = 1
+    l2_weight: float = 1.0
+    kl_weight: float = 1.0e-3                   # x KL per element of the input
+    temporal_weight: float = 0.5                # L1 between frame-to-frame changes (0: off)
+    held_out_clips: int = 16                    # clips scored for the held-out PSNR
+
+
+@dataclass
+class RecipeConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    final_dir: str | None = None                # the exported pipeline; default <train.output_dir>/pipeline
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [Bucket.parse(b) for b in self.data.buckets]
+
+    @property
+    def final_path(self) -> Path:
+        return resolve(self.final_dir) if self.final_dir else resolve(self.train.output_dir) / "pipeline"
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, value: Any, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"config '{key}'={value!r}: {why}")
+
+        d, m, f = self.data, self.model, self.flow
+        try:
+            buckets = self.buckets
+        except (BucketConfigError, TypeError) as exc:
+            raise ConfigError(f"config 'data.buckets'={d.buckets!r}: {exc}") from exc
+        need(bool(buckets), "data.buckets", d.buckets, "give at least one [frames, height, width, batch_size]")
+        pt, ph, pw = m.patch_size
+        for b in buckets:
+            need(b.height % ph == 0 and b.width % pw == 0 and b.frames % pt == 0, "data.buckets", d.buckets,
+                 f"bucket {b.shape} is not divisible by model.patch_size {m.patch_size}")
+        need(0.0 <= d.caption_dropout < 1.0, "data.caption_dropout", d.caption_dropout, "must be in [0, 1)")
+        need(0.0 < d.held_out < 1.0, "data.held_out", d.held_out, "must be in (0, 1)")
+        need(d.shapes_size >= 8, "data.shapes_size", d.shapes_size, "must be at least 8 pixels")
+        need(f.timesteps in ("logit_normal", "uniform"), "flow.timesteps", f.timesteps, "choose logit_normal or uniform")
+        need(f.logit_std > 0, "flow.logit_std", f.logit_std, "must be positive")
+        need(m.text_hidden_size % m.text_heads == 0, "model.text_heads", m.text_heads,
+             "must divide model.text_hidden_size")
+        need(self.parallel.sp_size >= 1, "parallel.sp_size", self.parallel.sp_size, "must be at least 1")
+        need(self.eval.timesteps >= 1, "eval.timesteps", self.eval.timesteps, "must be at least 1")
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> RecipeConfig:
+    cfg = load_config(RecipeConfig, resolve(path) if path is not None else None, overrides)
+    cfg.train.output_dir = str(resolve(cfg.train.output_dir))
+    cfg.train.eval_every = cfg.eval.every
+    cfg.validate()
+    return cfg
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> RecipeConfig:
+    return parse_config_args(description, load_recipe, argv, example="apps/video_gen/configs/tiny.yaml")[0]

@@ -1,0 +1,189 @@
+"""The video diffusion model and its rectified-flow objective.
+
+The transformer is diffusers' `WanTransformer3DModel` (3D RoPE, AdaLN-modulated blocks with
+cross-attention to the prompt), built tiny from the config or loaded from a local directory.
+`VideoFlowModel` wraps it with the text encoder; its forward is the training loss, so `fit`
+trains it with any plugin (DDP, ZeRO-2, FSDP2):
+
+    t ~ logit-normal, shifted by sqrt(tokens / base)      x_t = (1 - t) x0 + t noise
+    loss = mean over samples of MSE(v_theta(x_t, t, text), noise - x0)
+
+`velocity_tokens` runs the transformer's own submodules in the order of its forward, but returns
+the output in token layout, so that under sequence parallelism each rank computes only its own
+tokens' outputs and loss (Ulysses attention inside). The loss is compared in token layout; the
+MSE is the same as in video layout.
+
+Sequence parallelism (sp = world size): each rank's micro-batch is processed by all ranks in
+turn (broadcast from its owner with its timesteps and noise), every rank computes the loss of its
+token shard, and the data-parallel gradient average of the plugin then gives exactly the gradient
+of the non-SP run on the same global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from phalanx.diffusion import (drop_captions, flow_interpolate, flow_velocity_target, logit_normal_timesteps,
+                               resolution_shift, shift_timesteps, uniform_timesteps)
+from phalanx.sequence import token_shard
+
+from . import sequence_parallel
+from .config import FlowConfig, ModelConfig
+
+TIME_SCALE = 1000.0  # Wan embeds timesteps on the 0..1000 scale
+
+
+def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=tuple(mcfg.patch_size), num_attention_heads=mcfg.num_heads,
+                                 attention_head_dim=mcfg.head_dim, in_channels=channels, out_channels=channels,
+                                 text_dim=text_dim, freq_dim=mcfg.freq_dim, ffn_dim=mcfg.ffn_dim,
+                                 num_layers=mcfg.num_layers, rope_max_seq_len=256)
+
+
+def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[B, C, F, H, W] -> [B, tokens, pt*ph*pw*C], the inverse of Wan's output unpatchify."""
+    b, c, f, h, w = x.shape
+    pt, ph, pw = patch
+    x = x.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
+    return x.permute(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, (f // pt) * (h // ph) * (w // pw), -1)
+
+
+def unpatchify(tokens: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
+    b, c, f, h, w = shape
+    pt, ph, pw = patch
+    x = tokens.reshape(b, f // pt, h // ph, w // pw, pt, ph, pw, c)
+    return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, c, f, h, w)
+
+
+class VideoFlowModel(nn.Module):
+    """Transformer + text encoder; `forward(video, prompt_ids, t?, noise?)` -> rectified-flow loss."""
+
+    def __init__(self, transformer: nn.Module, text_encoder: nn.Module, empty_prompt_ids: torch.Tensor,
+                 pad_token_id: int, fcfg: FlowConfig, caption_dropout: float = 0.0):
+        super().__init__()
+        self.transformer, self.text_encoder = transformer, text_encoder
+        self.fcfg, self.caption_dropout, self.pad_token_id = fcfg, caption_dropout, pad_token_id
+        self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
+        self._processors = sequence_parallel.install(transformer)
+        self._sp_group = None
+
+    @property
+    def sp_group(self):
+        """The sequence-parallel group while training with sp > 1 (None: off). The attention
+        processors keep it too, so activation checkpointing recomputes blocks the same way in backward."""
+        return self._sp_group
+
+    @sp_group.setter
+    def sp_group(self, group) -> None:
+        self._sp_group = group
+        self._set_attention_group(group)
+
+    def _set_attention_group(self, group) -> None:
+        for proc in self._processors:
+            proc.group = group
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return tuple(self.transformer.config.patch_size)
+
+    def encode_prompts(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        mask = (prompt_ids != self.pad_token_id).long()
+        return self.text_encoder(input_ids=prompt_ids, attention_mask=mask).last_hidden_state
+
+    def tokens(self, shape: tuple[int, ...]) -> int:
+        pt, ph, pw = self.patch
+        return (shape[-3] // pt) * (shape[-2] // ph) * (shape[-1] // pw)
+
+    def sample_timesteps(self, batch: int, shape: tuple[int, ...], device) -> torch.Tensor:
+        f = self.fcfg
+        t = logit_normal_timesteps(batch, f.logit_mean, f.logit_std, device=device) if f.timesteps == "logit_normal" \
+            else uniform_timesteps(batch, device=device)
+        if f.shift_base_tokens:
+            t = shift_timesteps(t, resolution_shift(self.tokens(shape), f.shift_base_tokens, f.max_shift))
+        return t
+
+    def velocity_tokens(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, group=None) -> torch.Tensor:
+        """v_theta(x_t, t) in token layout: all tokens, or this rank's shard when `group` is given."""
+        tr = self.transformer
+        cos, sin = tr.rope(x)
+        h = tr.patch_embedding(x).flatten(2).transpose(1, 2)
+        temb, tproj, text, _ = tr.condition_embedder(t * TIME_SCALE, text, None)
+        tproj = tproj.unflatten(1, (6, -1))
+        if group is not None:
+            part = token_shard(h.shape[1], group)
+            h, cos, sin = h[:, part], cos[:, part], sin[:, part]
+        h = h.contiguous()
+        self._set_attention_group(group)
+        try:
+            for block in tr.blocks:
+                if tr.gradient_checkpointing and torch.is_grad_enabled():
+                    h = checkpoint(block, h, text, tproj, (cos, sin), use_reentrant=False)
+                else:
+                    h = block(h, text, tproj, (cos, sin))
+        finally:
+            self._set_attention_group(self._sp_group)
+        shift, scale = (tr.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        h = (tr.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+        return tr.proj_out(h)
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """v_theta in video layout [B, C, F, H, W] (sampling)."""
+        return unpatchify(self.velocity_tokens(x, t, text), tuple(x.shape), self.patch)
+
+    def per_sample_loss(self, video, prompt_ids, t, noise, group=None) -> torch.Tensor:
+        """[B]: each sample's squared error on this rank's tokens (all tokens without `group`) divided
+        by the sample's total element count, so the shards' values add up to the per-sample MSE."""
+        x_t = flow_interpolate(video, noise, t)
+        pred = self.velocity_tokens(x_t, t, self.encode_prompts(prompt_ids), group)
+        target = patchify(flow_velocity_target(video, noise), self.patch)
+        if group is not None:
+            target = target[:, token_shard(target.shape[1], group)]
+        return (pred.float() - target.float()).pow(2).flatten(1).sum(1) / video[0].numel()
+
+    def forward(self, video: torch.Tensor, prompt_ids: torch.Tensor, t: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training:
+            prompt_ids = drop_captions(prompt_ids, self.empty_prompt_ids, self.caption_dropout)
+        if t is None:
+            t = self.sample_timesteps(video.shape[0], tuple(video.shape), video.device)
+        if noise is None:
+            noise = torch.randn_like(video)
+        if self.sp_group is None:
+            return self.per_sample_loss(video, prompt_ids, t, noise).mean()
+        return self._sequence_parallel_loss(video, prompt_ids, t, noise)
+
+    def _sequence_parallel_loss(self, video, prompt_ids, t, noise) -> torch.Tensor:
+        # backward must run while sp_group is set: checkpointed blocks recompute their attention there
+        """Sum over every rank's micro-batch of this rank's token-shard loss (see the module doc)."""
+        group = self.sp_group
+        total = video.new_zeros((), dtype=torch.float32)
+        for src in range(dist.get_world_size(group)):
+            batch = broadcast_batch([video, prompt_ids, t, noise], dist.get_global_rank(group, src), group)
+            total = total + self.per_sample_loss(*batch, group=group).mean()
+        return total
+
+    @contextlib.contextmanager
+    def sequence_parallel(self, group):
+        previous, self.sp_group = self.sp_group, group
+        try:
+            yield self
+        finally:
+            self.sp_group = previous
+
+
+def broadcast_batch(tensors: list[torch.Tensor], src: int, group) -> list[torch.Tensor]:
+    """The owner's tensors on every rank of `group` (shapes first: buckets differ between ranks)."""
+    meta = [[(tuple(x.shape), x.dtype) for x in tensors]] if dist.get_rank() == src else [None]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    out = []
+    for x, (shape, dtype) in zip(tensors, meta[0]):
+        buf = x.contiguous() if dist.get_rank() == src else torch.empty(shape, dtype=dtype, device=x.device)
+        dist.broadcast(buf, src=src, group=group)
+        out.append(buf)
+    return out

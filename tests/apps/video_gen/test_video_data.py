@@ -1,0 +1,81 @@
+"""Data: the moving-shapes generator and the motion check, real clips decoded from the shipped
+files, buckets, and clear errors for bad input (unreadable video, wrong caption file, impossible
+bucket configuration)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from apps.video_gen.clips import VideoDataError, load_clips, read_captions
+from apps.video_gen.config import resolve
+from apps.video_gen.motion import motion_prompts, motion_score, track
+from apps.video_gen.shapes import COLOURS, DIRECTIONS, moving_shapes
+
+
+def test_shapes_are_deterministic_and_their_motion_is_checkable():
+    a, b = moving_shapes(64, 8, 16, seed=1), moving_shapes(64, 8, 16, seed=1)
+    assert all(torch.equal(x.video, y.video) and x.caption == y.caption for x, y in zip(a, b))
+    assert {c.direction for c in a} == set(DIRECTIONS) and {c.colour for c in a} == set(COLOURS)
+    assert a[0].caption == f"a {a[0].colour} {a[0].shape} moving {a[0].direction}"
+    assert a[0].video.shape == (3, 8, 16, 16) and a[0].video.min() == -1 and a[0].video.max() == 1
+    # the tracker reads every generated clip right ...
+    score = motion_score([c.video for c in a], [c.colour for c in a], [c.direction for c in a])
+    assert score["motion_both"] == 1.0
+    # ... and rejects the wrong direction, the wrong colour, time reversed, and noise
+    flipped = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    assert motion_score([c.video for c in a], [c.colour for c in a], [flipped[c.direction] for c in a])[
+        "motion_direction"] == 0.0
+    assert motion_score([c.video.flip(1) for c in a], [c.colour for c in a], [c.direction for c in a])[
+        "motion_direction"] == 0.0
+    noise = [torch.rand(3, 8, 16, 16) * 2 - 1 for _ in range(32)]
+    assert motion_score(noise, [c.colour for c in a[:32]], [c.direction for c in a[:32]])["motion_both"] < 0.3
+    assert track(torch.full((3, 8, 16, 16), -1.0)) == (None, None, 0.0)
+    prompts = motion_prompts(50)
+    assert len(prompts) == 50 and len({p for p, _, _ in prompts}) == 32  # every combination, then repeats
+
+
+def test_real_clips_decode_into_fixed_length_clips():
+    clips = load_clips(resolve("apps/video_gen/data/clips"), frames=8, stride=2, height=16, per_video=3)
+    assert len(clips) == 9
+    video, caption = clips[0]
+    assert video.shape == (3, 8, 16, 28) and -1 <= float(video.min()) < float(video.max()) <= 1
+    assert caption == "a cartoon landscape with a pink sky and green trees"
+    assert not torch.equal(clips[0][0], clips[1][0])  # cut from different times
+
+
+def test_bad_video_and_caption_files_are_named(tmp_path):
+    with pytest.raises(VideoDataError, match="captions.jsonl not found"):
+        read_captions(tmp_path)
+    (tmp_path / "captions.jsonl").write_text('{"file": "a.mp4", "text": "x"\n')
+    with pytest.raises(VideoDataError, match="line 1 is not JSON"):
+        read_captions(tmp_path)
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"file": "a.mp4", "caption": "x"}) + "\n")
+    with pytest.raises(VideoDataError, match="non-empty string 'text'"):
+        read_captions(tmp_path)
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"file": "a.mp4", "text": "x"}) + "\n")
+    with pytest.raises(VideoDataError, match="names 'a.mp4', which is not in"):
+        read_captions(tmp_path)
+    (tmp_path / "a.mp4").write_bytes(b"this is not a video")
+    with pytest.raises(VideoDataError, match="cannot decode video .*a.mp4.*Re-encode"):
+        load_clips(tmp_path, 8, 1, 16, 2)
+    with pytest.raises(VideoDataError, match="fewer than data.clip_frames=500"):
+        load_clips(resolve("apps/video_gen/data/clips"), 500, 1, 16, 2)
+
+
+def test_impossible_buckets_stop_before_training(tmp_path):
+    from phalanx.config import ConfigError
+    from phalanx.data.buckets import BucketConfigError
+
+    from apps.video_gen.train import prepare
+    from video_tiny import tiny_config
+
+    cfg = tiny_config(tmp_path, "data.clips_dir=null", "data.buckets=[[1,16,16,64],[8,16,16,64]]")
+    with pytest.raises(BucketConfigError, match="yields no batch.*lower the buckets' batch sizes"):
+        prepare(cfg)
+    cfg = tiny_config(tmp_path, "data.clips_dir=null", "data.buckets=[[16,16,16,2]]")
+    with pytest.raises(BucketConfigError, match="no held-out clip fits any bucket"):
+        prepare(cfg)
+    with pytest.raises(ConfigError, match="not divisible by model.patch_size"):
+        tiny_config(tmp_path, "data.buckets=[[8,16,18,2]]")

@@ -1,0 +1,79 @@
+"""The model: our token-layout forward equals diffusers' Wan forward, the rectified-flow loss
+against hand computation, a short training run lowers the held-out loss at fixed timesteps, and
+the exported pipeline reloads and reproduces a sample for a seed."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from phalanx.diffusion import fixed_eval_timesteps
+
+from video_tiny import tiny_config
+
+
+def _model(tmp_path, *overrides):
+    from apps.video_gen.train import build_model
+
+    torch.manual_seed(0)
+    cfg = tiny_config(tmp_path, *overrides)
+    return build_model(cfg, ["a red square moving left", "a blue circle"])
+
+
+def test_forward_matches_diffusers_and_loss_by_hand(tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    from apps.video_gen.model import patchify, unpatchify
+    from apps.video_gen.text import tokenize
+
+    model, tok = _model(tmp_path, "model.patch_size=[1,2,2]")
+    model.eval()
+    x, t = torch.randn(2, 3, 8, 16, 16), torch.tensor([0.3, 0.8])
+    ids = tokenize(tok, ["a red square moving left", "a blue circle"])
+    text = model.encode_prompts(ids)
+    plain = WanTransformer3DModel.from_config(model.transformer.config)  # diffusers' own attention processor
+    plain.load_state_dict(model.transformer.state_dict())
+    with torch.no_grad():
+        want = plain(x, t * 1000, text, return_dict=False)[0]
+        got = model.velocity(x, t, text)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(unpatchify(patchify(x, (1, 2, 2)), x.shape, (1, 2, 2)), x)
+    # loss = mean_b mean((v(x_t) - (noise - x0))^2), x_t = (1 - t) x0 + t noise
+    noise = torch.randn_like(x)
+    xt = (1 - t.view(2, 1, 1, 1, 1)) * x + t.view(2, 1, 1, 1, 1) * noise
+    with torch.no_grad():
+        expected = ((plain(xt, t * 1000, text, return_dict=False)[0] - (noise - x)) ** 2).mean()
+        torch.testing.assert_close(model(x, ids, t=t, noise=noise), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_timesteps_shift_with_the_token_count(tmp_path):
+    model, _ = _model(tmp_path, "flow.shift_base_tokens=64", "flow.max_shift=10")
+    torch.manual_seed(0)
+    small = model.sample_timesteps(4000, (1, 3, 1, 16, 16), "cpu")   # 16 tokens: shift 0.5
+    large = model.sample_timesteps(4000, (1, 3, 8, 16, 16), "cpu")   # 128 tokens: shift 1.41
+    assert float(small.mean()) < 0.45 < 0.55 < float(large.mean())
+
+
+def test_training_lowers_the_heldout_loss_and_the_pipeline_reproduces(tmp_path):
+    """8 steps at lr 3e-3: the fixed-timestep held-out loss falls (measured 2.7 -> 1.6); the exported
+    directory reloads (diffusers/transformers classes) and gives the same clip for a seed."""
+    from apps.video_gen.pipeline import VideoPipeline
+    from apps.video_gen.sample import sample
+    from apps.video_gen.train import train
+
+    cfg = tiny_config(tmp_path / "run", "train.max_steps=8", "train.lr=3e-3")
+    result = train(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final"]["loss"] < 0.8 * summary["initial"]["loss"], summary
+    assert set(summary["final"]) >= {"loss", "loss/8x16x16", "loss/1x16x16"}
+    assert result.final_step == 8 and len(fixed_eval_timesteps(cfg.eval.timesteps)) == 10
+
+    pipe_dir = cfg.final_path
+    for part in ("transformer", "text_encoder", "tokenizer", "scheduler"):
+        assert (pipe_dir / part).is_dir()
+    a = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=3, steps=4)
+    b = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=3, steps=4)
+    c = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=4, steps=4)
+    assert a.shape == (1, 3, 8, 16, 16) and torch.equal(a, b) and not torch.equal(a, c)
+    files = sample(pipe_dir, ["a blue circle moving up"], tmp_path / "samples", steps=2, scale=2)
+    assert sorted(p.suffix for p in files) == [".gif", ".mp4"] and all(p.stat().st_size > 0 for p in files)
