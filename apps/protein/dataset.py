@@ -19,7 +19,8 @@ def load_entries(entries) -> list[tuple[ProteinChain, Alignment | None]]:
 
 
 class CropDataset(Dataset):
-    """One random crop of a chain per item, with fresh MSA sampling and masking.
+    """One crop of a chain per item (random, or its fixed first window when cfg.random_crop is
+    False), with fresh MSA sampling and masking.
 
     Randomness comes from torch's global generator (one draw per item), which `phalanx.train.fit`
     checkpoints and restores, so a resumed run sees the same crops as an uninterrupted one."""
@@ -36,7 +37,7 @@ class CropDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         chain, alignment = self.chains[index % len(self.chains)]
         rng = np.random.default_rng(int(torch.randint(0, 2 ** 31 - 1, ()).item()))
-        return make_features(chain, alignment, self.cfg, rng, crop_window(chain, self.cfg.crop_size, rng))
+        return make_features(chain, alignment, self.cfg, rng, crop_window(chain, self.cfg.crop_size, rng if self.cfg.random_crop else None))
 
 
 def fixed_crops(chains, cfg: FeatureConfig, seed: int = 0) -> list[tuple[str, dict[str, torch.Tensor]]]:

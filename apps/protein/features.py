@@ -30,6 +30,8 @@ class FeatureConfig:
     max_msa_clusters: int = 16        # S: cluster centres (the query is always the first)
     max_extra_msa: int = 32           # E: further sequences summarised by the extra-MSA stack
     masked_msa_fraction: float = 0.15  # share of centre residues replaced for the masked-MSA loss
+    random_crop: bool = True          # training crops at random positions (False: always each chain's
+                                      # first window, the fixed crop that evaluation scores)
 
 
 def msa_indices(alignment: Alignment) -> np.ndarray:

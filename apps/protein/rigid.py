@@ -42,6 +42,9 @@ class Rigid:
             return Rigid(self.rot.unsqueeze(dim - 2), self.trans.unsqueeze(dim - 1))
         return Rigid(self.rot.unsqueeze(dim), self.trans.unsqueeze(dim))
 
+    def scale_translation(self, factor: float) -> "Rigid":
+        return Rigid(self.rot, self.trans * factor)
+
     def detach_rot(self) -> "Rigid":
         """AlphaFold stops gradients through the rotations between structure-module layers."""
         return Rigid(self.rot.detach(), self.trans)

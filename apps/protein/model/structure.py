@@ -112,7 +112,10 @@ class StructureModule(nn.Module):
         frames = Rigid.identity((b, n), s.device, s.dtype)
         out_rot, out_trans, out_angles, out_raw, out_sc = [], [], [], [], []
         for layer in range(self.cfg.layers):
-            s = self.norm_ipa(s + self.ipa(s, z, frames, mask))
+            # IPA works in nanometres, as AlphaFold's fold iteration: in Angstrom its point-distance
+            # logits are 100x too large (near-one-hot attention that barely trains) and real AF2
+            # parameters would see points 10x too far apart.
+            s = self.norm_ipa(s + self.ipa(s, z, frames.scale_translation(1.0 / self.cfg.position_scale), mask))
             t = s
             t = F.relu(self.transition[0](t))
             t = F.relu(self.transition[1](t))

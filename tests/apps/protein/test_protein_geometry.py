@@ -95,3 +95,26 @@ def test_fape_clamps_large_errors():
     x = torch.zeros(4, 3, dtype=torch.float64)
     far = x + torch.tensor([100.0, 0, 0], dtype=torch.float64)
     assert math.isclose(fape(frames, frames, mask, far, x, mask).item(), 1.0, rel_tol=1e-6)  # 10 A clamp / 10 A
+
+
+def test_structure_module_ipa_sees_frames_in_nanometres():
+    """AlphaFold's fold iteration keeps its frames in nm (position_scale 10) and only scales them to
+    Angstrom for the outputs; IPA fed Angstrom frames has 100x too large point-distance logits
+    (near-one-hot attention: the bug that made the tiny recipe train slowly)."""
+    from apps.protein.model.structure import StructureModule
+
+    torch.manual_seed(0)
+    cfg = StructureConfig(c_s=16, c_z=8, c_ipa=4, heads=2, query_points=2, value_points=2, layers=3, c_resnet=8)
+    sm = StructureModule(cfg)
+    with torch.no_grad():
+        sm.backbone_update.weight.normal_(0, 0.3)  # non-identity frames after the first layer
+    seen = []
+    sm.ipa.register_forward_hook(lambda mod, args, out: seen.append(args[2].trans.clone()))
+    b, n = 1, 6
+    tables = ideal_tables()
+    out = sm(torch.randn(b, n, 16), torch.randn(b, n, n, 8), torch.zeros(b, n, dtype=torch.long),
+             torch.ones(b, n), tables)
+    assert len(seen) == 3
+    assert out["frames_trans"][0].abs().max() > 1.0
+    for layer in range(1, 3):  # layer k's IPA sees layer k-1's frames, in nm
+        torch.testing.assert_close(seen[layer], out["frames_trans"][layer - 1] / cfg.position_scale)

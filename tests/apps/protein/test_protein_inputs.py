@@ -101,3 +101,22 @@ def test_features_shapes_masks_and_crop(chain):
                           rng, (start, start + 20))
     assert short["seq_mask"].sum() == 20 and short["seq_mask"][20:].sum() == 0
     assert short["msa_mask"][1:].sum() == 0  # single-sequence MSA: one row
+
+
+def test_fixed_training_crops_are_the_evaluated_crops():
+    """data.random_crop=false: every training item of a chain is its fixed evaluation crop (same
+    residues and coordinates; only the MSA sampling and masking are fresh)."""
+    from apps.protein.dataset import CropDataset, fixed_crops, load_entries
+
+    chains = load_entries([("2q2k", "A", "2q2k_A/uniref90_hits.sto")])
+    cfg = FeatureConfig(crop_size=16, max_msa_clusters=4, max_extra_msa=4, random_crop=False)
+    (_, evaluated), = fixed_crops(chains, cfg)
+    data = CropDataset(chains, cfg)
+    for _ in range(3):
+        item = data[0]
+        for key in ("aatype", "residue_index", "all_atom_positions", "backbone_trans"):
+            torch.testing.assert_close(item[key], evaluated[key])
+    randomised = CropDataset(chains, FeatureConfig(crop_size=16, max_msa_clusters=4, max_extra_msa=4))
+    torch.manual_seed(0)
+    starts = {int(randomised[0]["residue_index"][0]) for _ in range(6)}
+    assert len(starts) > 1, "random crops should move"
