@@ -10,7 +10,7 @@ value loss. The KL coefficient follows InstructGPT's adaptive controller. Actor 
 module (`ActorCritic`), so every layout fit supports trains both; the engine gets the actor's
 weights after every step. The frozen reference lives on the host (CPU) and runs under no_grad.
 
-Limitation (see ONLINE.md): one optimizer step per rollout (ppo_epochs = 1, one mini-batch), so the
+Limitation (see the README's "Online RL" section): one optimizer step per rollout (ppo_epochs = 1, one mini-batch), so the
 ratio and value clips bound only the engine/trainer mismatch; fit has no "several optimizer steps
 per batch" yet.
 """

@@ -1,4 +1,4 @@
-"""The demo's task and its command, on a tiny model (the real run is documented in ONLINE.md)."""
+"""The demo's task and its command, on a tiny model (the real run is documented in apps/chat_rlhf/README.md)."""
 import json
 
 from apps.chat_rlhf.rewards import numeric_first
