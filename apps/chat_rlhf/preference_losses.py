@@ -51,8 +51,12 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     contiguous [tokens, hidden] matrix: a 49k-vocabulary head over every padded tail position (the
     `logits_to_keep` route, which transformers runs as a batched matmul on a strided slice) took
     about a third of a SmolLM2 DPO step on CPU. Models whose head does more than a linear layer
-    (logit soft-capping or scaling) take that route instead."""
-    if not _plain_linear_head(model):
+    (logit soft-capping or scaling) take that route instead, and so does a boosted model: its
+    forward is what a plugin hooks (DDP's gradient all-reduce is armed there), and the packed route
+    would reach past it to the decoder, leaving every rank with its own gradients."""
+    from phalanx.booster.state import boosted_state
+
+    if boosted_state(model) is not None or not _plain_linear_head(model):
         keep = int(batch["completion_width"]) + 1
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                     position_ids=batch["position_ids"], logits_to_keep=keep, use_cache=False)
