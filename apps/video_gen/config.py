@@ -58,6 +58,7 @@ class ModelConfig:
     text_hidden_size: int = 64
     text_layers: int = 2
     text_heads: int = 4
+    text_token_embedding_std: float = 1.0       # init std of the word embeddings (CLIP's 0.02 left the direction words alike)
     gradient_checkpointing: bool = False        # recompute each transformer block in backward (memory for time)
 
 
@@ -145,6 +146,8 @@ class RecipeConfig:
         need(f.logit_std > 0, "flow.logit_std", f.logit_std, "must be positive")
         need(m.text_hidden_size % m.text_heads == 0, "model.text_heads", m.text_heads,
              "must divide model.text_hidden_size")
+        need(m.text_token_embedding_std > 0, "model.text_token_embedding_std", m.text_token_embedding_std,
+             "must be positive")
         need(self.parallel.sp_size >= 1, "parallel.sp_size", self.parallel.sp_size, "must be at least 1")
         need(self.eval.timesteps >= 1, "eval.timesteps", self.eval.timesteps, "must be at least 1")
 

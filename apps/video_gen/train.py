@@ -41,7 +41,8 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
         model.fcfg, model.caption_dropout = cfg.flow, cfg.data.caption_dropout
     else:
         tokenizer = tokenizer or build_tokenizer(captions, cfg.data.max_prompt_tokens)
-        text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads)
+        text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads,
+                                          m.text_token_embedding_std)
         transformer = build_transformer(m, channels, m.text_hidden_size)
         model = VideoFlowModel(transformer, text_encoder, tokenize(tokenizer, [""])[0], tokenizer.pad_token_id,
                                cfg.flow, cfg.data.caption_dropout)
