@@ -45,38 +45,18 @@ def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_m
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion log-prob sums and lengths of every row of a left-padded batch
-    ({"input_ids", "attention_mask", "position_ids", "completion_mask", "completion_width"}).
+    ({"input_ids", "attention_mask", "completion_mask"}); only the tail that holds completions
+    goes through the LM head.
 
-    Only the hidden states that predict completion tokens go through the LM head, packed into one
-    contiguous [tokens, hidden] matrix: a 49k-vocabulary head over every padded tail position (the
-    `logits_to_keep` route, which transformers runs as a batched matmul on a strided slice) took
-    about a third of a SmolLM2 DPO step on CPU. Models whose head does more than a linear layer
-    (logit soft-capping or scaling) take that route instead, and so does a boosted model: its
-    forward is what a plugin hooks (DDP's gradient all-reduce is armed there), and the packed route
-    would reach past it to the decoder, leaving every rank with its own gradients."""
-    from phalanx.booster.state import boosted_state
-
-    if boosted_state(model) is not None or not _plain_linear_head(model):
-        keep = int(batch["completion_width"]) + 1
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"], logits_to_keep=keep, use_cache=False)
-        return completion_logps(out.logits, batch["input_ids"], batch["completion_mask"])
-    ids, mask = batch["input_ids"], batch["completion_mask"]
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=batch["attention_mask"],
-                                 position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-    rows, cols = mask[:, 1:].nonzero(as_tuple=True)  # hidden state at t predicts token t + 1
-    logits = model.get_output_embeddings()(hidden[rows, cols])
-    logp = -F.cross_entropy(logits.float(), ids[rows, cols + 1], reduction="none")
-    sums = torch.zeros(ids.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
-    return sums, mask.sum(-1).to(logp.dtype)
-
-
-def _plain_linear_head(model) -> bool:
-    """Whether logits = lm_head(decoder(...).last_hidden_state) exactly (Llama, Qwen, Mistral...)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "get_decoder") or model.get_output_embeddings() is None:
-        return False
-    return not any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    Always through the model's own forward: a boosted model's forward is what its plugin hooks
+    (DDP arms its gradient all-reduce there), and the policy and the reference must take the same
+    arithmetic so that their log-ratios are exactly zero at step 0. (A faster route that sent only
+    the completion-predicting states through the head had to call the decoder directly, which
+    skipped DDP's gradient averaging; it was removed.)"""
+    keep = int(batch["completion_width"]) + 1
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], logits_to_keep=keep, use_cache=False)
+    return completion_logps(out.logits, batch["input_ids"], batch["completion_mask"])
 
 
 def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor | None,

@@ -127,11 +127,9 @@ def test_dpo_loss_equals_trl(tiny_chat_model, tmp_path, loss_type):
     c, r = logps.chunk(2)
     (rc, rr), (lc, lr) = ref.chunk(2), lens.chunk(2)
     losses, _, _ = dpo_losses(c, r, rc, rr, beta=0.2, loss_type=loss_type, chosen_len=lc, rejected_len=lr)
-    # Sums over <= 96 tokens in fp32, padded on different sides (TRL right, ours left) and
-    # reduced in a different order (we score only completion positions): log-prob sums near -350
-    # (fp32 ulp 3e-5) differ by a few ulp. DPO's loss stays within 1e-5; IPO squares the
-    # per-token gap minus 1/(2β) = 2.5, which scales those differences up to ~1e-5 relative.
-    assert losses.mean().item() == pytest.approx(trl_loss, abs=1e-5, rel=5e-5)
+    # Sums over <= 96 tokens in fp32, padded on different sides (TRL right, ours left): the
+    # rounding of the two layouts stays well inside 1e-5 at this length.
+    assert losses.mean().item() == pytest.approx(trl_loss, abs=1e-5)
 
 
 def test_reward_loss_equals_trl(tiny_chat_model, tmp_path):
@@ -160,24 +158,3 @@ def test_reward_loss_equals_trl(tiny_chat_model, tmp_path):
     trl_loss = trainer.compute_loss(model, dict(batch)).item()
     ours = make_loss_fn(RMLossConfig(center_coefficient=0.01))(model, dict(batch)).item()
     assert ours == pytest.approx(trl_loss, abs=1e-5)
-
-
-def test_packed_head_matches_full_logits(tiny_chat_model):
-    """sequence_logps sends only completion-predicting states through the LM head; the result
-    must equal log_softmax over the full logits of the same left-padded batch, gradient included."""
-    from apps.chat_rlhf.data import collate_completions
-    from apps.chat_rlhf.models import load_policy
-    from apps.chat_rlhf.preference_losses import sequence_logps
-
-    model = load_policy(tiny_chat_model)
-    batch = collate_completions([([5, 6, 7, 8, 9], [10, 11, 12]), ([20, 21], [30, 31, 32, 33, 34, 35])], 0)
-    packed, lens = sequence_logps(model, batch)
-    full = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 position_ids=batch["position_ids"], use_cache=False).logits
-    reference, count = completion_logps(full, batch["input_ids"], batch["completion_mask"])
-    # the same fp32 ops on the same states; only the summation order of <= 6 terms differs
-    assert packed.tolist() == pytest.approx(reference.tolist(), abs=1e-5)
-    assert lens.tolist() == count.tolist() == [3, 6]
-    (grad_packed,) = torch.autograd.grad(packed.sum(), model.get_output_embeddings().weight)
-    (grad_full,) = torch.autograd.grad(reference.sum(), model.get_output_embeddings().weight)
-    assert torch.allclose(grad_packed, grad_full, atol=1e-5)
