@@ -221,19 +221,25 @@ class GRPOLoss:
         self.stats = StepStats()
         self.step = 0  # the last completed optimizer step (RLHook keeps it)
 
-    def __call__(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        s, st = self.s, self.stats
-        if st.started is None:
-            st.started = time.perf_counter()
+    def rollout_and_score(self, batch: dict):
+        """Sample `n` completions per prompt of the batch on the engine and score them:
+        (prompt indices, step, rollout, scores, the time the scoring started)."""
+        if self.stats.started is None:
+            self.stats.started = time.perf_counter()
         indices = batch["index"].tolist()
         step = self.step + 1
         with torch.no_grad():
             rollout = self.rollout_fn(indices, step)
-        n = rollout.n
         t0 = time.perf_counter()
-        prompts = [self.records[i]["prompt"] for i in indices for _ in range(n)]
-        truths = [self.records[i].get("ground_truth") for i in indices for _ in range(n)]
+        prompts = [self.records[i]["prompt"] for i in indices for _ in range(rollout.n)]
+        truths = [self.records[i].get("ground_truth") for i in indices for _ in range(rollout.n)]
         scores, _ = self.rewards(prompts, rollout.texts, truths)
+        return indices, step, rollout, scores, t0
+
+    def __call__(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        s, st = self.s, self.stats
+        indices, step, rollout, scores, t0 = self.rollout_and_score(batch)
+        n = rollout.n
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         truncated = torch.tensor(rollout.truncated)
         scores = scores + overlong_shaping(lengths, truncated, s.max_new_tokens, s.overlong_penalty, s.overlong_buffer)

@@ -117,17 +117,7 @@ class PPOLoss(GRPOLoss):
 
     def __call__(self, model: nn.Module, batch: dict) -> torch.Tensor:
         s, st = self.s, self.stats
-        if st.started is None:
-            st.started = time.perf_counter()
-        indices = batch["index"].tolist()
-        step = self.step + 1
-        with torch.no_grad():
-            rollout = self.rollout_fn(indices, step)
-        n = rollout.n
-        t0 = time.perf_counter()
-        prompts = [self.records[i]["prompt"] for i in indices for _ in range(n)]
-        truths = [self.records[i].get("ground_truth") for i in indices for _ in range(n)]
-        scores, _ = self.rewards(prompts, rollout.texts, truths)
+        indices, step, rollout, scores, t0 = self.rollout_and_score(batch)
         score_s = time.perf_counter() - t0
 
         tb = completion_batch(rollout.prompt_ids, rollout.completion_ids, self.pad_id)
