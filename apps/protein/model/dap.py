@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from phalanx.sequence.comm import all_to_all
+from phalanx.shard.comm import gather_along
+
 
 class Axial:
     """One process: nothing is split."""
@@ -47,7 +50,7 @@ class DapAxial(Axial):
                              "(crop_size, max_msa_clusters, max_extra_msa)")
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return _Gather.apply(x, dim % x.dim(), self.group)
+        return gather_along(x, dim % x.dim(), self.group)  # backward: reduce-scatter
 
     def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self._check(x, dim)
@@ -55,13 +58,7 @@ class DapAxial(Axial):
 
     def transpose(self, x: torch.Tensor, split_dim: int, gather_dim: int) -> torch.Tensor:
         self._check(x, split_dim)
-        return _AllToAll.apply(x, split_dim % x.dim(), gather_dim % x.dim(), self.group)
-
-
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim)
+        return all_to_all(x, split_dim % x.dim(), gather_dim % x.dim(), self.group)
 
 
 def _slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -73,21 +70,6 @@ def _slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 # gradient of J = sum over ranks of the loss each computes. Every rank computes the whole loss (the
 # structure module and heads run replicated), so J = n x loss: averaging the parameter gradients
 # over the group -- what DDP does anyway -- gives exactly the one-process gradient.
-
-class _Gather(torch.autograd.Function):
-    """all-gather; adjoint: reduce-scatter (sum the slice's gradient over ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return _slice(grad, ctx.dim, ctx.group), None, None
-
 
 class _Scatter(torch.autograd.Function):
     """Take this rank's slice of its own full copy; adjoint: that slice's gradient, zeros elsewhere."""
@@ -103,22 +85,3 @@ class _Scatter(torch.autograd.Function):
         n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         full.chunk(n, ctx.dim)[r].copy_(grad)
         return full, None, None
-
-
-def _all_to_all(x: torch.Tensor, split_dim: int, gather_dim: int, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    inputs = [t.contiguous() for t in x.chunk(n, split_dim)]
-    outputs = [torch.empty_like(t) for t in inputs]
-    dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, split_dim, gather_dim, group):
-        ctx.split_dim, ctx.gather_dim, ctx.group = split_dim, gather_dim, group
-        return _all_to_all(x, split_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.gather_dim, ctx.split_dim, ctx.group), None, None, None
