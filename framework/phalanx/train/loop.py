@@ -373,7 +373,7 @@ def _peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
         return None
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
-    return measure_matmul_flops(device, dtype_of(cfg.precision), min_seconds=0.05)
+    return measure_matmul_flops(device, dtype_of(cfg.precision), min_seconds=0.15)
 
 
 def _nonfinite_message(loss: float, step: int, cfg: TrainConfig, last_checkpoint: Path | None) -> str:
