@@ -18,6 +18,18 @@ What "fits" means:
     python bench/gemini.py                      # 2 ranks, 64 MiB budget (~5-10 min on 2 CPU cores)
     python bench/gemini.py --budget 20GiB --world 8   # on a GPU node
 
+`--disk`: the disk tier instead (`disk_bench`, ~1-2 min on 1 CPU core): one LLaMA (default 6 x 512,
+20M parameters) with every shard and optimizer chunk at rest on the host (static placement,
+everything offloaded), trained all in memory, then with a `host_memory_budget` its optimizer
+state does not fit (the optimizer chunks that do not fit go to disk), then the same with the disk
+tier's page cache dropped. Reports step and optimizer-step time, the disk tier's achieved read /
+write bandwidth against the disk's own (a `dd`-style sequential write of a file the size of the
+disk tier's data, fsync'd, its pages dropped from the cache with posix_fadvise(DONTNEED), read
+back), and the host pool's resident peak (RssShmem) against the budget.
+
+    python bench/gemini.py --disk                         # 1 rank, disk_dir: the temp dir
+    python bench/gemini.py --disk --disk-dir /nvme/x --disk-layers 8 --disk-hidden 768
+
 Prints a table and one `BENCH_JSON {...}` line.
 """
 from __future__ import annotations
@@ -185,21 +197,177 @@ def LlamaForCausalLM_params(layers: int, hidden: int):
         return list(LlamaForCausalLM(llama_config(layers, hidden)).parameters())
 
 
+# ---------------------------------------------------------------------------- disk tier
+def disk_reference_bandwidth(directory: str, nbytes: int, block: int = 4 << 20) -> dict:
+    """The disk's own sequential bandwidth, `dd`-style: write `nbytes` in `block`-byte writes and
+    fsync, drop the file's pages from the page cache (posix_fadvise DONTNEED; no root needed),
+    read it back cold, then again warm (from the cache). Bytes per second."""
+    path = os.path.join(directory, "dd-reference.bin")
+    data = os.urandom(block)
+    out = {}
+    try:
+        start = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(data[:min(block, left)])
+            os.fsync(f.fileno())
+        out["write"] = nbytes / (time.perf_counter() - start)
+        for kind in ("read_cold", "read_warm"):
+            with open(path, "rb", buffering=0) as f:
+                if kind == "read_cold":
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                buf = bytearray(block)
+                start = time.perf_counter()
+                while f.readinto(buf):
+                    pass
+                out[kind] = nbytes / (time.perf_counter() - start)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return out
+
+
+def _disk_model(args):
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config(args.disk_layers, args.disk_hidden))
+
+
+def _disk_run(args, batch, **options) -> dict:
+    """Train the disk bench's model with Gemini static, everything offloaded; times and the host
+    pool's resident peak over boost and training."""
+    import gc
+
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import GeminiPlugin
+    from phalanx.observe.memory import PeakResident, resident_bytes
+
+    gc.collect()
+    base = resident_bytes()
+    steps, opt_times, losses = [], [], []
+    with PeakResident(interval=2e-3) as peak:
+        model = _disk_model(args)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        plugin = GeminiPlugin(placement_policy="static", offload_param_frac=1.0, offload_optim_frac=1.0,
+                              precision="fp32", chunk_size_mb=args.chunk_mb, **options)
+        booster = Booster(plugin=plugin)
+        model, opt, *_ = booster.boost(model, opt)
+        disk = plugin.manager.disk
+        for i in range(args.steps + 1):
+            if i == 1 and disk is not None:  # the untimed first step's I/O is not counted
+                disk.store.stats.update({k: 0 for k in disk.store.stats})
+                disk.stats.update(stall_s=0.0, write_wait_s=0.0)
+            t0 = time.perf_counter()
+            loss = model(input_ids=batch, labels=batch).loss
+            booster.backward(loss, opt)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t2 = time.perf_counter()
+            losses.append(loss.item())
+            if i:
+                steps.append(t2 - t0)
+                opt_times.append(t2 - t1)
+    m = plugin.manager
+    from phalanx.gemini.placement import host_need
+
+    n = len(m.chunks)
+    out = {"losses": losses, "step_s": sorted(steps)[len(steps) // 2], "optim_step_s": sorted(opt_times)[len(opt_times) // 2],
+           "host_resident": peak.max["shmem"] - base["shmem"], "host_accounted": m.tiers.peak_host,
+           "disk_bytes": m.tiers.bytes["disk"], "params": sum(p.numel() for p in model.unwrapped.parameters()),
+           "host_need_all_in_memory": sum(host_need(m.chunks, ["host"] * n, ["host"] * n, 0).values()),
+           "host_need_all_on_disk": sum(host_need(m.chunks, ["host"] * n, ["disk"] * n, plugin.disk_prefetch).values()),
+           "optim_chunks_on_disk": sum(c.optim_tier == "disk" for c in m.chunks), "chunks": n}
+    if m.disk is not None:
+        st = m.disk.store.stats
+        out.update(directory=m.disk.store.directory, disk_io=dict(st), stall_s=m.disk.stats["stall_s"] / args.steps,
+                   write_wait_s=m.disk.stats["write_wait_s"] / args.steps,
+                   read_bw=st["bytes_read"] / st["read_s"] if st["read_s"] else None,
+                   write_bw=st["bytes_written"] / st["write_s"] if st["write_s"] else None)
+    del booster, plugin, model, opt
+    gc.collect()
+    return out
+
+
+def disk_rank_main(args_dict: dict) -> dict:
+    import tempfile
+
+    from phalanx.gemini.tiers import parse_bytes
+
+    args = argparse.Namespace(**args_dict)
+    batch = torch.randint(0, VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    memory = _disk_run(args, batch)
+    disk_dir = args.disk_dir or tempfile.gettempdir()
+    if args.host_budget == "auto":  # room for a quarter of the optimizer state besides the floor
+        floor = memory["host_need_all_on_disk"]
+        budget = floor + (memory["host_need_all_in_memory"] - floor) // 4
+    else:
+        budget = parse_bytes(args.host_budget, None, "--host-budget")
+    options = dict(host_memory_budget=budget, offload_to_disk="auto", disk_dir=disk_dir)
+    disk = _disk_run(args, batch, **options)
+    cold = _disk_run(args, batch, disk_drop_cache=True, **options)
+    reference = disk_reference_bandwidth(disk_dir, max(disk["disk_bytes"], 64 << 20))
+    return {"memory": memory, "disk": disk, "disk_cold": cold, "dd": reference, "host_budget": budget,
+            "disk_dir": disk_dir}
+
+
+def print_disk(out: dict, args) -> None:
+    MB = 1e6
+    mem, budget = out["memory"], out["host_budget"]
+    print(f"LLaMA {args.disk_layers} x {args.disk_hidden} ({mem['params'] / 1e6:.1f}M parameters), batch "
+          f"{args.batch}x{args.seq}, fp32, chunks of {args.chunk_mb} MiB, static placement with everything offloaded; "
+          f"host budget {budget / 2**20:.1f} MiB; disk dir {out['disk_dir']}")
+    print(f"{'run':34s} {'step s':>8s} {'vs mem':>7s} {'optim s':>8s} {'wait r/w s':>11s} {'host peak MiB':>14s} "
+          f"{'on disk MB':>11s} {'read MB/s':>10s} {'write MB/s':>11s}")
+    for key, label in (("memory", "all in memory"), ("disk", "disk tier (page cache)"),
+                       ("disk_cold", "disk tier (cache dropped, fsync)")):
+        r = out[key]
+        rb = f"{r['read_bw'] / MB:10.0f}" if r.get("read_bw") else f"{'-':>10s}"
+        wb = f"{r['write_bw'] / MB:11.0f}" if r.get("write_bw") else f"{'-':>11s}"
+        stall = f"{r['stall_s']:5.2f}/{r['write_wait_s']:5.2f}" if "stall_s" in r else f"{'-':>11s}"
+        print(f"{label:34s} {r['step_s']:8.3f} {r['step_s'] / mem['step_s']:7.2f} {r['optim_step_s']:8.3f} {stall} "
+              f"{r['host_resident'] / 2**20:14.1f} {r['disk_bytes'] / MB:11.1f} {rb} {wb}")
+    print("(optim s: the optimizer step; wait r/w: of it, waiting for a chunk's read / for a write to free a buffer; "
+          "read/write MB/s: bytes over the I/O threads' busy time, checksums included)")
+    dd = out["dd"]
+    print(f"disk's own (dd-style, {out['disk']['disk_bytes'] / MB:.0f} MB, 4 MiB blocks): write+fsync "
+          f"{dd['write'] / MB:.0f} MB/s, read cold {dd['read_cold'] / MB:.0f} MB/s, read warm {dd['read_warm'] / MB:.0f} MB/s")
+    same = max(abs(a - b) / abs(b) for a, b in zip(out["disk"]["losses"], mem["losses"], strict=True))
+    print(f"losses disk vs memory: max relative difference {same:.1e}; host peak vs budget: "
+          f"{out['disk']['host_resident'] / budget:.2f} (in memory it would be {mem['host_resident'] / budget:.2f})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", default="64MiB", help="device memory per rank")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=None, help="ranks (default 2; --disk: 1)")
     parser.add_argument("--batch", type=int, default=1, help="micro-batch per rank")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (after one untimed)")
-    parser.add_argument("--chunk-mb", type=float, default=1.0, help="Gemini chunk size (MiB)")
+    parser.add_argument("--chunk-mb", type=float, default=None, help="Gemini chunk size (MiB; default 1, --disk: 4)")
     parser.add_argument("--ladder", type=int, default=len(LADDER), help="how many ladder sizes to try")
     parser.add_argument("--common", type=int, default=None,
                         help="ladder index of the common size for tokens/s (default: the largest all fit)")
     parser.add_argument("--plugins", nargs="+", default=list(PLUGINS), choices=PLUGINS)
+    parser.add_argument("--disk", action="store_true", help="benchmark the disk tier instead (see the docstring)")
+    parser.add_argument("--disk-layers", type=int, default=6)
+    parser.add_argument("--disk-hidden", type=int, default=512)
+    parser.add_argument("--disk-dir", default=None, help="directory of the disk tier (default: the temp dir)")
+    parser.add_argument("--host-budget", default="auto",
+                        help="host_memory_budget of the disk runs; auto: the host need with all optimizer state "
+                             "on disk plus a quarter of the rest")
     args = parser.parse_args(argv)
 
     from phalanx.testing import spawn
+    args.world = args.world or (1 if args.disk else 2)
+    args.chunk_mb = args.chunk_mb or (4.0 if args.disk else 1.0)
+    if args.disk:
+        out = spawn(disk_rank_main, args.world, vars(args), timeout=3600)[0]
+        print_disk(out, args)
+        print("BENCH_JSON " + json.dumps({"bench": "gemini_disk", "world": args.world, "batch": args.batch,
+                                          "seq": args.seq, **{k: v for k, v in out.items()}}, default=str), flush=True)
+        return 0
     out = spawn(rank_main, args.world, vars(args), timeout=3600)[0]
     ddp = out["largest"].get("ddp", {}).get("params")
     ddp_speed = out["speed"].get("ddp", {}).get("tokens_per_s")

@@ -18,7 +18,7 @@ import gemini_workers as gw
 from phalanx.gemini import ChunkManager, MemoryTiers, adam_update, parse_bytes, search_chunk_size
 from phalanx.gemini.chunk import build_layouts, pack, padding_waste
 from phalanx.gemini.optimizer import NORM_BLOCK
-from phalanx.gemini.tiers import DEVICE, HOST, BudgetExceeded
+from phalanx.gemini.tiers import DEVICE, DISK, HOST, BudgetExceeded
 import plugin_cases as cases
 from phalanx.testing import assert_rel_close, rounding_rtol, spawn
 from plugin_cases import single_process_reference
@@ -91,13 +91,15 @@ def test_chunk_search_minimises_padding_and_isolates_oversized_params():
 
 
 def test_memory_tiers_account_bytes_and_refuse_the_budget():
-    tiers = MemoryTiers(torch.device("cpu"), budget=1000)
+    tiers = MemoryTiers(torch.device("cpu"), budget=1000, host_budget=1200)
     t = tiers.empty(HOST, 200, torch.float32)
-    assert tiers.bytes == {DEVICE: 0, HOST: 800}
+    assert tiers.bytes == {DEVICE: 0, HOST: 800, DISK: 0}
     t = tiers.move(t, HOST, DEVICE)
-    assert tiers.bytes == {DEVICE: 800, HOST: 0} and tiers.peak_device == 800
-    with pytest.raises(BudgetExceeded):
+    assert tiers.bytes == {DEVICE: 800, HOST: 0, DISK: 0} and tiers.peak_device == 800 and tiers.peak_host == 800
+    with pytest.raises(BudgetExceeded, match="device"):
         tiers.empty(DEVICE, 100, torch.float32)
+    with pytest.raises(BudgetExceeded, match="host"):
+        tiers.empty(HOST, 301, torch.float32)  # 1204 bytes > 1200
     tiers.drop(DEVICE, t)
     assert tiers.bytes[DEVICE] == 0
     assert parse_bytes("2GiB", 0) == 2 * 2**30 and parse_bytes("512MB", 0) == 512 * 10**6

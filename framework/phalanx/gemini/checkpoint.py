@@ -45,14 +45,17 @@ def gemini_fragments(opt: GeminiOptimizer, names: dict[int, str]) -> OptimizerFr
     for chunk in m.chunks:
         if not chunk.sharded and m.dp_rank != 0:
             continue
-        for k, a, b in chunk.owned():
-            p = chunk.params[k]
-            if id(p) not in opt.group_of or not opt.steps[opt.group_of[id(p)]]:
-                continue
-            start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
-            for key in STATES:
-                data = getattr(chunk, key)[start:start + (b - a)].detach().float().cpu().clone()
-                out.fragments.append(Fragment(names[id(p)], key, a, b, data))
+        owned = [(k, a, b) for k, a, b in chunk.owned()
+                 if id(chunk.params[k]) in opt.group_of and opt.steps[opt.group_of[id(chunk.params[k])]]]
+        if not owned:
+            continue
+        with m.optim_state(chunk):  # a disk chunk's state is read from its file
+            for k, a, b in owned:
+                p = chunk.params[k]
+                start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
+                for key in STATES:
+                    data = getattr(chunk, key)[start:start + (b - a)].detach().float().cpu().clone()
+                    out.fragments.append(Fragment(names[id(p)], key, a, b, data))
     return out
 
 
@@ -67,14 +70,15 @@ def load_gemini_fragments(opt: GeminiOptimizer, names: dict[int, str], reader: F
         opt.steps[gi] = int(max(steps, default=0.0))
     with torch.no_grad():
         for chunk in opt.manager.chunks:
-            chunk.exp_avg.zero_()
-            chunk.exp_avg_sq.zero_()
-            for k, a, b in chunk.owned():
-                p = chunk.params[k]
-                if id(p) not in opt.group_of:
-                    continue
-                name = names[id(p)]
-                start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
-                for key in STATES:
-                    if key in reader.state_keys(name):
-                        getattr(chunk, key)[start:start + (b - a)].copy_(reader.read(name, key, a, b))
+            with opt.manager.optim_state(chunk, write=True):  # a disk chunk's file is rewritten
+                chunk.exp_avg.zero_()
+                chunk.exp_avg_sq.zero_()
+                for k, a, b in chunk.owned():
+                    p = chunk.params[k]
+                    if id(p) not in opt.group_of:
+                        continue
+                    name = names[id(p)]
+                    start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
+                    for key in STATES:
+                        if key in reader.state_keys(name):
+                            getattr(chunk, key)[start:start + (b - a)].copy_(reader.read(name, key, a, b))

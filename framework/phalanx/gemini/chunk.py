@@ -8,7 +8,7 @@ it needs. `search_chunk_size` picks the size that wastes the least padding over 
 Each chunk is cut into `world` equal shards (`phalanx.zero.partition.FlatLayout`, with the
 padding as a last slot): rank r keeps shard r in the compute dtype (`shard`) and its fp32
 master copy with the Adam moments and the fp32 gradient (`master`, `exp_avg`, `exp_avg_sq`,
-`master_grad`). A chunk that is not sharded (`shard_param_frac` < 1) has world 1 and every rank
+`master_grad`; on the disk tier the first three are None between optimizer steps). A chunk that is not sharded (`shard_param_frac` < 1) has world 1 and every rank
 keeps all of it. While a module computes, the shards are all-gathered into `full` and the
 module's parameters are views of it; afterwards they point at a one-element placeholder that
 keeps their shape and dtype but no memory.
@@ -106,7 +106,7 @@ class Chunk:
     shard: torch.Tensor | None = None
     shard_tier: str = HOST
     home: str | None = None  # static policy: where the shard lives between uses
-    optim_tier: str = HOST
+    optim_tier: str = HOST  # "device", "host" or "disk" (master and moments in a file: phalanx.gemini.disk)
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None

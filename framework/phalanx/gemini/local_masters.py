@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.gemini.tiers import DISK
 from phalanx.zero import comm
 
 
@@ -38,8 +39,16 @@ class LocalMasters:
 
     def pieces(self) -> list[torch.Tensor]:
         """Views of this rank's part of each parameter's fp32 master (empty where it owns none).
-        Taken afresh on every call: a placement policy may move the masters between tiers."""
-        return [chunk.master[s:e] for (chunk, _), (s, e, _, _) in zip(self._where, self._ranges, strict=True)]
+        Taken afresh on every call: a placement policy may move the masters between tiers. For
+        chunks on the disk tier they are copies read from the files: change weights with `write`."""
+        masters = {}
+        for chunk in self._chunks:
+            if chunk.optim_tier == DISK:
+                with self.manager.optim_state(chunk):
+                    masters[id(chunk)] = chunk.master.clone()
+            else:
+                masters[id(chunk)] = chunk.master
+        return [masters[id(chunk)][s:e] for (chunk, _), (s, e, _, _) in zip(self._where, self._ranges, strict=True)]
 
     def piece_of(self, index: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full value of parameter `index`."""
@@ -50,7 +59,8 @@ class LocalMasters:
         """{name: full tensor} from per-piece `values` (like `pieces()`). A collective."""
         out: dict[str, torch.Tensor] = {}
         for chunk in self._chunks:
-            shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=chunk.master.device)
+            device = chunk.master.device if chunk.master is not None else self.manager.tiers.device  # None: on disk
+            shard = torch.zeros(chunk.shard_numel, dtype=torch.float32, device=device)
             mine = [i for i, (c, _) in enumerate(self._where) if c is chunk]
             for i in mine:
                 s, e, _, _ = self._ranges[i]
@@ -70,7 +80,12 @@ class LocalMasters:
     @torch.no_grad()
     def write(self, values: list[torch.Tensor]) -> None:
         """Set the masters' pieces to `values` and refresh the compute-dtype shards from them."""
-        for piece, value in zip(self.pieces(), values, strict=True):
-            piece.copy_(value)
+        if len(values) != len(self.names):
+            raise ValueError(f"{len(values)} values for {len(self.names)} parameters")
         for chunk in self._chunks:
-            self.manager.publish(chunk)
+            with self.manager.optim_state(chunk, write=True):
+                for i, (c, _) in enumerate(self._where):
+                    if c is chunk:
+                        s, e, _, _ = self._ranges[i]
+                        chunk.master[s:e].copy_(values[i])
+                self.manager.publish(chunk)

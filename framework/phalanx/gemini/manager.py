@@ -15,6 +15,11 @@ It owns the chunks and the `MemoryTiers` accounting and offers the operations th
   got no gradient, free every gathered buffer. Every chunk is reduced once per backward, so
   all ranks issue the same collectives, and micro-steps of gradient accumulation just add.
 
+Optimizer state on disk (`disk`, a `phalanx.gemini.disk.DiskTier`, when some chunks' optimizer
+tier is "disk"): such a chunk's master and moments are files between steps; `optim_state(chunk)`
+brings them into memory for code that reads or writes them outside the optimizer step
+(checkpoints, EMA), and the optimizer step streams them (`GeminiOptimizer.step`).
+
 `position` counts module steps (fetches) within an iteration; the trace of which chunks each
 position needed (recorded in the first iteration) drives prefetching and the auto policy's
 "evict what is needed farthest in the future".
@@ -29,15 +34,16 @@ buffer gathered again for backward (weights do not change within an iteration).
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from phalanx.gemini.chunk import Chunk, ChunkState, build_layouts
-from phalanx.gemini.tiers import DEVICE, HOST, MemoryTiers
+from phalanx.gemini.tiers import DEVICE, DISK, HOST, MemoryTiers
 from phalanx.zero import comm
 
 
@@ -87,11 +93,15 @@ class ChunkManager:
         self.stats = {"gathers": 0, "prefetched": 0, "evictions": 0, "reductions": 0}
         self.tracer = None  # set by the plugin: told of the saved tensors that are not chunk views
         self._by_storage: dict[int, Chunk] = {}  # storage address of a gathered buffer -> its chunk
+        self.disk = None  # a DiskTier when some optimizer chunks live on disk (set by the plugin)
 
     # ------------------------------------------------------------------ storage
     def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str]) -> None:
         """Copy the parameters into their chunks' shards and create the fp32 masters and Adam
-        moments, each on its tier; the parameters become placeholders."""
+        moments, each on its tier; the parameters become placeholders. A "disk" chunk's master
+        and moments are written to its file (`self.disk` must be set), its gradient is on the host."""
+        if DISK in optim_tiers and self.disk is None:
+            raise ValueError("optimizer chunks placed on disk but the manager has no disk tier")
         with torch.no_grad():
             for chunk, st, ot in zip(self.chunks, shard_tiers, optim_tiers):
                 flat = torch.zeros(chunk.numel, dtype=chunk.dtype)
@@ -102,12 +112,30 @@ class ChunkManager:
                 chunk.shard.copy_(flat[lo:hi])
                 chunk.shard_tier = st
                 chunk.optim_tier = ot
-                chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
-                chunk.master.copy_(flat[lo:hi])
-                chunk.exp_avg = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
-                chunk.exp_avg_sq = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
-                chunk.master_grad = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                if ot == DISK:
+                    self.disk.create(chunk)
+                    with self.disk.loaded(chunk, read=False, write=True):
+                        chunk.master.copy_(flat[lo:hi])
+                        chunk.exp_avg.zero_()
+                        chunk.exp_avg_sq.zero_()
+                else:
+                    chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
+                    chunk.master.copy_(flat[lo:hi])
+                    chunk.exp_avg = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                    chunk.exp_avg_sq = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
+                chunk.master_grad = self.tiers.empty(HOST if ot == DISK else ot, chunk.shard_numel, torch.float32,
+                                                     zero=True)
                 chunk.detach()
+
+    @contextlib.contextmanager
+    def optim_state(self, chunk: Chunk, write: bool = False) -> Iterator[Chunk]:
+        """Inside: `chunk.master`, `exp_avg`, `exp_avg_sq` usable wherever the chunk's optimizer
+        state lives; a disk chunk's are read from its file, and written back after if `write`."""
+        if chunk.optim_tier != DISK:
+            yield chunk
+            return
+        with self.disk.loaded(chunk, read=True, write=write):
+            yield chunk
 
     def move_shard(self, chunk: Chunk, tier: str) -> None:
         if chunk.shard_tier != tier:
@@ -117,6 +145,8 @@ class ChunkManager:
     def move_optim(self, chunk: Chunk, tier: str) -> None:
         if chunk.optim_tier == tier:
             return
+        if DISK in (chunk.optim_tier, tier):
+            raise ValueError("disk-tier optimizer chunks stay on disk (the plugin decides that once, up front)")
         for name in ("master", "exp_avg", "exp_avg_sq", "master_grad"):
             setattr(chunk, name, self.tiers.move(getattr(chunk, name), chunk.optim_tier, tier))
         chunk.optim_tier = tier
@@ -359,7 +389,8 @@ class ChunkManager:
     # ------------------------------------------------------------------ whole values
     def gather_master(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's full fp32 master values on the CPU (a collective for sharded chunks)."""
-        shard = chunk.master.detach().to(self.tiers.device)
+        with self.optim_state(chunk):
+            shard = chunk.master.detach().to(self.tiers.device, copy=chunk.optim_tier == DISK)  # outlives the buffer
         if not chunk.sharded:
             return shard.cpu()
         full = torch.empty(chunk.numel, dtype=torch.float32, device=self.tiers.device)
@@ -370,16 +401,18 @@ class ChunkManager:
         """Set masters and shards from full parameter values keyed by position `(chunk, k)`."""
         with torch.no_grad():
             for chunk in self.chunks:
-                for k, a, b in chunk.owned():
-                    value = values.get(id(chunk.params[k]))
-                    if value is None:
-                        continue
-                    start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
-                    piece = value.detach().reshape(-1)[a:b].float()
-                    chunk.master[start:start + (b - a)].copy_(piece)
-                    chunk.shard[start:start + (b - a)].copy_(piece.to(chunk.dtype))
+                owned = [(k, a, b) for k, a, b in chunk.owned() if id(chunk.params[k]) in values]
+                if not owned:
+                    continue
+                with self.optim_state(chunk, write=True):
+                    for k, a, b in owned:
+                        start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
+                        piece = values[id(chunk.params[k])].detach().reshape(-1)[a:b].float()
+                        chunk.master[start:start + (b - a)].copy_(piece)
+                        chunk.shard[start:start + (b - a)].copy_(piece.to(chunk.dtype))
 
     def publish(self, chunk: Chunk) -> None:
-        """Copy the updated fp32 master into the compute-dtype shard."""
+        """Copy the updated fp32 master into the compute-dtype shard (the master must be in
+        memory: inside `optim_state` for a disk chunk)."""
         with torch.no_grad():
             chunk.shard.copy_(chunk.master.to(chunk.shard.device))

@@ -11,6 +11,10 @@ ranges of its shard that belong to one group, and every range is updated with it
 hyper-parameters, read from the *user's* optimizer at every step, so an LR scheduler built on it
 keeps working. Adam's step count is per group.
 
+Chunks whose optimizer state lives on disk (`phalanx.gemini.disk`) are updated on the CPU too,
+in the same model order: their files are read a few chunks ahead (started before the gradient
+norm, so the first reads overlap it) and each is written back right after its update.
+
 Before the update: the gradient norm over all shards (one all-reduce of per-rank sums of
 squares; replicated chunks are counted on rank 0 only), which also detects an fp16 overflow on
 any rank (every rank then skips the step), unscaling and clipping.
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.gemini.manager import ChunkManager
+from phalanx.gemini.tiers import DISK
 from phalanx.launch import collective
 from phalanx.param_binding import FOREIGN_PARAM
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
@@ -134,6 +139,15 @@ class GeminiOptimizer(OptimizerWrapper):
             raise ValueError("GeminiOptimizer does not take closures; call backward before step")
         if self.manager.in_backward:
             self.manager.finish_backward()
+        on_disk = [c for c, segs in zip(self.manager.chunks, self.segments) if segs and c.optim_tier == DISK]
+        stream = self.manager.disk.stream(on_disk) if on_disk else None  # reads start now
+        try:
+            self._step(stream)
+        finally:
+            if stream is not None:
+                stream.finish()
+
+    def _step(self, stream) -> None:
         norm = self._grad_norm()
         self.skipped = not math.isfinite(norm)
         if self.skipped:
@@ -154,6 +168,8 @@ class GeminiOptimizer(OptimizerWrapper):
                 continue
             if coef != 1.0:
                 chunk.master_grad.mul_(coef)
+            if chunk.optim_tier == DISK:
+                stream.take(chunk)  # waits for its read; the next ones are under way
             for a, b, g in segs:
                 group = self.optim.param_groups[g]
                 beta1, beta2 = group["betas"]
@@ -161,6 +177,8 @@ class GeminiOptimizer(OptimizerWrapper):
                             step=self.steps[g], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                             eps=group["eps"], weight_decay=group["weight_decay"], decoupled=self.decoupled)
             self.manager.publish(chunk)
+            if chunk.optim_tier == DISK:
+                stream.done(chunk)  # written back in the background
         if self.scaler.enabled:
             self.scaler.update(False)
         self.zero_grad()

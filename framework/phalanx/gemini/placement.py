@@ -15,18 +15,29 @@
 
 Either way, when even the unavoidable working set does not fit, `NotEnoughDeviceMemory`
 says how many bytes are missing and which settings would fit.
+
+Below both, the host tier and the disk (`place_optim_on_disk`): with a `host_memory_budget`,
+the host must hold the parameter shards that start there, the fp32 gradients of the optimizer
+chunks that are not on the device, and the optimizer state kept on the host; with
+`offload_to_disk`, optimizer chunks (the last ones in model order first) move to files on disk
+until that fits, at the cost of a few read-ahead buffers. `NotEnoughHostMemory` says what is
+missing otherwise.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from phalanx.gemini.chunk import Chunk, ChunkState
-from phalanx.gemini.tiers import DEVICE, HOST
+from phalanx.gemini.tiers import DEVICE, DISK, HOST
 
 MiB = 2**20
 
 
 class NotEnoughDeviceMemory(RuntimeError):
+    pass
+
+
+class NotEnoughHostMemory(RuntimeError):
     pass
 
 
@@ -102,8 +113,13 @@ class _Policy:
     def _victims(self, manager, pos, protect):
         return []
 
+    chunk_size_is_smallest = False  # the plugin's search already took the smallest working set
+
+    def _smaller_chunks(self) -> list[str]:
+        return [] if self.chunk_size_is_smallest else ["a smaller chunk_size_mb"]
+
     def suggest(self, manager, need: int) -> list[str]:
-        return [f"device_memory_budget >= {_mib(need)}", "a smaller chunk_size_mb",
+        return [f"device_memory_budget >= {_mib(need)}", *self._smaller_chunks(),
                 "a smaller micro-batch or activation checkpointing (less non-model memory)",
                 "more data-parallel ranks (shards are 1/N of each chunk)"]
 
@@ -159,7 +175,7 @@ class StaticPlacement(_Policy):
                 break
         ideas.append("placement_policy='auto'") if persistent(1.0, 1.0) + work <= budget else None
         ideas += [f"device_memory_budget >= {_mib(need)}"]
-        if work > budget:
+        if work > budget and not self.chunk_size_is_smallest:
             ideas.append("a smaller chunk_size_mb (the largest module, "
                          f"{where!r}, needs {_mib(work)} of gathered chunks and gradients)")
         raise not_enough(manager, f"placement 'static' (offload_param_frac={self.offload_param_frac}, "
@@ -180,8 +196,10 @@ class AutoPlacement(_Policy):
     def check_fits(self, manager, module_chunks: dict[str, list[Chunk]]) -> None:
         work, where = min_working_set(manager, module_chunks)
         if work > manager.tiers.budget:
-            raise not_enough(manager, f"module {where!r} (its gathered chunks and gradients)", work,
-                             [f"device_memory_budget >= {_mib(work)}", "a smaller chunk_size_mb",
+            what = f"module {where!r} (its gathered chunks and gradients"
+            what += ", with chunk sizes searched down to one parameter per chunk)" if self.chunk_size_is_smallest else ")"
+            raise not_enough(manager, what, work,
+                             [f"device_memory_budget >= {_mib(work)}", *self._smaller_chunks(),
                               "more data-parallel ranks"])
 
     def on_position(self, manager, pos: int) -> None:
@@ -211,3 +229,55 @@ class AutoPlacement(_Policy):
                 self.make_room(manager, chunk.optim_bytes(), 0, [])
                 manager.move_optim(chunk, DEVICE)
                 room -= chunk.optim_bytes()
+
+
+# ---------------------------------------------------------------------------- host tier and disk
+def host_need(chunks: Sequence[Chunk], shard_tiers: Sequence[str], optim_tiers: Sequence[str],
+              disk_depth: int) -> dict[str, int]:
+    """Host bytes by kind for this placement: parameter shards that live there, fp32 gradients
+    of optimizer chunks not on the device, optimizer state kept there (fp32 master and two
+    moments), and the disk tier's `disk_depth + 1` read-ahead buffers (of the largest disk chunk)."""
+    out = {"shards": 0, "gradients": 0, "optimizer state": 0, "disk buffers": 0}
+    largest_disk = 0
+    for c, st, ot in zip(chunks, shard_tiers, optim_tiers, strict=True):
+        out["shards"] += c.shard_bytes() if st == HOST else 0
+        out["gradients"] += 4 * c.shard_numel if ot != DEVICE else 0
+        out["optimizer state"] += 12 * c.shard_numel if ot == HOST else 0
+        largest_disk = max(largest_disk, c.shard_numel if ot == DISK else 0)
+    out["disk buffers"] = (disk_depth + 1) * 12 * largest_disk
+    return out
+
+
+def place_optim_on_disk(chunks: Sequence[Chunk], shard_tiers: Sequence[str], optim_tiers: Sequence[str], *,
+                        host_budget: int | None, offload_to_disk: bool | str, disk_depth: int) -> list[str]:
+    """The optimizer tiers with the disk tier applied: `True` puts every host optimizer chunk on
+    disk, "auto" the last ones until the host budget holds; then the host budget must hold
+    (`NotEnoughHostMemory` otherwise)."""
+    tiers = list(optim_tiers)
+    if offload_to_disk is True:
+        tiers = [DISK if t == HOST else t for t in tiers]
+    elif offload_to_disk == "auto" and host_budget is not None:
+        for i in reversed(range(len(tiers))):
+            if sum(host_need(chunks, shard_tiers, tiers, disk_depth).values()) <= host_budget:
+                break
+            if tiers[i] == HOST:
+                tiers[i] = DISK
+    if host_budget is None:
+        return tiers
+    need = host_need(chunks, shard_tiers, tiers, disk_depth)
+    total = sum(need.values())
+    if total <= host_budget:
+        return tiers
+    ideas = [f"host_memory_budget >= {_mib(total)}"]
+    all_disk = [DISK if t == HOST else t for t in tiers]
+    floor = sum(host_need(chunks, shard_tiers, all_disk, disk_depth).values())
+    if offload_to_disk is False and floor <= host_budget:
+        ideas.insert(0, "offload_to_disk='auto' (the optimizer state that does not fit goes to files under disk_dir)")
+    if need["disk buffers"] and disk_depth > 1:
+        ideas.append("a smaller disk_prefetch (fewer read-ahead buffers)")
+    ideas += ["a smaller chunk_size_mb (smaller read-ahead buffers)" if need["disk buffers"] else None,
+              "more data-parallel ranks (each holds 1/N of every sharded chunk)"]
+    parts = ", ".join(f"{_mib(v)} of {k}" for k, v in need.items() if v)
+    raise NotEnoughHostMemory(
+        f"GeminiPlugin: the host tier needs {_mib(total)} ({parts}) but host_memory_budget is {_mib(host_budget)}: "
+        f"{_mib(total - host_budget)} missing. Settings that would fit: " + "; ".join(i for i in ideas if i))

@@ -1,9 +1,11 @@
-"""Byte accounting for the two memory tiers Gemini moves data between: "device" and "host".
+"""Byte accounting for the tiers Gemini moves data between: "device", "host" and "disk".
 
 Every tensor the chunk manager creates, moves or frees goes through `MemoryTiers`, which
-records the bytes per tier and the device peak, and refuses (with `BudgetExceeded`) an
-allocation that would take the device tier over its budget; the placement policies plan with
-these numbers. The tiers are real places, on a CPU-only machine too: the host tier is
+records the bytes per tier and the device and host peaks, and refuses (with `BudgetExceeded`)
+an allocation that would take the device tier over its budget, or the host tier over its own
+(`host_budget`, when one is set); the placement policies plan with these numbers. The disk
+tier (`phalanx.gemini.disk`) holds no tensors: its bytes are the chunk files' contents, counted
+here so that the three tiers add up. The tiers are real places, on a CPU-only machine too: the host tier is
 `phalanx.hostmem`'s pool (pinned memory on a GPU machine; shared anonymous pages, which the
 kernel counts apart from torch's allocations, on a CPU-only one), and a move is a real copy. So
 the budget can be checked against what the kernel reports (docs/gemini.md, "Memory, measured").
@@ -16,7 +18,7 @@ import torch
 
 from phalanx.hostmem import host_copy, host_empty
 
-DEVICE, HOST = "device", "host"
+DEVICE, HOST, DISK = "device", "host", "disk"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -26,13 +28,13 @@ class BudgetExceeded(RuntimeError):
     placement policy must make room first)."""
 
 
-def parse_bytes(value: str | int | float | None, default: int) -> int:
+def parse_bytes(value: str | int | float | None, default: int | None, what: str = "device_memory_budget") -> int | None:
     """'20GiB', '512MB', 1e9 or None (the default) -> a byte count."""
     if value is None:
-        return int(default)
+        return None if default is None else int(default)
     if isinstance(value, (int, float)):
         if value <= 0:
-            raise ValueError(f"device_memory_budget={value} must be positive")
+            raise ValueError(f"{what}={value} must be positive")
         return int(value)
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", value)
     if not m or m.group(2).upper() not in _UNITS:
@@ -53,11 +55,13 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class MemoryTiers:
-    def __init__(self, device: torch.device, budget: int):
+    def __init__(self, device: torch.device, budget: int, host_budget: int | None = None):
         self.device = device
         self.budget = int(budget)
-        self.bytes = {DEVICE: 0, HOST: 0}
+        self.host_budget = None if host_budget is None else int(host_budget)
+        self.bytes = {DEVICE: 0, HOST: 0, DISK: 0}
         self.peak_device = 0
+        self.peak_host = 0
         self.reserve = 0  # non-model bytes the policy expects at the current step (auto)
         self.peak_device_with_reserve = 0
 
@@ -68,7 +72,11 @@ class MemoryTiers:
     def _add(self, tier: str, n: int) -> None:
         if tier == DEVICE and self.bytes[DEVICE] + n > self.budget:
             raise BudgetExceeded(f"device tier would hold {self.bytes[DEVICE] + n} bytes, budget {self.budget}")
+        if tier == HOST and self.host_budget is not None and self.bytes[HOST] + n > self.host_budget:
+            raise BudgetExceeded(f"host tier would hold {self.bytes[HOST] + n} bytes, budget {self.host_budget}")
         self.bytes[tier] += n
+        if tier == HOST:
+            self.peak_host = max(self.peak_host, self.bytes[HOST])
         if tier == DEVICE:
             self.peak_device = max(self.peak_device, self.bytes[DEVICE])
             self.note_reserve(self.reserve)

@@ -2,10 +2,13 @@
 that move between device and host memory (`phalanx.gemini`), sharded over the ranks.
 
     plugin = GeminiPlugin(placement_policy="auto", device_memory_budget="20GiB", precision="bf16")
+    plugin = GeminiPlugin(host_memory_budget="64GiB", offload_to_disk="auto", disk_dir="/nvme/scratch")
 
 Set-up order (`configure_model`): cast to the compute precision, broadcast rank 0's weights,
-pack the parameters into chunks (size searched unless `chunk_size_mb` is given), place them
-with the policy, hook the modules, and check that the unavoidable working set fits the budget.
+pack the parameters into chunks (size searched unless `chunk_size_mb` is given, within the
+device budget: `phalanx.gemini.chunk_search`), place them with the policy, hook the modules,
+check that the unavoidable working set fits the budget, put on disk the optimizer chunks the
+host budget cannot hold (`offload_to_disk`), and only then take memory.
 See docs/gemini.md for the options and the memory model.
 """
 from __future__ import annotations
@@ -22,11 +25,13 @@ from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
 from phalanx.gemini.checkpoint import full_master_weights, gemini_fragments, load_gemini_fragments
 from phalanx.gemini.chunk import search_chunk_size
+from phalanx.gemini.chunk_search import search_chunk_numel
+from phalanx.gemini.disk import ChunkFileStore, DiskTier
 from phalanx.gemini.hooks import install_hooks
 from phalanx.gemini.manager import ChunkManager
 from phalanx.gemini.optimizer import GeminiOptimizer
-from phalanx.gemini.placement import AutoPlacement, StaticPlacement
-from phalanx.gemini.tiers import MemoryTiers, device_capacity, parse_bytes
+from phalanx.gemini.placement import AutoPlacement, StaticPlacement, place_optim_on_disk
+from phalanx.gemini.tiers import DISK, MemoryTiers, device_capacity, parse_bytes
 from phalanx.gemini.tracer import MemoryTracer
 from phalanx.zero import comm
 
@@ -37,15 +42,35 @@ SEARCH_RANGE_MB = (8.0, 64.0, 1.0)  # min, max, step of the chunk-size search, M
 class GeminiPlugin(Plugin):
     """GeminiPlugin(placement_policy="auto"|"static", device_memory_budget=None, shard_param_frac=1.0,
     offload_optim_frac=0.0, offload_param_frac=0.0, precision="auto", chunk_size_mb=None, max_norm=None,
-    prefetch=1)."""
+    prefetch=1, host_memory_budget=None, offload_to_disk=False, disk_dir=None, disk_prefetch=2,
+    disk_drop_cache=False).
+
+    Disk tier: `offload_to_disk=True` keeps every optimizer chunk that would live on the host
+    (fp32 master and Adam moments; gradients stay in memory) in a file under `disk_dir` (default:
+    the system's temp directory), `"auto"` only those `host_memory_budget` cannot hold. The
+    optimizer step reads `disk_prefetch` chunks ahead and writes each back after its update."""
 
     name = "gemini"
 
     def __init__(self, placement_policy: str = "auto", device_memory_budget: str | int | None = None,
                  shard_param_frac: float = 1.0, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
                  precision: str = "auto", chunk_size_mb: float | None = None, max_norm: float | None = None,
-                 prefetch: int = 1):
+                 prefetch: int = 1, host_memory_budget: str | int | None = None,
+                 offload_to_disk: bool | str = False, disk_dir: str | None = None, disk_prefetch: int = 2,
+                 disk_drop_cache: bool = False):
         super().__init__(precision, max_norm)
+        if offload_to_disk not in (False, True, "auto"):
+            raise ValueError(f"offload_to_disk={offload_to_disk!r}: use False, True (every host optimizer chunk on "
+                             "disk) or 'auto' (those host_memory_budget cannot hold)")
+        if offload_to_disk == "auto" and host_memory_budget is None:
+            raise ValueError("offload_to_disk='auto' moves to disk what host_memory_budget cannot hold: set "
+                             "host_memory_budget (e.g. '64GiB'), or offload_to_disk=True for all of it")
+        if disk_dir is not None and offload_to_disk is False:
+            raise ValueError(f"disk_dir={disk_dir!r} is set but offload_to_disk is False: set offload_to_disk=True "
+                             "or 'auto' to use it, or drop disk_dir")
+        if not (isinstance(disk_prefetch, int) and disk_prefetch >= 1):
+            raise ValueError(f"disk_prefetch={disk_prefetch!r} must be an integer >= 1 (chunks read ahead)")
+        parse_bytes(host_memory_budget, None, "host_memory_budget")  # fail early on a bad size
         if placement_policy not in ("auto", "static"):
             raise ValueError(f"placement_policy={placement_policy!r}: use 'auto' or 'static'")
         if placement_policy == "auto" and (offload_optim_frac or offload_param_frac):
@@ -62,20 +87,37 @@ class GeminiPlugin(Plugin):
         self.offload_param_frac = offload_param_frac
         self.chunk_size_mb = chunk_size_mb
         self.prefetch = prefetch
+        self.host_memory_budget = host_memory_budget
+        self.offload_to_disk = offload_to_disk
+        self.disk_dir = disk_dir
+        self.disk_prefetch = disk_prefetch
+        self.disk_drop_cache = disk_drop_cache
         self.manager: ChunkManager | None = None
+        self._chunk_size_is_smallest = False
         self.tracer = None
 
     def describe(self) -> str:
         budget = self.manager.tiers.budget / MiB if self.manager else float("nan")
+        on_disk = sum(c.optim_tier == DISK for c in self.manager.chunks) if self.manager else 0
+        disk = f", optimizer chunks on disk={on_disk} in {self.manager.disk.store.directory}" if on_disk else ""
         return (f"gemini(precision={self.precision}, dp={self.dp_size}, placement={self.placement_policy}, "
-                f"budget={budget:.1f}MiB, chunks={len(self.manager.chunks) if self.manager else '?'})")
+                f"budget={budget:.1f}MiB, chunks={len(self.manager.chunks) if self.manager else '?'}{disk})")
 
     # ------------------------------------------------------------------ set-up
-    def _chunk_numel(self, numels: list[int], itemsize: int) -> int:
+    def _chunk_numel(self, numels: list[int], itemsize: int, trainable: list[bool] | None = None,
+                     modules: list[list[int]] | None = None, budget: int | None = None) -> int:
+        """The chunk size in elements: `chunk_size_mb`, else searched for the least padding (with
+        `modules` and `budget`: within what the budget allows, `phalanx.gemini.chunk_search`)."""
+        self._chunk_size_is_smallest = False
         if self.chunk_size_mb is not None:
             return max(self.dp_size, int(self.chunk_size_mb * MiB) // itemsize)
         lo, hi, step = (int(x * MiB) // itemsize for x in SEARCH_RANGE_MB)
-        return search_chunk_size(numels, lo, hi, step, self.dp_size)
+        if modules is None or budget is None:
+            return search_chunk_size(numels, lo, hi, step, self.dp_size)
+        size, self._chunk_size_is_smallest = search_chunk_numel(
+            numels, trainable, modules, budget=budget, world=self.dp_size, shard_param_frac=self.shard_param_frac,
+            itemsize=itemsize, default_range=(lo, hi, step))
+        return size
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         if self.manager is not None:
@@ -95,8 +137,12 @@ class GeminiPlugin(Plugin):
                         t.data = data.to(t.device)
         named = list(model.named_parameters())  # unique parameters, model order
         budget = parse_bytes(self.device_memory_budget, device_capacity(self.device))
-        tiers = MemoryTiers(self.device, budget)
-        chunk_numel = self._chunk_numel([p.numel() for _, p in named], torch.empty((), dtype=dtype).element_size())
+        host_budget = parse_bytes(self.host_memory_budget, None, "host_memory_budget")
+        tiers = MemoryTiers(self.device, budget, host_budget)
+        index = {id(p): i for i, (_, p) in enumerate(named)}
+        modules = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in model.modules()]
+        chunk_numel = self._chunk_numel([p.numel() for _, p in named], torch.empty((), dtype=dtype).element_size(),
+                                        [p.requires_grad for _, p in named], modules, budget)
         self.manager = ChunkManager(named, chunk_numel=chunk_numel, dp_size=self.dp_size, dp_rank=self.dp_rank,
                                     group=self.dp_group, tiers=tiers, shard_param_frac=self.shard_param_frac,
                                     prefetch=self.prefetch)
@@ -105,10 +151,19 @@ class GeminiPlugin(Plugin):
             policy = StaticPlacement(self.offload_param_frac, self.offload_optim_frac, tracer=self.tracer)
         else:
             policy = AutoPlacement(self.tracer)
+        policy.chunk_size_is_smallest = self._chunk_size_is_smallest
         self.manager.policy = policy
         table = install_hooks(self.manager, model, self.tracer)
         policy.check_fits(self.manager, table)  # before any memory is taken
-        self.manager.materialise(*policy.initial_tiers(self.manager))
+        shard_tiers, optim_tiers = policy.initial_tiers(self.manager)
+        optim_tiers = place_optim_on_disk(self.manager.chunks, shard_tiers, optim_tiers, host_budget=host_budget,
+                                          offload_to_disk=self.offload_to_disk, disk_depth=self.disk_prefetch)
+        on_disk = [c for c, t in zip(self.manager.chunks, optim_tiers) if t == DISK]
+        if on_disk:
+            store = ChunkFileStore(self.disk_dir, rank=self.dp_rank, drop_cache=self.disk_drop_cache)
+            record = 3 * max(c.shard_numel for c in on_disk)  # fp32 master and two moments
+            self.manager.disk = DiskTier(store, tiers, record, depth=self.disk_prefetch)
+        self.manager.materialise(shard_tiers, optim_tiers)
         return self.boosted(ModelWrapper(model, model))
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> GeminiOptimizer:
