@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Mistral models and a tiny BPE tokenizer, saved as Hugging Face
+"""Tiny Llama / Qwen2 / Mistral / Qwen3 / GPT-2 / OPT models and a tiny BPE tokenizer, saved as Hugging Face
 directories, for the inference tests. Nothing downloads.
 
 The models use a large init range so their next-token distributions are peaked: greedy argmax
@@ -46,9 +46,17 @@ def make_tokenizer():
 
 
 def model_config(family: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    if family == "gpt2":
+        return GPT2Config(**{**common, **dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=128,
+                                               initializer_range=0.25), **overrides})
+    if family == "opt":
+        return OPTConfig(**{**common, **dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                              max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.25,
+                                              dropout=0.0), **overrides})
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[family]
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   initializer_range=0.25, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -57,6 +65,8 @@ def model_config(family: str = "llama", **overrides):
         kwargs["sliding_window"] = 24  # shorter than the tests' sequences: the window matters
     if family == "qwen2":
         kwargs["tie_word_embeddings"] = True
+    if family == "qwen3":
+        kwargs["head_dim"] = 24  # not hidden / heads (16): the q/k norms and caches must use head_dim
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -71,6 +81,12 @@ def make_model(family: str = "llama", seed: int = 0, **overrides):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    with torch.no_grad():  # HF initialises norm weights to one and biases to zero: random ones test loading
+        for name, param in model.named_parameters():
+            if ("norm" in name or "ln_" in name or "layer_norm" in name) and family in ("qwen3", "gpt2", "opt"):
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            elif name.endswith("bias") and family in ("gpt2", "opt"):
+                param.normal_(0, 0.2)
     return model.eval()
 
 

@@ -168,6 +168,43 @@ def test_speculative_steps_reserve_lookahead_slots_only_when_all_decode():
     assert out.speculative and len(a.block_table) * 4 >= a.num_tokens + 3
 
 
+def test_a_fork_shares_only_the_full_prompt_blocks():
+    """The samples of one request: the child takes a reference on the parent's full prompt blocks;
+    the parent's partly filled last block stays the parent's alone (nobody writes a shared block),
+    and the child recomputes those tail tokens into a block of its own."""
+    bm = BlockManager(16, 4)
+    parent = seq(range(10))
+    bm.attach_cached_prefix(parent)
+    assert bm.ensure_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    child = Sequence("r", list(range(10)), parent.params, index=1)
+    bm.fork(parent, child)
+    assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 8
+    assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2, 1]
+    assert bm.num_free_blocks == 16 - 3
+    child.token_ids.append(99)  # its first sampled token; tokens 8..10 run in its next step
+    assert child.num_uncomputed_tokens == 3 and bm.ensure_slots(child, 11)
+    assert len(child.block_table) == 3 and child.block_table[2] != parent.block_table[2]
+    bm.free(parent)
+    assert [bm.ref_counts[b] for b in child.block_table] == [1, 1, 1]
+    bm.free(child)
+    assert bm.all_free()
+
+
+def test_admission_reserves_room_for_the_samples_a_request_will_fork():
+    sched = _scheduler(max_num_seqs=4)
+    a, b = seq(range(3), "a"), seq(range(10, 13), "b")
+    a.num_pending_forks, b.num_pending_forks = 2, 1  # n=3 and n=2
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a"] and sched.num_seq_slots_used == 3
+    big = seq(range(3), "big")
+    big.num_pending_forks = 4
+    with pytest.raises(ValueError, match="asks for 5 samples"):
+        sched.add(big)
+
+
 def test_a_request_larger_than_the_whole_cache_is_refused():
     sched = _scheduler(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="needs 5 KV blocks"):
@@ -182,6 +219,8 @@ def test_a_request_larger_than_the_whole_cache_is_refused():
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(logprobs=50), "logprobs"),
     (dict(stop=[""]), "stop"),
+    (dict(n=2, best_of=1), "best_of"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

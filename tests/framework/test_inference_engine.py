@@ -1,6 +1,7 @@
 """phalanx.inference.LLM end to end on tiny Llama / Qwen2 / Mistral models: token identity with
 `transformers` greedy generation, continuous batching, preemption, prefix caching, chunked
-prefill, sampling options, log-probs, live weights, and speculative decoding."""
+prefill, sampling options (n / best_of sharing the prompt's blocks, penalties, logit bias, echo),
+log-probs, live weights, and speculative decoding."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import inference_models as im
 from phalanx.inference import LLM, SamplingParams, packed_linear
+from phalanx.inference.engine import sample_seed
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
 
@@ -265,6 +267,9 @@ def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):
     eng = engine(path, draft_model=str(draft), num_speculative_tokens=3)
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == want
     assert eng.block_manager.all_free()
+    # forked samples join speculative steps too: the draft's cache holds their recomputed tails
+    forked = eng.generate(prompts[1], SamplingParams(n=2, max_new_tokens=20, temperature=0))[0]
+    assert [o.token_ids for o in forked.outputs] == [want[1]] * 2 and eng.block_manager.all_free()
     same = engine(path, draft_model=model, num_speculative_tokens=4)  # a perfect draft
     assert [o.token_ids for o in same.generate(prompts, GREEDY)] == want
     assert same.speculator.acceptance_rate == 1.0
@@ -285,10 +290,14 @@ def test_bad_requests_and_models_are_refused_clearly(llama, tmp_path):
         eng.add_request(3.5)
     with pytest.raises(ValueError, match="tp_size=3 does not divide"):
         LLM(str(path), tp_size=3)
-    from transformers import GPT2Config, GPT2LMHeadModel
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
-        LLM(str(tmp_path / "gpt2"))
+    from transformers import GPTNeoXConfig
+    GPTNeoXConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=64).save_pretrained(tmp_path / "neox")
+    with pytest.raises(ValueError, match="model type 'gpt_neox' is not supported.*llama, mistral, qwen2, qwen3, gpt2, opt"):
+        LLM(str(tmp_path / "neox"))
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[1000\] are outside the vocabulary"):
+        eng.add_request([5, 6], SamplingParams(logit_bias={1000: 1.0}))
+    with pytest.raises(ValueError, match="asks for 5 samples.*max_num_seqs=4"):
+        engine(path, max_num_seqs=4).add_request([5, 6], SamplingParams(n=5))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         LLM(str(tmp_path))
 
@@ -305,3 +314,135 @@ def test_cuda_engine_with_triton_kernels_matches_transformers(models):
     want = im.hf_greedy_batch(copy.deepcopy(model).to("cuda"), prompts, 20, device="cuda")
     assert [o.token_ids for o in outs] == want
     assert eng.block_manager.all_free()
+
+
+def _model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log p(token i + 1 | tokens 0..i) under the HF model, [len(ids), vocab]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_n_samples_share_the_prompt_blocks_and_equal_single_requests(llama):
+    """n=4 samples of a 37-token prompt (block 8: 4 full blocks + 5 tokens): the prompt is
+    prefilled once and its 4 full blocks are shared, so at the peak the cache holds 4 shared + 2
+    own blocks per sample (tail + output), not 4 x 6. Each sample draws exactly what a single
+    request with its seed draws; prefix caching is off, so the sharing is the fork's."""
+    path, model = llama
+    eng = engine(path, enable_prefix_caching=False)
+    prompt = im.mixed_prompts(1, seed=21, low=37, high=38)[0]
+    n, new = 4, 6
+    rid = eng.add_request(prompt, SamplingParams(n=n, max_new_tokens=new, temperature=1.0, seed=7, logprobs=0))
+    peak, last, streamed = 0, None, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id == rid and len(out.outputs) == n
+            last, streamed = out, streamed + 1
+        peak = max(peak, eng.num_blocks - eng.block_manager.num_free_blocks)
+    assert eng.block_manager.all_free()
+    prompt_blocks = -(-len(prompt) // 8)
+    assert peak == 4 + 2 * n < n * prompt_blocks
+    assert streamed >= new and last.finished and [o.index for o in last.outputs] == list(range(n))
+    assert last.text == last.outputs[0].text and last.token_ids == last.outputs[0].token_ids  # the n == 1 fields
+    samples = [o.token_ids for o in last.outputs]
+    assert len({tuple(s) for s in samples}) > 1, "the samples should differ"
+    for j, sample in enumerate(samples):
+        alone = eng.generate(prompt, SamplingParams(max_new_tokens=new, temperature=1.0, seed=sample_seed(7, j)))[0]
+        assert alone.token_ids == sample, f"sample {j}"
+    logp = _model_logprobs(model, prompt + samples[2])  # a forked sample's log-probs are the model's
+    want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(samples[2])]
+    assert max(abs(a - b) for a, b in zip(last.outputs[2].logprobs, want, strict=True)) < 1e-4
+    greedy = eng.generate(prompt, SamplingParams(n=3, max_new_tokens=new, temperature=0))[0]
+    assert [o.token_ids for o in greedy.outputs] == [im.hf_greedy(model, prompt, new)] * 3
+    assert eng.block_manager.all_free()
+
+
+def test_best_of_keeps_the_samples_with_the_highest_cumulative_logprob(llama):
+    path, model = llama
+    eng = engine(path)
+    prompt = im.mixed_prompts(1, seed=22, low=12, high=13)[0]
+    every = eng.generate(prompt, SamplingParams(n=5, max_new_tokens=8, temperature=1.2, seed=3, logprobs=0))[0]
+    best = eng.generate(prompt, SamplingParams(n=2, best_of=5, max_new_tokens=8, temperature=1.2, seed=3))[0]
+    ranked = sorted(every.outputs, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.token_ids for o in best.outputs] == [o.token_ids for o in ranked]
+    assert [o.index for o in best.outputs] == [0, 1] and best.logprobs is None  # log-probs were not asked for
+    for out in best.outputs:  # the ranking uses the model's own log-probs of the sampled tokens
+        logp = _model_logprobs(model, prompt + out.token_ids)
+        want = sum(logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids))
+        assert abs(out.cumulative_logprob - want) < 1e-4 * len(out.token_ids)
+    assert best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob
+    assert best.outputs[1].cumulative_logprob >= max(o.cumulative_logprob for o in every.outputs
+                                                     if o.token_ids not in [b.token_ids for b in best.outputs])
+
+
+def test_repetition_penalty_and_logit_bias_match_transformers_generate(llama):
+    path, model = llama
+    eng = engine(path)
+    prompts = im.mixed_prompts(3, seed=23, low=5, high=30)
+    bias = {50: 3.0, 171: -100.0, 264: 2.0, 7: 5.0}
+    ours = eng.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.3,
+                                                logit_bias=bias))
+    for prompt, out in zip(prompts, ours):
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=12, do_sample=False, pad_token_id=0, repetition_penalty=1.3,
+                                sequence_bias={(t,): b for t, b in bias.items()})
+        want = hf[0, len(prompt):].tolist()
+        assert out.token_ids == want[:len(out.token_ids)]
+    plain = eng.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    assert [o.token_ids for o in ours] != [o.token_ids for o in plain]
+
+
+def test_presence_and_frequency_penalties_by_hand_over_the_model_logits(llama):
+    """Greedy with OpenAI's penalties: each token is the argmax of the model's logits minus
+    frequency * count + presence * seen, counts over the tokens generated before it."""
+    path, model = llama
+    eng = engine(path)
+    prompt = im.mixed_prompts(1, seed=24, low=10, high=11)[0]
+    params = SamplingParams(max_new_tokens=16, temperature=0, frequency_penalty=0.9, presence_penalty=0.6,
+                            ignore_eos=True)
+    out = eng.generate(prompt, params)[0].token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0].float()
+    for i, token in enumerate(out):
+        row = logits[len(prompt) - 1 + i].clone()
+        for t in set(out[:i]):
+            row[t] -= 0.9 * out[:i].count(t) + 0.6
+        assert int(row.argmax()) == token, f"step {i}"
+    plain = eng.generate(prompt, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))[0].token_ids
+    assert plain != out  # the tiny model repeats itself: the penalties must change something
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(llama, tokenizer):
+    """echo puts the prompt's text, tokens and log-probs (from the model, None for the first
+    token) in front of the completion; prompt log-probs need every position, so the prefix cache
+    is bypassed for that request."""
+    path, model = llama
+    eng = engine(path)
+    text = "Hello world! How are you today? I am fine"
+    ids = eng.tokenize(text)
+    eng.generate(text, SamplingParams(max_new_tokens=2, temperature=0))  # fills the prefix cache
+    out = eng.generate(text, SamplingParams(max_new_tokens=5, temperature=0, echo=True, logprobs=2))[0]
+    n = len(ids)
+    assert out.token_ids[:n] == ids and len(out.token_ids) == n + 5 and out.text.startswith(text)
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == n - 1
+    assert out.logprobs[0] is None and out.top_logprobs[0] is None
+    logp = _model_logprobs(model, out.token_ids)
+    want = [logp[i - 1, t].item() for i, t in enumerate(out.token_ids) if i > 0]
+    assert max(abs(a - b) for a, b in zip(out.logprobs[1:], want, strict=True)) < 1e-4
+    for i in range(1, n):  # the prompt's top tokens are the model's
+        assert list(out.top_logprobs[i]) == logp[i - 1].topk(2).indices.tolist()
+    plain = eng.generate(text, SamplingParams(max_new_tokens=5, temperature=0, echo=True))[0]
+    assert plain.text == out.text and plain.logprobs is None and plain.prompt_logprobs is None
+    assert eng.block_manager.all_free()
+
+
+def test_aborting_an_n_request_frees_the_blocks_of_every_sample(llama):
+    path, _ = llama
+    eng = engine(path)
+    rid = eng.add_request(im.mixed_prompts(1, seed=25, low=20, high=21)[0],
+                          SamplingParams(n=3, max_new_tokens=30, temperature=1.0))
+    eng.step()
+    eng.step()
+    assert len(eng.scheduler.running) == 3
+    eng.abort(rid)
+    assert not eng.has_unfinished_requests() and eng.block_manager.all_free()

@@ -1,6 +1,7 @@
 """The sampler against Hugging Face's logits processors, plus seeding and log-probs."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from phalanx.inference.sampler import RowContext, Sampler, apply_penalties, sampling_logits, sampling_probs
@@ -106,3 +107,99 @@ def test_speculative_rejection_sampling_keeps_the_target_distribution():
         freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
         assert torch.allclose(freq, torch.tensor(target_p), atol=0.03), freq
     assert 0 < spec.acceptance_rate < 1
+
+
+def test_logit_bias_and_repetition_penalty_match_transformers_processors():
+    """logit_bias is HF's SequenceBiasLogitsProcessor with one-token sequences, applied before the
+    repetition penalty (HF's order), then temperature / top-k / top-p."""
+    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    torch.manual_seed(1)
+    logits = torch.randn(3, 64) * 3
+    history = torch.randint(0, 64, (3, 12))
+    bias = {5: 4.0, 17: -2.5, 40: -100.0, int(history[0, 0]): 1.5}
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.4, logit_bias=bias)
+    ctx = [RowContext(params, history=history[i].tolist()) for i in range(3)]
+    ours = sampling_logits(apply_penalties(logits.clone(), ctx), ctx)
+    want = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(history, logits.clone())
+    for proc in (RepetitionPenaltyLogitsProcessor(1.4), TemperatureLogitsWarper(0.8), TopKLogitsWarper(30),
+                 TopPLogitsWarper(0.9)):
+        want = proc(history, want)
+    assert torch.equal(torch.isinf(ours), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    assert torch.allclose(ours[finite], want[finite], atol=1e-6)
+
+
+def test_presence_and_frequency_penalties_follow_openai_rule_by_hand():
+    """logit[t] -= frequency * count(t) + presence * (count(t) > 0), counting generated tokens only
+    (the prompt is not penalised)."""
+    logits = torch.randn(2, 20)
+    generated = [[3, 3, 3, 7, 11], []]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    ctx = [RowContext(params, generated=g, history=[1, 2, 3] + g) for g in generated]
+    got = apply_penalties(logits.clone(), ctx)
+    want = logits.clone()
+    for t, count in ((3, 3), (7, 1), (11, 1)):
+        want[0, t] -= 0.25 * count + 0.5
+    assert torch.equal(got, want)
+    negative = apply_penalties(logits.clone(), [RowContext(SamplingParams(presence_penalty=-2.0, frequency_penalty=-1),
+                                                           generated=[4, 4])])
+    assert negative[0, 4] == logits[0, 4] + 2.0 + 2.0
+
+
+def test_bias_changes_the_greedy_choice_but_not_the_raw_logprobs():
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    out = Sampler()(logits, [RowContext(SamplingParams(temperature=0, logprobs=1, logit_bias={0: -5}))])
+    assert out.token_ids == [1]
+    assert abs(out.logprobs[0] - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6  # the model's, unbiased
+    tracked = Sampler()(logits, [RowContext(SamplingParams(temperature=0), track_logprob=True)])
+    assert tracked.token_ids == [0] and abs(tracked.logprobs[0] - torch.log_softmax(logits, -1)[0, 0].item()) < 1e-6
+
+
+def test_stop_strings_are_found_across_token_boundaries_and_held_back_while_streaming():
+    from phalanx.inference.sequence import Sequence
+    from phalanx.inference.stopping import StopChecker, streamable_prefix
+
+    pieces = {10: "Hel", 11: "lo wo", 12: "rld!", 13: " And", 14: "\xe9"}
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(pieces[i] for i in ids)
+
+    checker = StopChecker(Tok(), eos_token_ids={2}, max_model_len=100)
+    s = Sequence("r", [1], SamplingParams(stop=["world", "xyz"], max_new_tokens=10))
+    texts = []
+    for token in (10, 11, 12, 13):
+        s.token_ids.append(token)
+        done = checker.check(s)
+        texts.append(checker.decode(s))
+        if done:
+            break
+    assert done and s.stop_reason == "world" and s.text == "Hello " and s.num_output_tokens == 3
+    # while streaming, "Hello wo" may still become "Hello world": only "Hello " may be sent
+    assert streamable_prefix(texts[1], ["world", "xyz"]) == len("Hello ")
+    assert streamable_prefix("Hello x", ["world", "xyz"]) == len("Hello ")
+    assert streamable_prefix("Hello there", ["world"]) == len("Hello there")
+    assert streamable_prefix("caf\ufffd", []) == 3  # an unfinished UTF-8 character waits too
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "n=0"),
+    (dict(n=2, best_of=1), "best_of"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
+    (dict(logit_bias={"x": 1}), "logit_bias key"),
+    (dict(logit_bias={3: 101}), r"logit_bias\[3\]"),
+    (dict(logit_bias=[1, 2]), "must be a dict"),
+    (dict(echo=1), "echo"),
+    (dict(logprobs=True), "logprobs"),
+])
+def test_openai_sampling_fields_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_openai_sampling_field_defaults_and_json_keys():
+    p = SamplingParams(n=3, logit_bias={"50": -100, 7: 2})
+    assert p.best_of == 3 and p.logit_bias == {50: -100.0, 7: 2.0} and p.has_penalties
+    assert not SamplingParams().has_penalties and SamplingParams().best_of == 1

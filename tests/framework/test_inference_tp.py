@@ -3,6 +3,7 @@ embeddings, q/k/v biases and a vocabulary that does not split evenly), with spec
 and a weight reload on top. One spawn runs every case (starting ranks costs seconds)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import inference_models as im
@@ -52,3 +53,29 @@ def test_tp2_matches_tp1(tmp_path):
             assert result["reloaded"] == [o.token_ids for o in one.generate(case["prompts"], params)]
     # each rank holds half of the heads: q 4 heads, k and v 2 heads of 16 -> (2 + 1 + 1) * 16 rows
     assert got[0]["shard"] == (64, 64)
+
+
+@pytest.mark.slow  # two ranks, three models: 40-80 s on 2 busy cores
+def test_tp2_matches_tp1_for_qwen3_gpt2_and_opt(tmp_path):
+    """The families whose weights load differently under TP (Qwen3's replicated q/k norms, GPT-2's
+    fused and transposed c_attn with an odd vocabulary, OPT's biases and position table): TP=2
+    gives one process's tokens and log-probs."""
+    tok = im.make_tokenizer()
+    made = {"qwen3": im.save_model(tmp_path / "qwen3", "qwen3", tokenizer=tok),
+            "gpt2": im.save_model(tmp_path / "gpt2", "gpt2", tokenizer=tok, vocab_size=im.VOCAB + 1),
+            "opt": im.save_model(tmp_path / "opt", "opt", tokenizer=tok)}
+    prompts = im.mixed_prompts(3, seed=13, low=3, high=40)
+    cases = [{"path": str(path), "prompts": prompts, "new_tokens": 12} for path, _ in made.values()]
+    ranks = spawn(tp_generate, 2, cases, timeout=300)
+    assert ranks[0] == ranks[1], "TP ranks returned different outputs"
+    for (family, (path, model)), result in zip(made.items(), ranks[0], strict=True):
+        want = LLM(str(path), num_blocks=64, block_size=8).generate(
+            prompts, SamplingParams(max_new_tokens=12, temperature=0, logprobs=1))
+        assert result["tokens"] == [o.token_ids for o in want], family
+        scale = _logit_scale(model, prompts)
+        for i, (a, b) in enumerate(zip(result["logprobs"], [o.logprobs for o in want], strict=True)):
+            worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            check(Diff(worst / scale, f"prompt {i}"), rounding_rtol(torch.float32, im.VOCAB + 2),
+                  f"{family}: log-probs (relative to the logits' magnitude {scale:.3g})")
+    # GPT-2, 4 heads of 16: each rank's q, k and v are 2 heads -> 3 * 32 rows of the fused c_attn
+    assert ranks[0][1]["shard"] == (96, 64)

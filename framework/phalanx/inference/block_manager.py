@@ -15,6 +15,11 @@ share the same physical blocks (prefix caching):
   only forgotten when the free queue hands it out again (least recently freed first).
 - The block holding a sequence's last prompt token is never taken from the cache, so every
   admitted sequence runs at least one token and gets logits to sample from.
+
+Forking (the samples of an n/best_of > 1 request): a child takes a reference on each of the
+parent's *full* prompt blocks and nothing else; the parent's partly filled last block is never
+shared, so no block is ever written by two sequences (no copy-on-write needed). The child
+recomputes those few tail tokens (fewer than block_size) into a block of its own.
 """
 from __future__ import annotations
 
@@ -78,15 +83,16 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def attach_cached_prefix(self, seq: Sequence) -> int:
+    def attach_cached_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
         """On admission, give the sequence the cached blocks of its longest cached prefix.
 
         Sets `seq.block_table` and `seq.num_computed_tokens`; returns the number of tokens found.
-        Only blocks strictly before the one holding the last token are considered.
+        Only blocks strictly before the one holding the last token are considered. With
+        `use_cache=False` (a request that needs logits at every prompt position) nothing is taken.
         """
         assert not seq.block_table, "sequence already holds blocks"
         hits: list[int] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
                 block = self._cached.get(key)
                 if block is None:
@@ -98,6 +104,22 @@ class BlockManager:
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         return seq.num_computed_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's full prompt blocks with a new sample of the same request.
+
+        The child starts with those blocks computed; its remaining prompt tokens (the parent's
+        partial last block) and its first sampled token run in its next step, into fresh blocks.
+        """
+        assert not child.block_table, "the child already holds blocks"
+        full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
+        shared = parent.block_table[:full]
+        for block in shared:
+            self._take(block)
+        child.block_table = list(shared)
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_computed_tokens = full * self.block_size
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold `num_tokens` positions; False (and no change) if the free

@@ -12,6 +12,7 @@ steps it broadcasts, and all return the same outputs.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from phalanx.inference.block_manager import BlockManager
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import ModelSpec
 from phalanx.inference.model_runner import Chunk, ModelRunner, resolve_dtype
-from phalanx.inference.outputs import RequestOutput
+from phalanx.inference.outputs import CompletionOutput, RequestOutput
 from phalanx.inference.sampler import RowContext, Sampler
 from phalanx.inference.sampling_params import SamplingParams
 from phalanx.inference.scheduler import Scheduler
@@ -65,8 +66,18 @@ def _default_device(tp: TPGroup) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: the request's own seed for sample 0
+    (so n=1 is unchanged), a hash of (seed, index) for the others (no collision with the seeds
+    of neighbouring requests)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class LLM:
-    """A Llama-family model (Llama, Mistral, Qwen2) served with a paged KV cache and continuous
+    """A decoder-only model (see `phalanx.inference.families.SUPPORTED`) served with a paged KV cache and continuous
     batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
     module) enables speculative decoding."""
 
@@ -135,7 +146,8 @@ class LLM:
         self.stop_checker = StopChecker(tokenizer, _eos_ids(config, generation_config, tokenizer), self.max_model_len)
         self.sampler = Sampler()
         self._ids = itertools.count()
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples (index 0 first)
+        self._seeds: dict[str, int] = {}  # request id -> its seed (forked samples derive theirs)
 
     def _build_draft(self, draft_model) -> ModelRunner:
         if isinstance(draft_model, torch.nn.Module):
@@ -199,6 +211,9 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        bad = [t for t in params.logit_bias if t >= self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens={params.max_new_tokens}: "
                              f"together more than max_model_len={self.max_model_len}")
@@ -206,35 +221,48 @@ class LLM:
         request_id = request_id if request_id is not None else str(number)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else self.config.seed + number)
-        seq = Sequence(request_id, ids, params, prompt=text, generator=generator)
+        seed = params.seed if params.seed is not None else self.config.seed + number
+        seq = Sequence(request_id, ids, params, prompt=text, generator=self._generator(params, seed, 0))
+        seq.num_pending_forks = params.num_samples - 1
         self.scheduler.add(seq)
-        self._seqs[request_id] = seq
+        self._seqs[request_id] = [seq]
+        self._seeds[request_id] = seed
         return request_id
 
+    def _generator(self, params: SamplingParams, seed: int, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sample_seed(seed, index))
+        return generator
+
     def abort(self, request_id: str) -> None:
-        """Drop a request (e.g. its client went away); its blocks are freed at once."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+        """Drop a request (e.g. its client went away); the blocks of all its samples are freed at once."""
+        for seq in self._seqs.pop(request_id, []):
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self._seeds.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping --------------------------------------------------------------------------------
     def _row(self, seq: Sequence, extra_tokens: int = 0, history: list[int] | None = None) -> RowContext:
-        penalty = seq.params.repetition_penalty != 1.0
-        return RowContext(seq.params, seq.generator,
-                          history=(history if history is not None else seq.token_ids) if penalty else None,
-                          banned=self.stop_checker.banned_now(seq, extra_tokens))
+        params = seq.params
+        tokens = history if history is not None else seq.token_ids
+        return RowContext(params, seq.generator,
+                          history=tokens if params.repetition_penalty != 1.0 else None,
+                          banned=self.stop_checker.banned_now(seq, extra_tokens),
+                          generated=(tokens[seq.num_prompt_tokens:]
+                                     if params.presence_penalty or params.frequency_penalty else None),
+                          track_logprob=params.best_of > params.n)
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None,
                 processed: float | None = None) -> bool:
         seq.token_ids.append(token)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top or {})
@@ -243,6 +271,40 @@ class LLM:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         return self.stop_checker.check(seq)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The other samples of the parent's request, now that its prompt is in the cache: each
+        shares the prompt's full blocks (see `BlockManager.fork`)."""
+        params, seed = parent.params, self._seeds[parent.request_id]
+        children = []
+        for index in range(1, parent.num_pending_forks + 1):
+            child = Sequence(parent.request_id, parent.prompt_token_ids, params, prompt=parent.prompt,
+                             generator=self._generator(params, seed, index), arrival_time=parent.arrival_time,
+                             index=index)
+            self.block_manager.fork(parent, child)
+            child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+            child.status = parent.status
+            children.append(child)
+        parent.num_pending_forks = 0
+        self._seqs[parent.request_id].extend(children)
+        return children
+
+    def _collect_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Log-probs of the prompt tokens predicted by rows start, start + 1, … of this chunk."""
+        want = [p for p in range(start, start + logits.shape[0])
+                if p + 1 < seq.num_prompt_tokens and p >= len(seq.prompt_logprobs)]
+        if not want:
+            return
+        rows = logits[want[0] - start:want[-1] - start + 1].float()
+        logp = torch.log_softmax(rows, dim=-1)
+        targets = torch.tensor(seq.prompt_token_ids[want[0] + 1:want[-1] + 2], device=logp.device)
+        seq.prompt_logprobs.extend(logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist())
+        n = seq.params.logprobs
+        if n:
+            values, ids = logp.topk(n, dim=-1)
+            seq.prompt_top_logprobs.extend(dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist()))
+        else:
+            seq.prompt_top_logprobs.extend({} for _ in want)
 
     def _step(self) -> list[Sequence]:
         """One engine step; returns the sequences that got tokens or finished."""
@@ -268,18 +330,37 @@ class LLM:
                     seq.num_computed_tokens = seq.num_tokens - 1
                     self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
             return touched
-        chunks = [Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table,
-                        1 if s.samples else 0) for s in plan.scheduled]
+        chunks = []
+        for s in plan.scheduled:  # rows of logits: every position while prompt log-probs are collected
+            rows = s.num_tokens if s.seq.needs_prompt_logits else (1 if s.samples else 0)
+            chunks.append(Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table, rows))
         logits = self.runner.execute(chunks)
         if self.draft_runner is not None:  # keep the draft's cache in step with the target's
             self.draft_runner.execute([Chunk(c.token_ids, c.start, c.block_table, 0) for c in chunks])
-        sampling = [s.seq for s in plan.scheduled if s.samples]
+        sampling: list[Sequence] = []
+        forked: set[int] = set()  # ids of samples forked this step (they join the running batch)
+        sample_rows: list[int] = []
+        at = 0
+        for s, chunk in zip(plan.scheduled, chunks):
+            if s.seq.needs_prompt_logits:
+                self._collect_prompt_logprobs(s.seq, s.start, logits[at:at + chunk.num_logits])
+            if s.samples:
+                seqs = [s.seq] + (self._fork(s.seq) if s.seq.num_pending_forks else [])
+                forked.update(id(c) for c in seqs[1:])
+                sampling.extend(seqs)
+                sample_rows.extend([at + chunk.num_logits - 1] * len(seqs))
+            at += chunk.num_logits
         if sampling:
+            if sample_rows != list(range(len(sample_rows))) or len(sample_rows) != logits.shape[0]:
+                logits = logits[sample_rows]
             result = self.sampler(logits, [self._row(seq) for seq in sampling])
             for i, seq in enumerate(sampling):
                 touched.append(seq)
                 processed = result.processed_logprobs[i] if result.processed_logprobs is not None else None
-                if self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], processed):
+                done = self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], processed)
+                if id(seq) in forked:
+                    self.scheduler.add_forked(seq)
+                if done:
                     self._retire(seq)
         return touched
 
@@ -287,26 +368,77 @@ class LLM:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _completion(self, seq: Sequence, index: int) -> CompletionOutput:
         if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
             seq.text = self.stop_checker.decode(seq)
-        want = seq.params.logprobs is not None
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=seq.text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if want else None, top_logprobs=list(seq.top_logprobs) if want else None,
-            processed_logprobs=list(seq.processed_logprobs) if seq.params.processed_logprobs else None,
-            num_cached_tokens=seq.num_cached_prompt_tokens, arrival_time=seq.arrival_time,
+        params = seq.params
+        want = params.logprobs is not None
+        text, token_ids = seq.text, list(seq.output_token_ids)
+        logprobs = list(seq.logprobs) if want else None
+        tops = list(seq.top_logprobs) if want else None
+        if params.echo:
+            head = self._seqs[seq.request_id][0]  # the sample that ran the prompt holds its log-probs
+            text = self._prompt_text(seq) + text
+            token_ids = list(seq.prompt_token_ids) + token_ids
+            if want:
+                logprobs = [None] + list(head.prompt_logprobs) + logprobs
+                tops = [None] + list(head.prompt_top_logprobs) + tops
+        tracked = want or params.best_of > params.n
+        return CompletionOutput(
+            index=index, text=text, token_ids=token_ids, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs, top_logprobs=tops,
+            processed_logprobs=list(seq.processed_logprobs) if params.processed_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if tracked else None,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+
+    def _prompt_text(self, seq: Sequence) -> str:
+        if seq.prompt is not None:
+            return seq.prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _output(self, request_id: str) -> RequestOutput | None:
+        """The request's output: its n completions (for best_of > n, the n best by cumulative
+        log-prob, and only once every sample finished); None while there is nothing to report."""
+        samples = self._seqs[request_id]
+        head, params = samples[0], samples[0].params
+        if params.best_of > params.n:
+            if len(samples) < params.best_of or not all(s.is_finished for s in samples):
+                return None
+            samples = sorted(samples, key=lambda s: (-s.cumulative_logprob, s.index))[:params.n]
+        else:
+            samples = samples[:params.n]
+        completions = [self._completion(seq, i) for i, seq in enumerate(samples)]
+        if len(completions) < params.n:  # not forked yet (still in its prompt): nothing sampled so far
+            return None
+        return RequestOutput.of(
+            request_id, head.prompt, head.prompt_token_ids, completions,
+            num_cached_tokens=head.num_cached_prompt_tokens, arrival_time=head.arrival_time,
+            prompt_logprobs=list(head.prompt_logprobs) if head.wants_prompt_logprobs else None,
+            prompt_top_logprobs=list(head.prompt_top_logprobs) if head.wants_prompt_logprobs else None)
+
+    def _request_finished(self, request_id: str) -> bool:
+        samples = self._seqs.get(request_id)
+        return bool(samples) and samples[0].num_pending_forks == 0 and all(s.is_finished for s in samples)
+
+    def _forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self._seeds.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs (cumulative, `finished` when done) of every request it advanced.
-        Finished requests are forgotten after they are returned here."""
-        outs = [self._output(seq) for seq in self._step()]
-        for out in outs:
-            if out.finished:
-                self._seqs.pop(out.request_id, None)
+        Finished requests are forgotten after they are returned here. A request with best_of > n
+        reports only once, when finished."""
+        outs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in self._step()):
+            if request_id not in self._seqs:
+                continue
+            out = self._output(request_id)
+            if out is not None:
+                outs.append(out)
+            if self._request_finished(request_id):
+                self._forget(request_id)
         return outs
 
     # -- batch API -------------------------------------------------------------------------------
@@ -336,10 +468,10 @@ class LLM:
             wanted = set(ids)
             done: dict[str, RequestOutput] = {}
             while wanted - done.keys():
-                for seq in self._step():
-                    if seq.is_finished and seq.request_id in wanted:
-                        done[seq.request_id] = self._output(seq)
-                        self._seqs.pop(seq.request_id, None)
+                for request_id in dict.fromkeys(seq.request_id for seq in self._step()):
+                    if request_id in wanted and self._request_finished(request_id):
+                        done[request_id] = self._output(request_id)
+                        self._forget(request_id)
             outputs = [done[i] for i in ids]
         except BaseException as exc:
             outputs = f"{type(exc).__name__}: {exc}"

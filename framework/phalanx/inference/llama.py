@@ -1,5 +1,7 @@
-"""Our own compact Llama-family decoder (Llama, Mistral, Qwen2) for inference over the paged KV
-cache, reading Hugging Face configs and weight names.
+"""Our own compact decoder for inference over the paged KV cache, for every family in
+`families.FAMILIES` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT), reading Hugging Face configs and
+weight names. The families differ in data (norm kind, positions, MLP kind, q/k norm, biases), not
+in code: one forward reads those flags.
 
 Written for serving, not training: the batch is flattened (token-major [N, hidden], every
 sequence's tokens back to back, no padding), q/k/v and gate/up are fused into one matmul each,
@@ -7,13 +9,13 @@ and the logits are computed only for rows that sample. Tensor parallelism is in 
 shapes: q/k/v and gate/up hold this rank's heads and intermediate columns (column-parallel),
 o_proj and down_proj the matching input columns (row-parallel, summed with one all-reduce each),
 and lm_head a slice of the vocabulary (gathered by the runner). The numerics follow HF operation
-for operation (RMSNorm in fp32, RoPE cos/sin in fp32 then cast), so greedy decoding reproduces
-`transformers`' tokens.
+for operation (RMSNorm in fp32, RoPE cos/sin in fp32 then cast, HF's own activation functions),
+so greedy decoding reproduces `transformers`' tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -21,15 +23,15 @@ import torch.nn.functional as F
 
 from phalanx.inference import packed_linear
 from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store
+from phalanx.inference.families import SUPPORTED, family_of, rope_parameters
 from phalanx.inference.kernels import rms_norm, swiglu
 
-SUPPORTED = ("llama", "mistral", "qwen2")
-_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+__all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "rope_tables"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a Llama-family model, read from its HF config."""
+    """The shape of a decoder-only model, read from its HF config (see `families`)."""
 
     family: str
     vocab_size: int
@@ -39,7 +41,7 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -47,42 +49,39 @@ class ModelSpec:
     mlp_bias: bool
     sliding_windows: tuple  # per layer: a window size or None
     config: object  # the HF config (RoPE parameters are computed from it)
+    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with bias)
+    activation: str | None = None  # None: gated SwiGLU MLP; else the HF name of a plain MLP's activation
+    positions: str = "rope"  # "rope" or "learned" (an embedding table added to the token embeddings)
+    position_offset: int = 0  # learned positions: row of position 0 (OPT: 2)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    embed_dim: int | None = None  # token-embedding width when it differs from hidden (OPT project_in/out)
+    final_norm: bool = True
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
-        family = getattr(config, "model_type", None)
-        if family not in SUPPORTED:
-            raise ValueError(f"model type {family!r} is not supported by phalanx.inference; supported: "
-                             f"{', '.join(SUPPORTED)} (Llama-family decoders)")
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r}: the Llama-family runner implements SwiGLU (silu) only")
-        rope = _rope_parameters(config)
-        if rope.get("rope_type", "default") not in _STATIC_ROPE:
-            raise ValueError(f"RoPE type {rope.get('rope_type')!r} is not supported (it changes with the "
-                             f"sequence length); supported: {', '.join(_STATIC_ROPE)}")
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layers = config.num_hidden_layers
-        window = getattr(config, "sliding_window", None)
-        if family == "mistral":
-            windows = tuple([window] * layers)
-        elif family == "qwen2":
-            types = getattr(config, "layer_types", None) or ["full_attention"] * layers
-            use = getattr(config, "use_sliding_window", False)
-            windows = tuple(window if (use and t == "sliding_attention") else None for t in types)
-        else:
-            windows = tuple([None] * layers)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        return cls(
-            family=family, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_layers=layers, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias, o_bias=family != "qwen2" and attention_bias,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)), sliding_windows=windows, config=config)
+        family = family_of(config)
+        fields = family.read_config(config)
+        tied = getattr(config, "tie_word_embeddings", None)
+        if tied is None:
+            tied = family.name in ("gpt2", "opt")
+        return cls(family=family.name, vocab_size=config.vocab_size, tie_word_embeddings=bool(tied), config=config,
+                   **fields)
+
+    @property
+    def rope(self) -> bool:
+        return self.positions == "rope"
+
+    @property
+    def embedding_width(self) -> int:
+        return self.embed_dim or self.hidden_size
+
+    @property
+    def projects_embeddings(self) -> bool:
+        return self.embedding_width != self.hidden_size
+
+    @property
+    def rms_norm_eps(self) -> float:  # the name before LayerNorm families existed
+        return self.norm_eps
 
     def check_tp(self, tp_size: int) -> None:
         """Refuse a TP size that does not divide the heads, KV heads or MLP width."""
@@ -97,19 +96,13 @@ class ModelSpec:
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def _rope_parameters(config) -> dict:
-    params = getattr(config, "rope_parameters", None)
-    if params is None:  # older configs
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params = dict(params)
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
 def rope_tables(spec: ModelSpec, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim] in fp32, computed like HF's rotary embedding."""
-    params = _rope_parameters(spec.config)
+    """cos and sin [max_positions, head_dim] in fp32, computed like HF's rotary embedding (for
+    learned-position families: cos 1 and sin 0, which the forward never reads)."""
+    if not spec.rope:
+        return (torch.ones(max_positions, spec.head_dim, device=device),
+                torch.zeros(max_positions, spec.head_dim, device=device))
+    params = rope_parameters(spec.config)
     if params["rope_type"] == "default":
         dim = spec.head_dim
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -127,6 +120,28 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+          residual: torch.Tensor | None = None):
+    """RMSNorm (bias None) or LayerNorm of x (+ residual first, returned too, like `rms_norm`)."""
+    if bias is None:
+        return rms_norm(x, weight, eps) if residual is None else rms_norm(x, weight, eps, residual=residual)
+    if residual is not None:
+        x = x + residual
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return y if residual is None else (y, x)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, skips_slots: bool = False) -> None:
+    """Write k and v at their cache slots, without rotating (learned-position families)."""
+    heads, dim = k.shape[1:]
+    if skips_slots:
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp_size: int, sliding_window: int | None) -> None:
         super().__init__()
@@ -135,40 +150,91 @@ class DecoderLayer(nn.Module):
         self.head_dim = d
         inter = spec.intermediate_size // tp_size
         self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
+        layer_norm = spec.norm == "layer"
         self.input_norm = _param(h)
+        self.input_norm_bias = _param(h) if layer_norm else None
         self.post_norm = _param(h)
+        self.post_norm_bias = _param(h) if layer_norm else None
+        self.q_norm = _param(d) if spec.qk_norm else None
+        self.k_norm = _param(d) if spec.qk_norm else None
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
         self.o_weight = _param(h, self.q_size)
         self.o_bias = _param(h) if spec.o_bias else None
-        self.gate_up_weight = _param(2 * inter, h)
-        self.gate_up_bias = _param(2 * inter) if spec.mlp_bias else None
+        self.gated = spec.activation is None
+        width = (2 if self.gated else 1) * inter  # gate and up side by side, or up alone
+        self.gate_up_weight = _param(width, h)
+        self.gate_up_bias = _param(width) if spec.mlp_bias else None
         self.down_weight = _param(h, inter)
         self.down_bias = _param(h) if spec.mlp_bias else None
-        self.eps = spec.rms_norm_eps
+        self.eps = spec.norm_eps
         self.sliding_window = sliding_window
         self.inter = inter
+        self.act = None
+        if not self.gated:
+            from transformers.activations import ACT2FN  # HF's own functions: the same numerics
+            self.act = ACT2FN[spec.activation]
         self.packed: dict[str, object] = {}  # "qkv", "o", "gate_up", "down" -> packed weight (CPU bf16)
 
     def linear(self, name: str, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         weight, b = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias") if bias else None
         return packed_linear.linear(x, weight, b, self.packed.get(name))
 
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP up to (not including) the row-parallel down projection."""
+        up = self.linear("gate_up", x)
+        if self.gated:
+            return swiglu(up[:, :self.inter], up[:, self.inter:])
+        return self.act(up)
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the (vocabulary-sharded) LM head."""
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3: RMSNorm over each head's q and k (before RoPE); returns a new [N, Hq + Hkv, D]."""
+        n = qk.shape[0]
+        q = rms_norm(qk[:, :self.heads].reshape(-1, self.head_dim), self.q_norm, self.eps)
+        k = rms_norm(qk[:, self.heads:].reshape(-1, self.head_dim), self.k_norm, self.eps)
+        return torch.cat((q.view(n, self.heads, -1), k.view(n, self.kv_heads, -1)), dim=1)
+
+
+# Where each role's weight lives in a layer: fused column-parallel ones (param prefix, which
+# slice), row-parallel ones, and replicated ones.
+_COLUMN = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "gate": ("gate_up", 0), "up": ("gate_up", 1)}
+_ROW = {"o": "o", "down": "down"}
+_REPLICATED = {"input_norm": "input_norm", "post_norm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+
+
+class Target(NamedTuple):
+    """Where (part of) an HF weight goes: `source.narrow(dim, start, length)` (the whole source
+    when dim is None), transposed first when `transpose`, is copied into `dest` (into its first
+    `length` rows when dest is longer: the padded last vocabulary shard)."""
+
+    dest: torch.Tensor
+    dim: int | None
+    start: int
+    length: int
+    transpose: bool = False
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the (vocabulary-sharded) LM head, for every family."""
 
     def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         spec.check_tp(tp_size)
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
+        self.family = family_of(spec.config)
         self.all_reduce = all_reduce
         self.vocab_shard = -(-spec.vocab_size // tp_size)  # padded: the last shard may run short
-        self.embed = _param(spec.vocab_size, spec.hidden_size)
+        width = spec.embedding_width
+        self.embed = _param(spec.vocab_size, width)
+        self.pos_embed = (_param(spec.max_position_embeddings + spec.position_offset, spec.hidden_size)
+                          if not spec.rope else None)
+        self.project_in = _param(spec.hidden_size, width) if spec.projects_embeddings else None
+        self.project_out = _param(width, spec.hidden_size) if spec.projects_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(spec, tp_size, w) for w in spec.sliding_windows)
         self.norm = _param(spec.hidden_size)
-        self.lm_head = _param(self.vocab_shard, spec.hidden_size)
+        self.norm_bias = _param(spec.hidden_size) if spec.norm == "layer" else None
+        self.lm_head = _param(self.vocab_shard, width)
         nn.init.zeros_(self.lm_head)  # rows past the vocabulary (padding of the last shard) stay 0
         self._lm_head_packed = None
 
@@ -176,37 +242,56 @@ class LlamaModel(nn.Module):
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(x) if self.tp_size > 1 else x
 
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        if self.project_in is not None:
+            h = F.linear(h, self.project_in)
+        if self.pos_embed is not None:
+            h = h + F.embedding(positions + self.spec.position_offset, self.pos_embed)
+        return h
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos_table: torch.Tensor,
                 sin_table: torch.Tensor) -> torch.Tensor:
-        """Tokens [N] at positions [N] -> final hidden states [N, hidden] (after the last norm)."""
-        h = F.embedding(input_ids, self.embed)
-        cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
+        """Tokens [N] at positions [N] -> final hidden states [N, hidden] (after the last norm and,
+        for OPT with project_out, projected to the embedding width)."""
+        h = self.embed_tokens(input_ids, positions)
+        rope = self.spec.rope
+        if rope:
+            cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
         residual = None
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
-                residual, x = h, rms_norm(h, layer.input_norm, layer.eps)
+                residual, x = h, _norm(h, layer.input_norm, layer.input_norm_bias, layer.eps)
             else:
-                x, residual = rms_norm(h, layer.input_norm, layer.eps, residual=residual)
+                x, residual = _norm(h, layer.input_norm, layer.input_norm_bias, layer.eps, residual=residual)
             qkv = layer.linear("qkv", x)
             qk = qkv[:, :layer.q_size + layer.kv_size].view(n, layer.heads + layer.kv_heads, layer.head_dim)
+            if layer.q_norm is not None:
+                qk = layer.norm_qk(qk)
             q, k = qk[:, :layer.heads], qk[:, layer.heads:]
             v = qkv[:, layer.q_size + layer.kv_size:].view(n, layer.kv_heads, layer.head_dim)
-            rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
-                           skips_slots=batch.skips_slots)
+            if rope:
+                rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
+                               skips_slots=batch.skips_slots)
+            else:
+                store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.skips_slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
-            h = self._reduce(layer.linear("o", attn.view(n, layer.q_size), bias=False))  # bias after the reduce
+            h = self._reduce(layer.linear("o", attn.reshape(n, layer.q_size), bias=False))  # bias after the reduce
             if layer.o_bias is not None:
                 h = h + layer.o_bias
-            x, residual = rms_norm(h, layer.post_norm, layer.eps, residual=residual)
-            gate_up = layer.linear("gate_up", x)
-            h = self._reduce(layer.linear("down", swiglu(gate_up[:, :layer.inter], gate_up[:, layer.inter:]), bias=False))
+            x, residual = _norm(h, layer.post_norm, layer.post_norm_bias, layer.eps, residual=residual)
+            h = self._reduce(layer.linear("down", layer.mlp(x), bias=False))
             if layer.down_bias is not None:
                 h = h + layer.down_bias
-        if residual is None:
-            return rms_norm(h, self.norm, self.spec.rms_norm_eps)
-        return rms_norm(h, self.norm, self.spec.rms_norm_eps, residual=residual)[0]
+        if residual is not None:
+            h = h + residual
+        if self.spec.final_norm:
+            h = _norm(h, self.norm, self.norm_bias, self.spec.norm_eps)
+        if self.project_out is not None:
+            h = F.linear(h, self.project_out)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [M, vocab_shard]."""
@@ -221,80 +306,78 @@ class LlamaModel(nn.Module):
         self._lm_head_packed = packed_linear.pack(self.lm_head)
 
     # -- weights ---------------------------------------------------------------------------------
-    def weight_targets(self, name: str) -> list[tuple[torch.Tensor, int | None, int, int]]:
-        """Where an HF weight goes: a list of (destination, shard dim, start, length). With a shard
-        dim, `source.narrow(dim, start, length)` is copied into the first `length` entries of the
-        destination along that dim; without one, the whole source. Unknown names raise KeyError."""
-        spec, r = self.spec, self.tp_rank
-        parts = name.split(".")
-        if name == "model.embed_tokens.weight":
-            out = [(self.embed, None, 0, 0)]
-            if spec.tie_word_embeddings:
-                out.append(self._lm_head_target())
-            return out
-        if name == "lm_head.weight":
-            return [] if spec.tie_word_embeddings else [self._lm_head_target()]
-        if name == "model.norm.weight":
-            return [(self.norm, None, 0, 0)]
-        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+    def weight_targets(self, name: str) -> list[Target]:
+        """Where an HF weight goes (a list of `Target`s: a fused source such as GPT-2's c_attn
+        fills several). Unknown names raise KeyError; buffers and tied heads give []."""
+        if name.endswith(self.family.ignored):
+            return []
+        index, pieces, kind = self.family.pieces(name)
+        if index is not None and index >= len(self.layers):
             raise KeyError(name)
-        index = int(parts[2])
-        if index >= len(self.layers):
-            raise KeyError(name)
-        layer = self.layers[index]
-        rest = ".".join(parts[3:])
-        q, kv, inter = layer.q_size, layer.kv_size, layer.inter
-        column = {  # column-parallel: this rank's rows of the HF weight, into a slice of ours
-            "self_attn.q_proj": ("qkv", 0, q, r * q),
-            "self_attn.k_proj": ("qkv", q, kv, r * kv),
-            "self_attn.v_proj": ("qkv", q + kv, kv, r * kv),
-            "mlp.gate_proj": ("gate_up", 0, inter, r * inter),
-            "mlp.up_proj": ("gate_up", inter, inter, r * inter),
-        }
-        module, _, kind = rest.rpartition(".")
-        if rest == "input_layernorm.weight":
-            return [(layer.input_norm, None, 0, 0)]
-        if rest == "post_attention_layernorm.weight":
-            return [(layer.post_norm, None, 0, 0)]
-        if module in column and kind in ("weight", "bias"):
-            fused, offset, size, src_start = column[module]
+        tied = self.spec.tie_word_embeddings
+        targets = [self.role_target(p.role, kind, index, p.offset(self.spec), p.transposed) for p in pieces
+                   if not (p.role == "lm_head" and tied)]
+        if tied and kind == "weight" and any(p.role == "embed" for p in pieces):
+            targets.append(self._lm_head_target())  # the tied head is the embedding
+        return targets
+
+    def role_target(self, role: str, kind: str, index: int | None, offset: int = 0,
+                    transposed: bool = False) -> Target:
+        """This rank's destination for `role`'s weight or bias. `offset` is where the role starts in
+        a fused source along its output dimension; `transposed` for sources stored [in, out]."""
+        if index is None:
+            if role == "lm_head":
+                return self._lm_head_target(transposed)
+            dest = {"embed": self.embed, "pos_embed": self.pos_embed, "norm": self.norm if kind == "weight"
+                    else self.norm_bias, "project_in": self.project_in, "project_out": self.project_out}.get(role)
+            if dest is None or kind == "bias" and role != "norm":
+                raise KeyError(role)
+            return Target(dest, None, 0, 0, transposed)
+        layer, r = self.layers[index], self.tp_rank
+        if role in _REPLICATED:
+            dest = getattr(layer, _REPLICATED[role] + ("_bias" if kind == "bias" else ""), None)
+            if dest is None:
+                raise KeyError(role)
+            return Target(dest, None, 0, 0)
+        if role in _COLUMN:  # this rank's output rows of the source, into a slice of the fused param
+            fused, part = _COLUMN[role]
+            size = (layer.q_size, layer.kv_size, layer.kv_size)[part] if fused == "qkv" else layer.inter
+            at = (0, layer.q_size, layer.q_size + layer.kv_size)[part] if fused == "qkv" else part * layer.inter
+            if fused == "gate_up" and not layer.gated:
+                if role == "gate":
+                    raise KeyError(role)
+                at = 0
             dest = getattr(layer, f"{fused}_{kind}")
             if dest is None:
-                raise KeyError(name)
-            return [(dest.narrow(0, offset, size), 0, src_start, size)]
-        row = {"self_attn.o_proj": ("o", q), "mlp.down_proj": ("down", inter)}
-        if module in row:
-            prefix, size = row[module]
-            dest = getattr(layer, f"{prefix}_{kind}")
+                raise KeyError(role)
+            out_dim = 1 if transposed and kind == "weight" else 0
+            return Target(dest.narrow(0, at, size), out_dim, offset + r * size, size,
+                          transposed and kind == "weight")
+        if role in _ROW:  # this rank's input columns; the bias is added once, after the all-reduce
+            dest = getattr(layer, f"{_ROW[role]}_{kind}")
             if dest is None:
-                raise KeyError(name)
-            if kind == "weight":
-                return [(dest, 1, r * size, size)]
-            return [(dest, None, 0, 0)]  # the bias is added once, after the all-reduce
-        raise KeyError(name)
+                raise KeyError(role)
+            if kind == "bias":
+                return Target(dest, None, 0, 0)
+            size = layer.q_size if role == "o" else layer.inter
+            return Target(dest, 0 if transposed else 1, r * size, size, transposed)
+        raise KeyError(role)
 
-    def _lm_head_target(self):
+    def _lm_head_target(self, transposed: bool = False) -> Target:
         start = self.tp_rank * self.vocab_shard
         rows = max(0, min(self.vocab_shard, self.spec.vocab_size - start))
-        return (self.lm_head, 0, start, rows)
+        return Target(self.lm_head, 0, start, rows, transposed)
 
     def expected_weight_names(self) -> set[str]:
         """The HF names a complete checkpoint provides for this model."""
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.spec.tie_word_embeddings:
-            names.add("lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                      p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"}
-            for m in ("q_proj", "k_proj", "v_proj"):
-                names.add(f"{p}self_attn.{m}.weight")
-                if layer.qkv_bias is not None:
-                    names.add(f"{p}self_attn.{m}.bias")
-            if layer.o_bias is not None:
-                names.add(p + "self_attn.o_proj.bias")
-            for m in ("gate_proj", "up_proj", "down_proj"):
-                names.add(f"{p}mlp.{m}.weight")
-                if layer.gate_up_bias is not None:
-                    names.add(f"{p}mlp.{m}.bias")
+        names = set()
+        for name, _ in self.family.names(len(self.layers)):
+            try:
+                if self.weight_targets(name):
+                    names.add(name)
+            except KeyError:
+                pass
         return names
+
+
+LlamaModel = DecoderModel  # the name the runner and older code use

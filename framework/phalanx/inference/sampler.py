@@ -1,8 +1,9 @@
-"""Turning a step's logits into tokens, per request: penalties, temperature, top-k, top-p, then
-greedy argmax or a draw from the request's own generator; log-probs on request.
+"""Turning a step's logits into tokens, per request: biases and penalties, temperature, top-k,
+top-p, then greedy argmax or a draw from the request's own generator; log-probs on request.
 
-Order of operations follows Hugging Face `generate` (penalty, temperature, top-k, top-p), so the
-same settings mean the same distribution. Rows are independent: each request draws from its own
+Order of operations follows Hugging Face `generate` (logit bias, repetition penalty, temperature,
+top-k, top-p; OpenAI's presence/frequency penalties come right after the repetition penalty), so
+the same settings mean the same distribution. Rows are independent: each request draws from its own
 `torch.Generator`, so a seeded request samples the same tokens whatever else is in the batch.
 Log-probs are taken from the raw logits (the model's distribution), see `SamplingParams`.
 """
@@ -23,6 +24,16 @@ class RowContext:
     generator: torch.Generator | None = None
     history: list[int] | None = None  # prompt + output so far (for the repetition penalty)
     banned: list[int] | None = None  # token ids that may not be chosen now (EOS before min_new_tokens)
+    generated: list[int] | None = None  # output so far (for presence/frequency penalties)
+    track_logprob: bool = False  # return the chosen token's raw log-prob even without params.logprobs (best_of)
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.params.logprobs is not None or self.track_logprob
+
+    @property
+    def changes_logits(self) -> bool:
+        return self.params.has_penalties or bool(self.banned)
 
 
 @dataclass
@@ -34,13 +45,21 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    """Repetition penalty and banned tokens, in place on the rows that ask for them."""
+    """Logit bias, repetition / presence / frequency penalties and banned tokens, in place on the
+    rows that ask for them (float logits)."""
     for r, row in enumerate(rows):
-        penalty = row.params.repetition_penalty
+        params = row.params
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits[r, ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+        penalty = params.repetition_penalty
         if penalty != 1.0 and row.history:
             ids = torch.tensor(sorted(set(row.history)), device=logits.device)
             picked = logits[r, ids]
             logits[r, ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
+        if (params.presence_penalty or params.frequency_penalty) and row.generated:
+            ids, counts = torch.unique(torch.tensor(row.generated, device=logits.device), return_counts=True)
+            logits[r, ids] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
         if row.banned:
             logits[r, row.banned] = float("-inf")
     return logits
@@ -106,7 +125,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowContext]
                  ) -> tuple[list[float | None], list[dict[int, float] | None]]:
     """Log-probabilities under the model's raw distribution for rows that asked for them."""
-    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    want = [i for i, r in enumerate(rows) if r.wants_logprob]
     chosen: list[float | None] = [None] * len(rows)
     tops: list[dict[int, float] | None] = [None] * len(rows)
     if not want:
@@ -114,7 +133,7 @@ def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowCo
     idx = torch.tensor(want, device=logits.device)
     logp = torch.log_softmax(logits[idx].float(), dim=-1)
     picked = logp.gather(-1, token_ids[idx].unsqueeze(-1)).squeeze(-1).tolist()
-    n_top = max(rows[i].params.logprobs for i in want)
+    n_top = max(rows[i].params.logprobs or 0 for i in want)
     top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (None, None))
     for j, i in enumerate(want):
         chosen[i] = picked[j]
@@ -130,9 +149,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[RowContext]) -> SampleOutput:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} requests")
-        needs_penalty = any(r.params.repetition_penalty != 1.0 or r.banned for r in rows)
+        needs_penalty = any(r.changes_logits for r in rows)
         wants_processed = any(r.params.processed_logprobs for r in rows)
-        if not needs_penalty and not wants_processed and all(r.params.greedy and r.params.logprobs is None
+        if not needs_penalty and not wants_processed and all(r.params.greedy and not r.wants_logprob
                                                              for r in rows):
             # max(dim) returns the first maximal index like argmax, and measured ~3x faster on CPU
             tokens = logits.float().max(dim=-1).indices.tolist()

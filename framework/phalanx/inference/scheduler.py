@@ -10,7 +10,9 @@ Every step the scheduler
 3. admits waiting requests while the token budget, `max_num_seqs` and the free blocks allow,
    taking whatever prefix the cache already holds.
 
-So one step mixes prefills and decodes, new requests join at any step, and finished ones leave
+A request with best_of > 1 is admitted as one sequence, with room reserved in `max_num_seqs`
+for its samples; the engine forks them in after its prompt is done (`add_forked`), sharing the
+prompt's blocks. So one step mixes prefills and decodes, new requests join at any step, and finished ones leave
 at once. With speculative decoding, a step where every running sequence is decoding and nobody
 waits becomes a speculative step: each sequence reserves slots for the proposed tokens too.
 """
@@ -63,6 +65,9 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if 1 + seq.num_pending_forks > self.max_num_seqs:
+            raise ValueError(f"request {seq.request_id} asks for {1 + seq.num_pending_forks} samples (best_of/n) but "
+                             f"max_num_seqs={self.max_num_seqs}; lower best_of/n or raise max_num_seqs")
         needed = self.blocks.blocks_needed(seq.num_prompt_tokens + seq.params.max_new_tokens)
         if needed > self.blocks.num_blocks:
             raise ValueError(
@@ -71,6 +76,16 @@ class Scheduler:
                 f"has {self.blocks.num_blocks}; raise the KV-cache budget or shorten the request")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_forked(self, child: Sequence) -> None:
+        """A sample forked off a running sequence (its blocks already attached): running from now."""
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    @property
+    def num_seq_slots_used(self) -> int:
+        """Running sequences plus the samples they will still fork."""
+        return len(self.running) + sum(s.num_pending_forks for s in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -119,9 +134,9 @@ class Scheduler:
 
         # 2. admit waiting requests (not in a step that had to preempt: there is no room)
         while (self.waiting and not out.preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and self.num_seq_slots_used + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs):
             seq = self.waiting[0]
-            self.blocks.attach_cached_prefix(seq)
+            self.blocks.attach_cached_prefix(seq, use_cache=not seq.needs_prompt_logits)
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
             n = min(seq.num_uncomputed_tokens, budget)
             # Admit only if the whole remaining prefill fits now, so admission does not cause the

@@ -5,6 +5,9 @@ scheduler runs the rest (a whole prompt, a chunk of it, or the one newest token 
 Preemption by recompute just frees the blocks and sets it back to 0: prompt and generated tokens
 are kept, so the sequence resumes where it stopped, and with prefix caching most of its blocks are
 usually found again.
+
+A request with `best_of` > 1 starts as one sequence; when its prompt is done the engine forks it
+into `best_of` samples (`index` 0 is the original) that share the prompt's full KV blocks.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class Sequence:
     prompt: str | None = None
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    index: int = 0  # which of the request's samples this is
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -46,6 +50,12 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.processed_logprobs: list[float | None] = []
+        self.num_pending_forks = 0  # samples still to be forked off this one when its prompt is done
+        self.cumulative_logprob = 0.0  # sum of the raw log-probs of the output tokens (tracked for best_of)
+        # echo with logprobs: log-prob of prompt token i + 1 given tokens 0..i, and its top tokens
+        self.wants_prompt_logprobs = self.params.echo and self.params.logprobs is not None
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text = ""  # detokenized output, cut at a stop string when one matched
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -75,3 +85,8 @@ class Sequence:
     def in_prefill(self) -> bool:
         """More than the newest token is missing from the cache (a prompt, or a recompute)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt log-probs are still being collected (every prompt position must run, no prefix cache)."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1

@@ -1,12 +1,30 @@
 """Deciding when a sequence ends, and its text: EOS, stop tokens, stop strings, length limits.
 
 Text is decoded from all output tokens at once (not token by token), so multi-byte characters
-split over several tokens come out right; a stop string cuts the text before it, and the tokens
-that produced it stay in `token_ids` (what the model actually generated).
+split over several tokens come out right, and a stop string is found wherever the token
+boundaries fall (one token may end with its first half and the next start with the rest); it
+cuts the text before it, and the tokens that produced it stay in `token_ids` (what the model
+actually generated). A streaming server sends only `streamable_prefix` of unfinished text: the
+rest might still turn out to be the start of a stop string.
 """
 from __future__ import annotations
 
 from phalanx.inference.sequence import Sequence
+
+
+def streamable_prefix(text: str, stops: list[str]) -> int:
+    """How many leading characters of an unfinished output's text are safe to send: text that
+    ends with the beginning of a stop string (or an unfinished UTF-8 character, decoded as
+    U+FFFD) is held back until the next tokens decide it."""
+    end = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):  # longest suffix of text that begins stop
+            if text.endswith(stop[:k]):
+                end = min(end, len(text) - k)
+                break
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return end
 
 
 class StopChecker:

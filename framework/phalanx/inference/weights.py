@@ -4,7 +4,7 @@ model directory or from a live state dict, without materialising what this rank 
 A *source* yields `(name, read)` pairs, where `read(dim, start, length)` returns the tensor or,
 with a dim, only that slice of it: safetensors files are read slice by slice (a TP rank touches
 only its shard), in-memory tensors are narrowed views. Names are normalised so a state dict from
-`LlamaForCausalLM`, its inner `LlamaModel`, a DDP/`torch.compile` wrapper or an FSDP2 model
+`LlamaForCausalLM` (or any supported family's model), its inner base model, a DDP/`torch.compile` wrapper or an FSDP2 model
 (DTensors are gathered with `full_tensor()`) all load.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _safetensors_reader(handle, name: str) -> Reader:
 
 
 def load_weights(model, source: Iterable[tuple[str, Reader]], *, strict: bool) -> set[str]:
-    """Copy every weight of `source` into `model` (a `LlamaModel`); returns the names loaded.
+    """Copy every weight of `source` into `model` (a `DecoderModel`); returns the names loaded.
 
     Unknown names are an error (a different architecture or a wrong file); with `strict`, so are
     missing ones (an incomplete checkpoint).
@@ -102,8 +102,12 @@ def load_weights(model, source: Iterable[tuple[str, Reader]], *, strict: bool) -
             except KeyError:
                 unknown.append(raw_name)
                 continue
-            for dest, dim, start, length in targets:
+            for target in targets:
+                dest, dim, start, length = target[:4]
+                transpose = len(target) > 4 and target[4]
                 src = read(dim, start, length)
+                if transpose:  # stored [in, out] (GPT-2's Conv1D)
+                    src, dim = src.t(), (None if dim is None else 1 - dim)
                 view = dest if dim is None or dest.shape[dim] == length else dest.narrow(dim, 0, length)
                 if tuple(src.shape) != tuple(view.shape):
                     raise ValueError(f"weight {raw_name!r} has shape {tuple(src.shape)} but this model (TP rank "
