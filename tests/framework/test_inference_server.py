@@ -1,9 +1,12 @@
-"""The OpenAI-compatible server, over real HTTP on 127.0.0.1 with httpx: completions, chat with
-the model's template, server-sent-event streaming, models/health, API keys, and 4xx answers to
-bad requests."""
+"""The OpenAI-compatible server (FastAPI + uvicorn) over real HTTP on 127.0.0.1 with httpx:
+completions, chat with the model's template, server-sent-event streaming, n/best_of/echo, health,
+models and metrics, API keys, 4xx answers to bad requests, the bounded queue (429) and a
+disconnect that frees the request's KV blocks. The `openai` client's view is in
+test_openai_client.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -14,18 +17,32 @@ import time
 
 import httpx
 import pytest
+import torch
 
 import inference_models as im
 from phalanx.inference import LLM, OpenAIServer, SamplingParams
+from phalanx.inference.openai_protocol import supported_sampling_fields
+from serving_helpers import direct, parse_metrics, wait_until
 
 TIMEOUT = httpx.Timeout(60.0)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def model_path(tmp_path_factory):
     path, _ = im.save_model(tmp_path_factory.mktemp("served") / "tiny-llama", "llama")
-    engine = LLM(str(path), num_blocks=128, block_size=8, max_model_len=128)
-    with OpenAIServer(engine, port=0) as server:
+    return path
+
+
+def make_engine(path, **kwargs) -> LLM:
+    kwargs = {"num_blocks": 128, "block_size": 8, "max_model_len": 128, **kwargs}
+    return LLM(str(path), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def setup(model_path):
+    engine = make_engine(model_path)
+    with OpenAIServer(engine, port=0, max_prompt_tokens=64) as server:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
             yield server, client, engine
 
@@ -36,7 +53,7 @@ def sse(response) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_health_and_models(setup):
+def test_health_models_and_localhost(setup):
     server, client, _ = setup
     assert server.url.startswith("http://127.0.0.1:")
     assert client.get("/health").json() == {"status": "ok"}
@@ -46,42 +63,47 @@ def test_health_and_models(setup):
 
 
 def test_completion_matches_the_engine(setup):
-    _, client, engine = setup
+    server, client, engine = setup
     prompt = "Continuous batching admits"
     r = client.post("/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 10,
                                              "temperature": 0, "logprobs": 2})
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
-    direct = engine.generate(prompt, SamplingParams(max_new_tokens=10, temperature=0))[0]
-    assert choice["text"] == direct.text and choice["finish_reason"] == direct.finish_reason
-    assert body["usage"]["completion_tokens"] == len(direct.token_ids)
-    assert body["usage"]["prompt_tokens"] == len(direct.prompt_token_ids)
-    assert len(choice["logprobs"]["token_logprobs"]) == len(direct.token_ids)
+    want = direct(server, prompt, SamplingParams(max_new_tokens=10, temperature=0, logprobs=2))[0]
+    assert choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(want.token_ids)
+    for got, ref in zip(choice["logprobs"]["token_logprobs"], want.logprobs, strict=True):
+        # fp32; the engine's second run of the prompt takes its prefix from the cache (another
+        # summation order than the first, full prefill): ~1e-6 apart on log-probs of magnitude ~3
+        assert math.isclose(got, ref, rel_tol=0, abs_tol=1e-4)
     assert all(len(t) == 2 for t in choice["logprobs"]["top_logprobs"])
     batch = client.post("/v1/completions", json={"prompt": [prompt, [5, 6, 7]], "max_tokens": 4, "temperature": 0})
     assert [c["index"] for c in batch.json()["choices"]] == [0, 1]
-    assert batch.json()["choices"][0]["text"] == engine.generate(prompt, SamplingParams(max_new_tokens=4, temperature=0))[0].text
+    want = direct(server, [prompt, [5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0))
+    assert [c["text"] for c in batch.json()["choices"]] == [w.text for w in want]
 
 
 def test_chat_completion_applies_the_chat_template(setup):
-    _, client, engine = setup
+    server, client, engine = setup
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = engine.tokenizer(ids, add_special_tokens=False)["input_ids"]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids[-3:] == engine.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"][-3:]
-    direct = engine.generate(ids, SamplingParams(max_new_tokens=8, temperature=0))[0]
-    assert choice["message"] == {"role": "assistant", "content": direct.text}
+    want = direct(server, ids, SamplingParams(max_new_tokens=8, temperature=0))[0]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_streaming_completion_and_chat(setup):
-    _, client, engine = setup
+    server, client, engine = setup
     prompt = "Speculative decoding lets"
-    direct = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    want = direct(server, prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
     with client.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
                                                          "ignore_eos": True, "stream": True,
                                                          "stream_options": {"include_usage": True}}) as r:
@@ -89,9 +111,9 @@ def test_streaming_completion_and_chat(setup):
         chunks = sse(r)
     text_chunks = [c for c in chunks if c["choices"]]
     assert len(text_chunks) > 2  # it really streamed
-    assert "".join(c["choices"][0]["text"] for c in text_chunks) == direct.text
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == want.text
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 12
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
     messages = [{"role": "user", "content": "How are you today?"}]
     with client.stream("POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
                                                               "stream": True}) as r:
@@ -103,11 +125,90 @@ def test_streaming_completion_and_chat(setup):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_n_best_of_and_echo(setup):
+    """n, best_of and echo go to the engine (its SamplingParams fields) when it has them: the
+    choices equal `LLM.generate`'s completions for the same params; otherwise 400."""
+    server, client, engine = setup
+    have = supported_sampling_fields()
+    prompt = "Paged attention stores"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    r = client.post("/v1/completions", json={**body, "n": 3})
+    if "n" not in have:
+        assert r.status_code == 400 and "'n'=3 is not supported" in r.json()["error"]["message"]
+        return
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    common = dict(max_new_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    want = direct(server, prompt, SamplingParams(n=3, **common))[0].outputs
+    assert [c["text"] for c in choices] == [w.text for w in want]
+    assert len({c["text"] for c in choices}) > 1  # sampled apart
+    assert r.json()["usage"]["completion_tokens"] == 18
+    assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenize(prompt))
+    # two prompts x n=2: prompt p's choice k has index 2p + k
+    r = client.post("/v1/completions", json={**body, "prompt": [prompt, "Hello world"], "n": 2})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    want2 = direct(server, [prompt, "Hello world"], SamplingParams(n=2, **common))
+    assert [c["text"] for c in r.json()["choices"]] == [c.text for o in want2 for c in o.outputs]
+    # best_of: the engine's pick, without logprobs in the answer unless asked
+    r = client.post("/v1/completions", json={**body, "n": 1, "best_of": 3})
+    (choice,) = r.json()["choices"]
+    best = direct(server, prompt, SamplingParams(n=1, best_of=3, **common))[0]
+    assert choice["text"] == best.text and choice["logprobs"] is None
+    # streamed n=2: chunks of both choices, each choice's text whole, each finished once
+    with client.stream("POST", "/v1/completions", json={**body, "n": 2, "stream": True}) as s:
+        chunks = sse(s)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == want[i].text
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert sum(c["finish_reason"] is not None for c in mine) == 1
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                     "max_tokens": 3, "temperature": 0})
+    assert [c["index"] for c in chat.json()["choices"]] == [0, 1]
+    # echo: the prompt's text (and with logprobs its tokens, the first without a log-prob) first
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True})
+    if "echo" not in have:
+        assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+        return
+    greedy = direct(server, prompt, SamplingParams(max_new_tokens=4, temperature=0))[0]
+    assert r.json()["choices"][0]["text"] == prompt + greedy.text
+    assert r.json()["usage"]["completion_tokens"] == len(greedy.token_ids)
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+                                             "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(engine.tokenize(prompt)) + 4 and lp["token_logprobs"][0] is None
+
+
+def test_optional_sampling_fields_follow_sampling_params(setup):
+    """presence/frequency penalties and logit_bias reach SamplingParams when it has the fields;
+    otherwise they are refused with 400 naming the field."""
+    _, client, _ = setup
+    have = supported_sampling_fields()
+    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("logit_bias", {"7": 5})]:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
+        if field in have:
+            assert r.status_code == 200, r.text
+        else:
+            assert r.status_code == 400 and field in r.json()["error"]["message"]
+            assert "not supported" in r.json()["error"]["message"]
+    if "logit_bias" in have:  # a +100 bias makes the token certain
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                 "logit_bias": {"42": 100}, "ignore_eos": True,
+                                                 "logprobs": 0})
+        assert r.status_code == 200
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 3
+    # neutral values are fine whatever the engine supports
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "presence_penalty": 0,
+                                             "frequency_penalty": 0.0, "logit_bias": {}})
+    assert r.status_code == 200, r.text
+
+
 def test_concurrent_clients_share_batches_and_get_their_own_answers(setup):
     from concurrent.futures import ThreadPoolExecutor
-    _, client, engine = setup
+    server, client, engine = setup
     prompts = [im.mixed_prompts(1, seed=30 + i, low=3, high=30)[0] for i in range(6)]
-    want = [o.text for o in engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))]
+    want = [o.text for o in direct(server, prompts, SamplingParams(max_new_tokens=8, temperature=0))]
 
     def ask(prompt):
         with httpx.Client(base_url=client.base_url, timeout=TIMEOUT) as c:
@@ -116,6 +217,7 @@ def test_concurrent_clients_share_batches_and_get_their_own_answers(setup):
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(ask, prompts))
     assert [g["choices"][0]["text"] for g in got] == want
+    wait_until(lambda: server.loop.in_flight == 0, what="no request in flight")
     assert engine.block_manager.all_free()
 
 
@@ -123,52 +225,164 @@ def test_concurrent_clients_share_batches_and_get_their_own_answers(setup):
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", {"max_tokens": 4}, 400, "'prompt' is required"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "more than this server allows"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "more than this server allows (128)"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "positive integer"),
-    ("/v1/completions", {"prompt": [7] * 120, "max_tokens": 20}, 400, "maximum context length is 128"),
+    ("/v1/completions", {"prompt": [7] * 100, "max_tokens": 4}, 400, "limit of 64 prompt tokens"),
+    ("/v1/completions", {"prompt": [7] * 60, "max_tokens": 80}, 400, "maximum context length is 128"),
     ("/v1/completions", {"prompt": "hi", "temperature": 5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n=1"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, 400, "'n'=99 must be in [1, 16]"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "'best_of'=2 must be >= 'n'=3"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400, "cannot be streamed"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "token ids"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "'messages' is required"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 80}]}, 400,
+     "limit of 64 prompt tokens"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
 ])
 def test_bad_requests_get_4xx_with_an_openai_error(setup, route, body, status, words):
-    _, client, _ = setup
+    server, client, engine = setup
     if isinstance(body, bytes):
         r = client.post(route, content=body, headers={"Content-Type": "application/json"})
     else:
         r = client.post(route, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert words in error["message"] and error["type"]
+    assert words in error["message"] and error["type"], error
+    wait_until(lambda: server.loop.in_flight == 0, what="refused requests are forgotten")
 
 
-def test_oversized_body_is_refused(setup):
+def test_oversized_body_and_wrong_method(setup):
     _, client, _ = setup
     r = client.post("/v1/completions", content=b" " * (2 << 20), headers={"Content-Type": "application/json"})
-    assert r.status_code == 413
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    r = client.delete("/v1/completions")
+    assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
 
 
-def test_api_key(setup):
-    _, _, engine = setup
+def test_metrics_in_prometheus_format(setup):
+    server, client, _ = setup
+    before = parse_metrics(client.get("/metrics").text)
+    client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 5, "temperature": 0,
+                                         "ignore_eos": True})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = parse_metrics(r.text)
+    assert m["phalanx_generation_tokens_total"] - before.get("phalanx_generation_tokens_total", 0) == 5
+    assert m["phalanx_kv_blocks_total"] == 128 and m["phalanx_kv_blocks_used"] == 0  # all returned
+    assert m["phalanx_requests_running"] == 0 and m["phalanx_requests_waiting"] == 0
+    assert m["phalanx_queue_length"] == 0 and m["phalanx_queue_capacity"] == 64 + 256
+    assert m["phalanx_generation_tokens_per_second"] > 0
+    assert m['phalanx_requests_finished_total{finish_reason="length"}'] >= 1
+    buckets = [(k, v) for k, v in m.items() if k.startswith("phalanx_time_to_first_token_seconds_bucket")]
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts) and buckets[-1][0].endswith('le="+Inf"}')  # cumulative, +Inf last
+    assert counts[-1] == m["phalanx_time_to_first_token_seconds_count"] >= 1
+    assert m["phalanx_time_to_first_token_seconds_sum"] > 0
+
+
+def test_api_key(model_path):
+    engine = make_engine(model_path)
     with OpenAIServer(engine, port=0, api_key="sk-test") as server:
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
             assert client.get("/health").status_code == 200  # probes need no key
+            assert client.get("/metrics").status_code == 200
             assert client.get("/v1/models").status_code == 401
             r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                             headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = client.post("/v1/completions", content=b"{bad", headers={"Authorization": "Bearer nope"})
+            assert r.status_code == 401  # the key is checked before the body
             ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                              headers={"Authorization": "Bearer sk-test"})
             assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
+def test_a_full_queue_answers_429_with_retry_after(model_path):
+    """Capacity = max_num_seqs (2) + max_queue (1): with the engine held, three requests are in
+    flight; the fourth is refused at once with 429 + Retry-After; the three then finish."""
+    from concurrent.futures import ThreadPoolExecutor
+    engine = make_engine(model_path, max_num_seqs=2)
+    with OpenAIServer(engine, port=0, max_queue=1, retry_after_s=2) as server:
+        body = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0}
+
+        def ask():
+            return httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+
+        with ThreadPoolExecutor(3) as pool:
+            with server.loop.paused():
+                futures = [pool.submit(ask) for _ in range(3)]
+                wait_until(lambda: server.loop.in_flight == 3, what="3 requests in flight")
+                t0 = time.monotonic()
+                r = httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+                assert time.monotonic() - t0 < 5  # answered at once, not queued
+                assert r.status_code == 429 and r.headers["retry-after"] == "2"
+                assert r.json()["error"]["code"] == "queue_full" and "capacity of 3" in r.json()["error"]["message"]
+                two = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=TIMEOUT)
+                assert two.status_code == 429  # all or nothing
+                assert not any(f.done() for f in futures)
+            answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 3
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        m = parse_metrics(httpx.get(server.url + "/metrics").text)
+        assert m['phalanx_requests_rejected_total{reason="queue_full"}'] == 2
+        wait_until(lambda: server.loop.in_flight == 0, what="all finished")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_disconnects_frees_its_blocks(model_path, route):
+    """A streaming client reads two chunks and hangs up; its request is aborted before it
+    finished and the block manager's free-block count returns to where it started."""
+    engine = make_engine(model_path)
+    free_at_start = engine.block_manager.num_free_blocks
+    body = {"max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    if route == "/v1/completions":
+        body["prompt"] = "Tensor parallel inference splits attention heads"
+    else:
+        body["messages"] = [{"role": "user", "content": "Tensor parallel inference"}]
+    with OpenAIServer(engine, port=0) as server:
+        client = httpx.Client(base_url=server.url, timeout=TIMEOUT)
+        with client.stream("POST", route, json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]  # "data: ...", "", "data: ..."
+            assert got[0].startswith("data: ")
+            with server.loop.paused():  # between two steps: the request is mid-way
+                assert server.loop.in_flight == 1
+                assert engine.block_manager.num_free_blocks < free_at_start  # it holds blocks
+                r.close()
+                client.close()
+                wait_until(lambda: server.loop.num_pending_aborts == 1, what="the server noticed the hang-up")
+        wait_until(lambda: engine.block_manager.num_free_blocks == free_at_start, what="its blocks are free")
+        assert engine.block_manager.all_free() and server.loop.in_flight == 0
+        m = parse_metrics(httpx.get(server.url + "/metrics").text)
+        assert m["phalanx_requests_aborted_total"] == 1
+        assert not any(k.startswith("phalanx_requests_finished_total{") for k in m)  # it did not finish
+
+
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_blocks(model_path):
+    engine = make_engine(model_path)
+    free_at_start = engine.block_manager.num_free_blocks
+    with OpenAIServer(engine, port=0) as server:
+        with server.loop.paused():
+            with pytest.raises(httpx.ReadTimeout):  # gives up while the request is running
+                httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 50,
+                                                                 "ignore_eos": True}, timeout=1.0)
+            wait_until(lambda: server.loop.num_pending_aborts == 1, what="the server noticed the hang-up")
+        wait_until(lambda: server.loop.in_flight == 0, what="the request is aborted")
+        assert engine.block_manager.num_free_blocks == free_at_start
+        m = parse_metrics(httpx.get(server.url + "/metrics").text)
+        assert m["phalanx_requests_aborted_total"] == 1
 
 
 def test_phalanx_serve_command_help():
     out = subprocess.run([sys.executable, "-m", "phalanx.cli", "serve", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "--api-key" in out.stdout and "127.0.0.1" in out.stdout
+    assert "--max-queue" in out.stdout and "--max-prompt-tokens" in out.stdout
 
 
 class ServeCommand:
@@ -221,15 +435,16 @@ class ServeCommand:
 def test_phalanx_serve_command_serves(tmp_path):
     """The real command in a subprocess: it prints its URL, answers, and stops on SIGINT."""
     path, _ = im.save_model(tmp_path / "m", "llama")
-    server = ServeCommand(str(path), "--port", "0", "--kv-cache-gib", "0.01")
+    server = ServeCommand(str(path), "--port", "0", "--kv-cache-gib", "0.01", "--max-queue", "8")
     try:
         url = server.start()
         assert url.startswith("http://127.0.0.1:")
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=TIMEOUT)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
     finally:
-        code, _, output = server.stop()
-    assert code == 0 and "Traceback" not in output, output[-3000:]
+        code, seconds, output = server.stop()
+    assert code == 0 and "Traceback" not in output, f"{seconds:.1f} s\n" + output[-6000:]
+    assert seconds < 20
 
 
 def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_path):
@@ -256,8 +471,8 @@ def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_pat
         code, seconds, output = server.stop()
     assert "Sending process" in output and output.count("closing signal SIGINT") == 2  # torchrun ran 2 ranks
     assert len(choices) == len(want)
-    for choice, direct in zip(choices, want, strict=True):
-        assert choice["logprobs"]["tokens"] == completion_logprobs(direct, engine.tokenizer)["tokens"]
-        assert choice["text"] == direct.text and len(direct.token_ids) == 12
+    for choice, ref in zip(choices, want, strict=True):
+        assert choice["logprobs"]["tokens"] == completion_logprobs(ref, engine.tokenizer)["tokens"]
+        assert choice["text"] == ref.text and len(ref.token_ids) == 12
     assert code == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
     assert seconds < 20

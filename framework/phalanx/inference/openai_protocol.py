@@ -3,22 +3,31 @@
 Requests are validated here and turned into prompts + `SamplingParams`; anything wrong raises
 `RequestError` with the HTTP status and an OpenAI-style error body, so the server maps every bad
 request to a clear 4xx. Responses and streaming chunks are built here too. No HTTP in this module.
+
+OpenAI fields that need a `SamplingParams` field this engine version may lack (n, best_of, echo,
+presence/frequency penalties, logit_bias) are passed on only when the dataclass has the field
+(`supported_sampling_fields`), else refused with 400.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from phalanx.inference.outputs import RequestOutput
 from phalanx.inference.sampling_params import SamplingParams
 
 
+MAX_N = 16  # choices (n, best_of) one request may ask for (each sample is a sequence in the batch)
+
+
 class RequestError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -32,7 +41,8 @@ class ParsedRequest:
     include_usage: bool = False
     chat: bool = False
     top_logprobs: int = 0
-    extra: dict = field(default_factory=dict)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the engine puts the prompt before each choice
 
 
 # -- field helpers ---------------------------------------------------------------------------------
@@ -68,22 +78,65 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _unsupported(body: dict) -> None:
-    if body.get("n", 1) not in (1, None):
-        raise RequestError(400, "only n=1 is supported; send several requests instead", param="n")
-    if body.get("best_of", 1) not in (1, None):
-        raise RequestError(400, "best_of is not supported", param="best_of")
-    if body.get("echo"):
-        raise RequestError(400, "echo is not supported", param="echo")
+def supported_sampling_fields() -> set[str]:
+    """The fields this version of `SamplingParams` has (other OpenAI fields are refused)."""
+    return {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _choices(body: dict, *, chat: bool) -> tuple[int, int]:
+    """n (choices returned) and best_of (samples drawn, the n most likely returned)."""
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = n if chat else _number(body, "best_of", n, 1, MAX_N, integer=True)
+    if best_of < n:
+        raise RequestError(400, f"'best_of'={best_of} must be >= 'n'={n}", param="best_of")
+    return n, best_of
+
+
+def _optional_sampling(body: dict, *, chat: bool) -> dict:
+    """OpenAI fields that map onto `SamplingParams` fields which this version may not have yet:
+    passed on when it has them, refused with 400 when it does not and the field asks for something."""
+    have = supported_sampling_fields()
+    extra = {}
+    n, best_of = _choices(body, chat=chat)
+    for name, value, default in (("n", n, 1), ("best_of", best_of, n)):
+        if value != default:
+            if name not in have:
+                raise RequestError(400, f"'{name}'={value} is not supported by this engine (only {name}={default})",
+                                   param=name)
+            extra[name] = value
+    if not chat and _bool(body, "echo", False):
+        if "echo" not in have:
+            raise RequestError(400, "'echo' is not supported by this engine", param="echo")
+        extra["echo"] = True
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise RequestError(400, f"'{name}' is not supported; use 'repetition_penalty'", param=name)
-    if body.get("logit_bias"):
-        raise RequestError(400, "logit_bias is not supported", param="logit_bias")
+        value = float(_number(body, name, 0.0, -2.0, 2.0))
+        if value != 0.0:
+            if name not in have:
+                raise RequestError(400, f"'{name}' is not supported by this engine; use 'repetition_penalty'",
+                                   param=name)
+            extra[name] = value
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise RequestError(400, "'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+        clean = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise RequestError(400, f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise RequestError(400, f"'logit_bias'[{key!r}]={value!r} must be a number in [-100, 100]",
+                                   param="logit_bias")
+            clean[token] = float(value)
+        if "logit_bias" not in have:
+            raise RequestError(400, "'logit_bias' is not supported by this engine", param="logit_bias")
+        extra["logit_bias"] = clean
+    return extra
 
 
 def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_tokens_limit: int,
-              logprobs: int | None) -> SamplingParams:
+              logprobs: int | None, chat: bool) -> SamplingParams:
     max_tokens = body.get(max_tokens_name)
     if max_tokens is None and max_tokens_name == "max_completion_tokens":
         max_tokens = body.get("max_tokens")
@@ -98,7 +151,7 @@ def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise RequestError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
     top_k = _number(body, "top_k", -1, -1, None, integer=True)
-    return SamplingParams(
+    kwargs = dict(
         max_new_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
@@ -108,6 +161,11 @@ def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_
         ignore_eos=_bool(body, "ignore_eos", False),
         min_new_tokens=min(_number(body, "min_tokens", 0, 0, None, integer=True), max_tokens),
         logprobs=logprobs, seed=seed)
+    kwargs.update(_optional_sampling(body, chat=chat))
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(400, str(exc)) from None
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -120,7 +178,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # -- requests --------------------------------------------------------------------------------------
 def parse_completion(body: dict, *, max_tokens_limit: int) -> ParsedRequest:
-    _unsupported(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         prompts = [prompt]
@@ -133,12 +190,17 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> ParsedRequest:
         raise RequestError(400, "'prompt' must not be empty", param="prompt")
     logprobs = _number(body, "logprobs", None, 0, 20, integer=True)
     stream, usage = _stream_flags(body)
-    params = _sampling(body, "max_tokens", default_max_tokens=16, max_tokens_limit=max_tokens_limit, logprobs=logprobs)
-    return ParsedRequest(prompts, params, stream, usage, chat=False, top_logprobs=logprobs or 0)
+    n, best_of = _choices(body, chat=False)
+    if stream and best_of > n:
+        raise RequestError(400, "'best_of' > 'n' cannot be streamed (the best are known only at the end)",
+                           param="best_of")
+    params = _sampling(body, "max_tokens", default_max_tokens=16, max_tokens_limit=max_tokens_limit,
+                       logprobs=logprobs, chat=False)
+    return ParsedRequest(prompts, params, stream, usage, chat=False, top_logprobs=logprobs or 0, n=n,
+                         echo=bool(getattr(params, "echo", False)))
 
 
 def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
-    _unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
@@ -159,9 +221,13 @@ def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) ->
     if top and not want_logprobs:
         raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     stream, usage = _stream_flags(body)
+    for name in ("best_of", "echo"):
+        if body.get(name) not in (None, False, 1):
+            raise RequestError(400, f"'{name}' is a /v1/completions field; chat completions do not take it", param=name)
+    n, _ = _choices(body, chat=True)
     params = _sampling(body, "max_completion_tokens", default_max_tokens=default_max_tokens,
-                       max_tokens_limit=max_tokens_limit, logprobs=top if want_logprobs else None)
-    return ParsedRequest([clean], params, stream, usage, chat=True, top_logprobs=top)
+                       max_tokens_limit=max_tokens_limit, logprobs=top if want_logprobs else None, chat=True)
+    return ParsedRequest([clean], params, stream, usage, chat=True, top_logprobs=top, n=n)
 
 
 def check_model(body: dict, served: str) -> None:
@@ -169,6 +235,13 @@ def check_model(body: dict, served: str) -> None:
     if model is not None and model != served:
         raise RequestError(404, f"the model '{model}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")
+
+
+def check_prompt_length(num_prompt_tokens: int, max_prompt_tokens: int, param: str = "prompt") -> None:
+    if num_prompt_tokens > max_prompt_tokens:
+        raise RequestError(400, f"the prompt has {num_prompt_tokens} tokens, more than this server's limit of "
+                                f"{max_prompt_tokens} prompt tokens (--max-prompt-tokens); shorten it",
+                           param=param, code="prompt_too_long")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, param: str = "prompt") -> None:
@@ -184,10 +257,22 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI counts each prompt once, however many choices it has, and every sampled token."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completions_of(out: RequestOutput) -> list:
+    """A request's completions: `out.outputs` (n of them) when the engine fills it, else the
+    request's own n == 1 fields."""
+    return list(getattr(out, "outputs", None) or [out])
+
+
+def generated_tokens(out: RequestOutput, echo: bool) -> int:
+    """Tokens generated for a request, all its completions (an echoed prompt does not count)."""
+    skip = len(out.prompt_token_ids) if echo else 0
+    return sum(max(0, len(c.token_ids) - skip) for c in completions_of(out))
 
 
 def _token_text(tokenizer, token_id: int) -> str:
@@ -218,18 +303,23 @@ def chat_logprobs(out: RequestOutput, tokenizer, start: int = 0) -> dict | None:
     return {"content": content}
 
 
-def completion_response(rid: str, model: str, outputs: list[RequestOutput], tokenizer) -> dict:
+def completion_choice(index: int, out, tokenizer) -> dict:
+    """One choice of a completion, from a completion (or an n == 1 request output)."""
+    return {"index": index, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage_: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "text": o.text, "logprobs": completion_logprobs(o, tokenizer),
-                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for i, o in enumerate(outputs)],
-            "usage": usage(outputs)}
+            "choices": choices, "usage": usage_}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, tokenizer) -> dict:
+def chat_response(rid: str, model: str, out: RequestOutput, tokenizer, usage_: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": chat_logprobs(out, tokenizer), "finish_reason": out.finish_reason}],
-            "usage": usage([out])}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": chat_logprobs(c, tokenizer), "finish_reason": c.finish_reason}
+                        for i, c in enumerate(completions_of(out))],
+            "usage": usage_}
 
 
 def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason: str | None,
@@ -238,9 +328,16 @@ def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason:
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage_: dict) -> dict:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage_}
 
 
 def models_response(model: str, max_model_len: int) -> dict:

@@ -1,8 +1,12 @@
 """`phalanx serve MODEL_DIR`: an OpenAI-compatible server for a local HF model directory.
 
     phalanx serve path/to/model                         # http://127.0.0.1:8000/v1
-    phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32
+    phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32 --max-queue 64
     phalanx serve path/to/model --tp-size 2             # restarts itself under torchrun, 2 ranks
+
+The server (FastAPI + uvicorn, `pip install 'phalanx[serve]'`) holds at most --max-num-seqs
+running plus --max-queue waiting requests and answers 429 beyond that; docs/serving.md has the
+routes, limits and metrics.
 
 With --tp-size N > 1 the command runs torchrun's agent, which starts this module on N ranks; rank
 0 serves HTTP and drives the engine, the other ranks run their model shards for every step it
@@ -27,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $PHALANX_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    p.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="the largest max_tokens a request may ask for "
+                   "(default: the context length); more is answered 400")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="the longest prompt in tokens (default: the "
+                   "context length less one); longer is answered 400")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait beyond the --max-num-seqs "
+                   "running ones; more are answered 429 with Retry-After (default 256)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (restarts under torchrun)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences batched together")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per engine step")
@@ -52,6 +61,9 @@ def serve_main(argv: list[str]) -> int:
     if args.tp_size > 1 and "WORLD_SIZE" not in os.environ:
         from phalanx.torchrun import run_here
         return run_here(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])
+    if args.max_queue < 0:
+        print(f"phalanx serve: --max-queue {args.max_queue} must be >= 0", file=sys.stderr)
+        return 2
     if not os.path.isdir(args.model):
         print(f"phalanx serve: {args.model} is not a directory (expected a Hugging Face model directory)", file=sys.stderr)
         return 2
@@ -75,9 +87,11 @@ def serve_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit)
+                          served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit,
+                          max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
     print(f"phalanx serve: {server.model_name} on {server.url}/v1 ({engine.num_blocks} KV blocks of "
-          f"{args.block_size} tokens, max_model_len {engine.max_model_len}"
+          f"{args.block_size} tokens, max_model_len {engine.max_model_len}, at most {server.loop.capacity} "
+          "requests in flight"
           f"{', API key required' if server.api_key else ''}); Ctrl-C stops", flush=True)
     try:
         server.serve_forever()
