@@ -8,6 +8,15 @@ tokens), 64 new tokens each, greedy, EOS ignored so both sides generate exactly 
 Hugging Face runs the whole batch as one left-padded `generate` call (its fastest way to do 32
 prompts); phalanx.inference takes the 32 requests at once and continuously batches them.
 
+Sides: HF `generate`, our engine eager (`compile=False`, the tested reference) and our engine
+compiled (`compile=True`: the model step through torch.compile, see
+phalanx/inference/compiled.py). The compiled engine's compilation happens in its warm-up and is
+reported on its own line, not in its throughput; a second process reuses inductor's on-disk cache
+(~/.cache/phalanx/inductor) and compiles faster. `--no-eager` / `--no-compiled` drop a side.
+
+Single stream: one 128-token prompt, 64 new tokens, batch of one on every side: time to first
+token and inter-token latency ((total - TTFT) / 63; ours from the request's own timestamps).
+
 Reported per side: throughput (generated tokens / wall time), time to first token (HF: the
 padded prefill + first token, timed with max_new_tokens=1; ours: mean over requests of first
 token − arrival), and per-token latency (HF: (total − TTFT) / 63; ours: mean over requests of
@@ -81,6 +90,23 @@ def run_ours(engine, prompts, new_tokens: int):
     return elapsed, cpu, ttft, tpot, [o.token_ids for o in outs]
 
 
+def hf_single_stream(model, prompt, new_tokens: int):
+    """(TTFT, inter-token latency) of HF generate on one unpadded prompt."""
+    def timed(n):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            return time.perf_counter() - start
+    ttft, total = timed(1), timed(new_tokens)
+    return ttft, (total - ttft) / max(1, new_tokens - 1)
+
+
+def our_single_stream(engine, prompt, new_tokens: int):
+    _, _, ttft, tpot, _ = run_ours(engine, [prompt], new_tokens)
+    return ttft, tpot
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="an HF Llama-family directory (default: see above)")
@@ -91,6 +117,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-eager", action="store_true", help="skip our eager engine")
+    parser.add_argument("--no-compiled", action="store_true", help="skip our compiled engine")
+    parser.add_argument("--no-hf-ttft", action="store_true", help="skip HF's separately timed batch TTFT run")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-stream latencies")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
@@ -110,52 +140,103 @@ def main(argv=None) -> int:
         label = "tiny Llama, random init (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32000)"
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
-    engine = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1))
+    engines = {}
+    if not args.no_eager:
+        engines["eager"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False)
+    if not args.no_compiled:
+        fast = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=True)
+        if fast.runner.compiled is None:
+            print(f"compiled engine unavailable: {fast.runner.compile_reason}")
+        else:
+            engines["compiled"] = fast
     prompts = make_prompts(args.prompts, hf.config.vocab_size, args.min_len, args.max_len)
+    single = make_prompts(1, hf.config.vocab_size, 128, 128, seed=1)[0]
     n_tokens = args.prompts * args.new_tokens
     print(f"model: {label}\ndtype: {args.dtype}, torch threads: {torch.get_num_threads()}, "
           f"{args.prompts} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens "
           f"({sum(map(len, prompts))} in all, {args.prompts * max(map(len, prompts))} padded), "
           f"{args.new_tokens} new tokens each, greedy", flush=True)
 
-    # warm-up: first calls pay for lazy initialisation on both sides
+    # warm-up: first calls pay for lazy initialisation on both sides, and the compiled engine
+    # compiles here (batched steps and single-row steps), timed on its own
     run_hf(hf, prompts[:2], 2)
-    run_ours(engine, prompts[:2], 2)
+    compile_s = compile_wall = None
+    for name, engine in engines.items():
+        start = time.perf_counter()
+        run_ours(engine, prompts[:2], 2)
+        run_ours(engine, prompts[:1], 2)
+        if name == "compiled":
+            compile_wall = time.perf_counter() - start
+            compile_s = engine.runner.compiled.compile_seconds
+            print(f"compiled engine: compilation {compile_s:.1f} s (warm-up {compile_wall:.1f} s wall; "
+                  f"inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
 
-    hf_runs, hf_ttfts, our_runs = [], [], []
+    hf_runs, hf_ttfts = [], []
+    runs: dict[str, list] = {name: [] for name in engines}
+    tokens: dict[str, list] = {}
     for r in range(args.repeats):
-        wall, cpu, hf_tokens = run_hf(hf, prompts, args.new_tokens)
+        wall, cpu, tokens["hf"] = run_hf(hf, prompts, args.new_tokens)
         hf_runs.append((wall, cpu))
-        hf_ttfts.append(run_hf(hf, prompts, 1)[0])
-        wall, cpu, ttft, tpot, our_tokens = run_ours(engine, prompts, args.new_tokens)
-        our_runs.append((wall, cpu, ttft, tpot))
-        print(f"  run {r + 1}: HF {hf_runs[-1][0]:.2f} s wall / {hf_runs[-1][1]:.2f} s CPU (TTFT {hf_ttfts[-1]:.2f} s), "
-              f"phalanx {wall:.2f} s wall / {cpu:.2f} s CPU", flush=True)
+        if not args.no_hf_ttft:
+            hf_ttfts.append(run_hf(hf, prompts, 1)[0])
+        line = f"  run {r + 1}: HF {wall:.2f} s wall / {cpu:.2f} s CPU"
+        for name, engine in engines.items():
+            wall, cpu, ttft, tpot, tokens[name] = run_ours(engine, prompts, args.new_tokens)
+            runs[name].append((wall, cpu, ttft, tpot))
+            line += f", {name} {wall:.2f} s wall / {cpu:.2f} s CPU"
+        print(line, flush=True)
     hf_wall, hf_cpu = min(w for w, _ in hf_runs), min(c for _, c in hf_runs)
-    hf_ttft = min(hf_ttfts)
-    ours = min(our_runs)  # the fastest run, with its own TTFT and per-token latency
-    our_cpu = min(c for _, c, _, _ in our_runs)
-    same = sum(a == b for a, b in zip(hf_tokens, our_tokens))
-    token_match = sum(x == y for a, b in zip(hf_tokens, our_tokens) for x, y in zip(a, b)) / n_tokens
-
-    hf_tps, our_tps = n_tokens / hf_wall, n_tokens / ours[0]
+    hf_ttft = min(hf_ttfts) if hf_ttfts else float("nan")
+    hf_tps = n_tokens / hf_wall
     hf_tpot = (hf_wall - hf_ttft) / max(1, args.new_tokens - 1)
-    rows = [("Hugging Face generate (padded batch)", hf_tps, n_tokens / hf_cpu, hf_ttft, hf_tpot, hf_wall),
-            ("phalanx.inference (paged, continuous)", our_tps, n_tokens / our_cpu, ours[2], ours[3], ours[0])]
+    labels = {"eager": "phalanx.inference eager", "compiled": "phalanx.inference compiled"}
+    rows = [("Hugging Face generate (padded batch)", hf_tps, n_tokens / hf_cpu, hf_ttft, hf_tpot, hf_wall)]
+    result = {"bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts)),
+              "hf_tokens_per_s": round(hf_tps, 2), "hf_ttft_s": round(hf_ttft, 3) if hf_ttfts else None,
+              "hf_ms_per_token": round(hf_tpot * 1000, 2) if hf_ttfts else None}
+    ratios = []
+    for name in engines:
+        best = min(runs[name])  # the fastest run, with its own TTFT and per-token latency
+        cpu = min(c for _, c, _, _ in runs[name])
+        tps = n_tokens / best[0]
+        rows.append((labels[name], tps, n_tokens / cpu, best[2], best[3], best[0]))
+        same_hf = sum(a == b for a, b in zip(tokens["hf"], tokens[name], strict=True))
+        agree = sum(x == y for a, b in zip(tokens["hf"], tokens[name]) for x, y in zip(a, b)) / n_tokens
+        ratios.append(f"{name} / HF: {tps / hf_tps:.2f}x wall-clock, {hf_cpu / cpu:.2f}x per CPU-second, "
+                      f"identical greedy sequences {same_hf}/{args.prompts} (token agreement {agree:.1%})")
+        result.update({f"{name}_tokens_per_s": round(tps, 2), f"{name}_ratio": round(tps / hf_tps, 3),
+                       f"{name}_ratio_cpu_time": round(hf_cpu / cpu, 3), f"{name}_ttft_s": round(best[2], 3),
+                       f"{name}_ms_per_token": round(best[3] * 1000, 2), f"{name}_identical_to_hf": same_hf})
+    if "eager" in engines and "compiled" in engines:
+        same = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"], strict=True))
+        ratios.append(f"compiled == eager greedy sequences: {same}/{args.prompts}")
+        result["compiled_identical_to_eager"] = same
+    if compile_s is not None:
+        result.update({"compile_s": round(compile_s, 2), "compile_warmup_wall_s": round(compile_wall, 2)})
+
     print(f"\n{'':40} {'tokens/s':>9} {'tok/CPU-s':>10} {'TTFT s':>8} {'ms/token':>9} {'wall s':>8}")
     for name, tps, cps, ttft, tpot, wall in rows:
         print(f"{name:40} {tps:9.1f} {cps:10.1f} {ttft:8.2f} {tpot * 1000:9.1f} {wall:8.2f}")
-    print(f"\nthroughput ratio (phalanx / HF): {our_tps / hf_tps:.2f}x wall-clock, {hf_cpu / our_cpu:.2f}x per CPU-second   "
-          f"identical greedy sequences: {same}/{args.prompts} (token agreement {token_match:.1%})")
-    print(json.dumps({
-        "bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "prompts": args.prompts, "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts)),
-        "hf_tokens_per_s": round(hf_tps, 2), "ours_tokens_per_s": round(our_tps, 2),
-        "ratio": round(our_tps / hf_tps, 3), "ratio_cpu_time": round(hf_cpu / our_cpu, 3),
-        "hf_ttft_s": round(hf_ttft, 3), "ours_ttft_s": round(ours[2], 3),
-        "hf_ms_per_token": round(hf_tpot * 1000, 2), "ours_ms_per_token": round(ours[3] * 1000, 2),
-        "identical_sequences": same, "token_agreement": round(token_match, 4),
-    }))
+    print()
+    for line in ratios:
+        print(line)
+
+    if not args.no_single:
+        times = [hf_single_stream(hf, single, args.new_tokens) for _ in range(args.repeats)]
+        hf_single = (min(t for t, _ in times), min(t for _, t in times))
+        print(f"\nsingle stream ({len(single)}-token prompt, {args.new_tokens} new tokens): "
+              f"{'':4}{'TTFT ms':>9} {'ms/token':>9}")
+        print(f"  {'Hugging Face generate':38} {hf_single[0] * 1000:9.1f} {hf_single[1] * 1000:9.1f}")
+        result.update({"single_hf_ttft_ms": round(hf_single[0] * 1000, 2),
+                       "single_hf_ms_per_token": round(hf_single[1] * 1000, 2)})
+        for name, engine in engines.items():
+            times = [our_single_stream(engine, single, args.new_tokens) for _ in range(args.repeats)]
+            ours = (min(t for t, _ in times), min(t for _, t in times))
+            print(f"  {labels[name]:38} {ours[0] * 1000:9.1f} {ours[1] * 1000:9.1f}")
+            result.update({f"single_{name}_ttft_ms": round(ours[0] * 1000, 2),
+                           f"single_{name}_ms_per_token": round(ours[1] * 1000, 2)})
+    print(json.dumps(result))
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -113,6 +113,13 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         r2 = x2 * c + x1 * s
         x1.copy_(r1)
         x2.copy_(r2)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, skips_slots)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, skips_slots: bool = False) -> None:
+    """Write k and v [N, Hkv, D] (already rotated) to their cache slots; negative slots are skipped
+    when `skips_slots` (the profiling step)."""
     heads, dim = k.shape[1:]
     if skips_slots:
         keep = slot_mapping >= 0

@@ -27,6 +27,9 @@ class EngineConfig:
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
     num_speculative_tokens: tokens the draft model proposes per step (with a draft model).
     seed: seeds requests that bring no seed of their own (request i gets seed + i).
+    compile: run the model step through torch.compile ("auto": on CUDA when a working compiler is
+        found and the model is not tiny — on CPU "auto" stays eager, where compiling measured no
+        faster; True: whenever the compiler works, CPU included; False: eager).
     """
 
     max_num_seqs: int = 64
@@ -41,6 +44,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_speculative_tokens: int = 4
     seed: int = 0
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "tp_size", "max_num_batched_tokens", "num_speculative_tokens"):
@@ -57,5 +61,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"EngineConfig.num_blocks={self.num_blocks} must be at least 2")
+        if self.compile not in ("auto", True, False):
+            raise ValueError(f"EngineConfig.compile={self.compile!r}: choose 'auto', True or False")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")

@@ -16,6 +16,7 @@ import torch
 
 from phalanx.amp.precision import warn_if_emulated_bf16
 from phalanx_kernels.capability import fast_compute_dtype
+from phalanx.inference import compiled
 from phalanx.inference.attention import AttentionBatch, BatchedGroup, PrefillSegment
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import LlamaModel, ModelSpec, rope_tables
@@ -48,6 +49,15 @@ def split_by_length(items: list[int], blocks: list[int]) -> list[list[int]]:
         groups.append([items[order[k]] for k in range(cut[j], j)])
         j = cut[j]
     return groups[::-1]
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        compiled.log.warning(message)
 
 
 @dataclass
@@ -89,6 +99,28 @@ class ModelRunner:
         self.cos, self.sin = (t.to(dtype) for t in rope_tables(spec, max_model_len, device))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.compiled: compiled.CompiledModelStep | None = None
+        self.compile_reason = self._setup_compile(getattr(engine_config, "compile", "auto"))
+
+    def _setup_compile(self, setting) -> str:
+        """Build the compiled model step when `setting` and the machine allow; else say why not,
+        in one log line when compilation was wanted but cannot work here."""
+        if setting is False:
+            return "compile=False"
+        num_params = sum(p.numel() for p in self.model.parameters())
+        if setting == "auto" and self.device.type == "cpu":  # quietly: measured no faster on CPU
+            return "compile='auto' runs eagerly on CPU (compiled was no faster there: docs/inference.md)"
+        if setting == "auto" and num_params < compiled.AUTO_MIN_PARAMS:  # quietly: nothing is lost
+            return f"compile='auto' skips models under {compiled.AUTO_MIN_PARAMS:,} parameters"
+        why = (None if compiled.is_supported(self.model) else f"no compiled path for {self.spec.family!r} models")
+        why = why or compiled.probe_compiler(self.device)
+        if why is not None:
+            _log_once(f"running the model eagerly ({why})")
+            return why
+        max_tokens = max(self.config.max_num_batched_tokens,
+                         self.config.max_num_seqs * (self.config.num_speculative_tokens + 1))
+        self.compiled = compiled.CompiledModelStep(self.model, device=self.device, max_tokens=max_tokens)
+        return "a working compiler was found"
 
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -212,8 +244,16 @@ class ModelRunner:
     # -- running ---------------------------------------------------------------------------------
     def _forward(self, packed: torch.Tensor) -> torch.Tensor:
         ids, positions, batch, logits_rows = self._unpack(packed)
+        if self.compiled is not None and any(layer.packed for layer in self.model.layers):
+            # bf16 weights packed for oneDNN (native-bf16 CPUs): the compiled pieces would multiply
+            # through plain F.linear and lose the packing, so this runner stays eager.
+            self.compiled, self.compile_reason = None, "weights packed for oneDNN run eager"
+            _log_once(f"running the model eagerly ({self.compile_reason})")
         with torch.inference_mode():
-            hidden = self.model(ids, positions, batch, self.kv_caches, self.cos, self.sin)
+            if self.compiled is not None:
+                hidden = self.compiled.forward(ids, positions, batch, self.kv_caches, self.cos, self.sin)
+            else:
+                hidden = self.model(ids, positions, batch, self.kv_caches, self.cos, self.sin)
             return self.model.logits(hidden[logits_rows])
 
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
