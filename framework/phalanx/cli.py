@@ -5,6 +5,7 @@
     phalanx run -n 4 --max-restarts 3 train.py         # restart all ranks when one fails (docs/reliability.md)
     phalanx env                                        # versions, devices, backends, Triton
     phalanx serve MODEL_DIR [--port 8000]              # OpenAI-compatible server (phalanx.inference)
+    phalanx plan --model DIR --world-size 8 --device-memory 80GiB   # which layout fits (docs/plan.md)
 """
 from __future__ import annotations
 
@@ -96,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         from phalanx.inference.serve import serve_main
         return serve_main(rest)
-    print(f"phalanx: unknown command {command!r}; use 'run', 'env' or 'serve'", file=sys.stderr)
+    if command == "plan":
+        from phalanx.plan.cli import plan_main
+        return plan_main(rest)
+    print(f"phalanx: unknown command {command!r}; use 'run', 'env', 'serve' or 'plan'", file=sys.stderr)
     return 2
 
 

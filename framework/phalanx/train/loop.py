@@ -55,6 +55,7 @@ from phalanx.train.losses import CausalLMLoss, check_causal_lm
 from phalanx.train.nonfinite import NonFiniteLossError, NonFinitePolicy
 from phalanx.train.optim import build_lr_scheduler, build_optimizer
 from phalanx.train.result import TrainResult
+from phalanx.plan import MemoryProbe
 from phalanx.train.step import LossFn, step_flops_estimator, train_step
 from phalanx.watchdog import Watchdog, set_step, track
 
@@ -149,6 +150,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     scheduler = build_lr_scheduler(optimizer, cfg)
     loader = DataLoader(train_dataset, batch_size=cfg.micro_batch_size, shuffle=True, drop_last=True,
                         collate_fn=collate_fn, num_workers=cfg.num_workers)
+    memory_probe = MemoryProbe(model, ctx.device)  # the peak of this run, printed beside the plan's estimate
     model_b, optim_b, _, loader_b, scheduler = booster.boost(train_module, optimizer, None, loader, scheduler,
                                                              seed=cfg.seed)
     batches = MicroBatches(loader_b)
@@ -334,6 +336,8 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
         log.info(f"done at step {step}: {summary['tokens_per_s']:.0f} tokens/s"
                  + (f", {summary['tflops_per_rank']:.3g} TFLOP/s per rank" if summary["tflops_per_rank"] else "")
                  + (f", MFU {summary['mfu']:.1%}" if summary["mfu"] else ""))
+    if step > start_step:
+        log.info(_memory_line(memory_probe, cfg, micro, dist.get_world_size(), model_computes_loss))
     return TrainResult(final_step=step, losses=losses, metrics_path=output_dir / METRICS_FILE,
                        checkpoint_dir=writer.last_good, last_eval=last_eval, start_step=start_step,
                        tokens_per_s=summary["tokens_per_s"], tflops_per_rank=summary["tflops_per_rank"],
@@ -366,6 +370,17 @@ def _make_plugin(cfg: TrainConfig):
     except TypeError as exc:  # an option the plugin does not take
         raise ConfigError(f"train config 'plugin_options'={cfg.plugin_options!r} does not fit plugin "
                           f"{cfg.plugin!r}: {exc}") from exc
+
+
+def _memory_line(probe: MemoryProbe, cfg: TrainConfig, micro: list, world: int, model_computes_loss: bool) -> str:
+    """The measured peak per rank beside `phalanx plan`'s estimate for this layout (docs/plan.md)."""
+    ids = micro[0].get("input_ids") if micro and isinstance(micro[0], dict) else None
+    if not isinstance(ids, torch.Tensor):
+        return f"memory per rank: measured peak {probe.measured() / 2**30:.2f} GiB"
+    try:
+        return probe.report(cfg, ids.shape[-1], cfg.micro_batch_size, world, loss="hf" if model_computes_loss else "fused")
+    except Exception as exc:  # the planner knows LLM families only; the peak is still worth printing
+        return f"memory per rank: measured peak {probe.measured() / 2**30:.2f} GiB (no plan estimate: {exc})"
 
 
 def _peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:

@@ -1,0 +1,65 @@
+"""Gemini's chunk padding, from the model's parameter sizes in model order: parameters are laid
+into chunks of one size in order, a chunk closes when the next parameter does not fit, a
+parameter larger than the size gets a chunk of its own, and each chunk is rounded up to a
+multiple of the world size. With no size given, Gemini searches 8–64 MiB (1 MiB steps) for the
+least padding; so does this."""
+from __future__ import annotations
+
+from phalanx.plan.model import ModelSpec
+
+SEARCH_MIB = (8, 64, 1)
+
+
+def parameter_numels(spec: ModelSpec, tp: int = 1) -> list[int]:
+    """Sizes of the parameter tensors in the order transformers registers them (Llama layout:
+    embedding; per layer q, k, v, o (+ biases, + Qwen3's q/k norms), gate, up, down, two norms;
+    final norm; LM head unless tied), split over tp where tensor parallelism splits them."""
+    h, f, hd = spec.hidden_size, spec.intermediate_size // tp, spec.head_dim
+    q = spec.q_dim // tp
+    kv = spec.kv_dim // tp if spec.num_kv_heads % tp == 0 else spec.kv_dim
+    vocab = -(-spec.vocab_size // tp)
+    out = [vocab * h] + ([spec.position_table * h] if spec.position_table else [])
+    for _ in range(spec.num_layers):
+        for rows, bias in ((q, spec.qkv_bias), (kv, spec.qkv_bias), (kv, spec.qkv_bias)):
+            out += [rows * h] + ([rows] if bias else [])
+        out += [q * h] + ([h] if spec.o_bias else [])
+        out += [hd, hd] if spec.qk_norm else []
+        for size, bias in ((h * f, f), (h * f, f), (f * h, h))[: 3 if spec.gated_mlp else 2]:
+            out += [size] + ([bias] if spec.mlp_bias else [])
+        out += [h, h] * (2 if spec.norm_bias else 1)
+    out += [h] * (2 if spec.norm_bias else 1)
+    if not spec.tie_word_embeddings:
+        out.append(vocab * h)
+    return out
+
+
+def chunked_numel(numels: list[int], chunk: int, world: int) -> int:
+    """Elements of all chunks together, padding included."""
+    total, used = 0, None
+    for n in numels:
+        if used is not None and used + n <= chunk:
+            used += n
+            continue
+        if used is not None:
+            total += -(-max(used, chunk) // world) * world
+        used = n
+    if used is not None:
+        total += -(-max(used, chunk) // world) * world
+    return total
+
+
+def gemini_chunks(spec: ModelSpec, world: int, itemsize: int, chunk_mb: float | None, tp: int = 1) -> tuple[int, int]:
+    """(chunk size in elements, elements of all chunks with padding) for Gemini on `world` ranks."""
+    numels = parameter_numels(spec, tp)
+    if chunk_mb is not None:
+        chunk = max(world, int(chunk_mb * 2**20) // itemsize)
+        return chunk, chunked_numel(numels, chunk, world)
+    lo, hi, step = (x * 2**20 // itemsize for x in SEARCH_MIB)
+    best = None
+    size = -(-lo // world) * world
+    while size <= hi:
+        total = chunked_numel(numels, size, world)
+        if best is None or total < best[1]:
+            best = (size, total)
+        size += -(-step // world) * world
+    return best

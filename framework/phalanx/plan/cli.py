@@ -1,0 +1,83 @@
+"""`phalanx plan`: which parallel layout fits, and which is fastest, before renting the GPUs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from phalanx.plan.model import PRESETS
+from phalanx.plan.planner import plan
+from phalanx.plan.report import format_plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="phalanx plan", description=(
+        "Estimate per-rank memory and step time of every parallel layout (DDP, ZeRO-1/2, FSDP, Gemini, "
+        "tensor/pipeline/sequence parallel, activation checkpointing, CPU offload) and recommend one."))
+    ap.add_argument("--model", required=True,
+                    help=f"HF model directory, config.json, or a preset: {', '.join(PRESETS)}")
+    ap.add_argument("--world-size", type=int, required=True, help="number of ranks (GPUs)")
+    ap.add_argument("--device-memory", required=True, help="memory of one device, e.g. 80GiB")
+    ap.add_argument("--host-memory", default=None, help="host memory available to one rank, e.g. 200GiB")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens per sample (default 2048)")
+    ap.add_argument("--micro-batch", type=int, default=1, help="samples per forward per data-parallel rank")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per optimizer step (default: micro batch × data-parallel ranks)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--peak-tflops", default="989",
+                    help="one device's dense peak in --dtype, TFLOP/s (H100 bf16: 989), or 'measure': time a "
+                         "matmul on this machine's device")
+    ap.add_argument("--efficiency", type=float, default=0.45, help="fraction of the peak a step reaches (MFU)")
+    ap.add_argument("--bandwidth", default="100GB/s", help="per-rank bandwidth of collectives")
+    ap.add_argument("--host-bandwidth", default="25GB/s", help="device↔host copy bandwidth (offload)")
+    ap.add_argument("--reserve", default="2GiB", help="device memory not modelled (CUDA context, NCCL, fragmentation)")
+    ap.add_argument("--loss", default="fused", choices=("fused", "hf"),
+                    help="fused: phalanx.train's chunked loss; hf: the model's own (full fp32 logits)")
+    ap.add_argument("--show", type=int, default=15, help="rows per section (0: all)")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per layout instead of the table")
+    return ap
+
+
+def _measured_peak_tflops(dtype: str) -> float:
+    import torch
+
+    from phalanx.amp.precision import dtype_of
+    from phalanx.observe.throughput import measure_matmul_flops
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return measure_matmul_flops(device, dtype_of(dtype)) / 1e12
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.peak_tflops == "measure":
+        args.peak_tflops = _measured_peak_tflops(args.dtype)
+        print(f"measured matmul peak: {args.peak_tflops:.3g} TFLOP/s ({args.dtype})")
+    try:
+        estimates = plan(args.model, args.world_size, args.device_memory, host_memory=args.host_memory,
+                         seq=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
+                         dtype=args.dtype, peak_tflops=args.peak_tflops, efficiency=args.efficiency,
+                         bandwidth=args.bandwidth, host_bandwidth=args.host_bandwidth, reserve=args.reserve,
+                         loss=args.loss)
+    except ValueError as exc:
+        print(f"phalanx plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        for e in estimates:
+            print(json.dumps({"layout": e.name, "fits": e.fits, "reason": e.reason,
+                              "options": e.layout.plugin_options(),
+                              "device_bytes": e.memory.device_total if e.memory else None,
+                              "device": e.memory.device if e.memory else None,
+                              "host": e.memory.host if e.memory else None,
+                              "step_s": e.time.total if e.time else None}))
+        return 0
+    from phalanx.plan.model import load_spec
+    spec = load_spec(args.model)
+    header = (f"phalanx plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters), {args.world_size} rank{'s' if args.world_size != 1 else ''} × "
+              f"{args.device_memory}, seq {args.seq}, micro batch {args.micro_batch}, {args.dtype}, AdamW")
+    print(format_plan(estimates, header, show=args.show or None))
+    return 0 if any(e.fits for e in estimates) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(plan_main())

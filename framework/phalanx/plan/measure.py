@@ -1,0 +1,115 @@
+"""Measuring the peak memory of a few training steps on this rank, to check the plan against.
+
+On a CPU-only machine the figure is resident memory (`phalanx.observe.memory.resident_bytes`):
+"anon" is everything torch allocates (the device side), "shmem" the host pool of
+`phalanx.hostmem` (offloaded optimizer state). glibc is first told to unmap freed blocks, or
+resident memory lags live memory by what the allocator keeps for reuse. On a GPU the figure is
+`torch.cuda.max_memory_allocated`. The baseline is taken after a warm-up step of a tiny model
+(imports, thread pools, autograd's engine and the process group's first collectives take memory
+once per process) and before the measured model is built.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+
+def follow_live_memory() -> bool:
+    """Make resident memory follow live memory (glibc: fixed 64 KiB mmap threshold, 128 KiB trim
+    threshold). False where there is no glibc `mallopt`."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        return libc.mallopt(-3, 64 * 1024) == 1 and libc.mallopt(-1, 128 * 1024) == 1  # M_MMAP/TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def _quiesce() -> None:
+    from phalanx.observe.memory import release_free_memory
+
+    gc.collect()
+    release_free_memory()
+
+
+def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, steps: int,
+                 peak=None, seed: int = 0) -> list[float]:
+    """Build `config`'s Llama, boost it with make_plugin(**plugin_kwargs), train `steps` AdamW
+    steps on random tokens with the model's own loss; sample `peak` at every module's forward and backward."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    kwargs = dict(plugin_kwargs)
+    name = kwargs.pop("name")
+    checkpointing = kwargs.pop("checkpointing", False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if checkpointing and name != "hybrid":
+        model.activation_checkpointing_enable()
+    if name == "hybrid":
+        kwargs["gradient_checkpointing"] = checkpointing
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    booster = Booster(plugin=make_plugin(name, **kwargs))
+    model, opt, *_ = booster.boost(model, opt)
+    g = torch.Generator().manual_seed(1)  # the same tokens on every rank (tp ranks must see the same batch)
+    handles = []
+    if peak is not None:
+        for module in model.modules():
+            handles.append(module.register_forward_pre_hook(peak.sample))
+            handles.append(module.register_forward_hook(peak.sample))
+    losses = []
+    vocab = config.vocab_size
+    for _ in range(steps):
+        batch = torch.randint(0, vocab, (micro_batch, seq), generator=g)
+        if peak is not None:
+            peak.sample()
+        out = model(input_ids=batch, labels=batch).loss
+        booster.backward(out, opt)
+        if peak is not None:
+            peak.sample()
+        opt.step()
+        if peak is not None:
+            peak.sample()
+        opt.zero_grad()
+        losses.append(float(out.detach()))
+    for h in handles:
+        h.remove()
+    del model, opt, booster
+    return losses
+
+
+def measure_training_peak(plugin_kwargs: dict, config_kwargs: dict, seq: int, micro_batch: int,
+                          steps: int = 3) -> dict:
+    """Per rank (call on every rank, e.g. through phalanx.testing.spawn): peak memory of
+    `steps` training steps above the baseline, by kind ("anon" device, "shmem" host pool,
+    "total"), in bytes. `plugin_kwargs`: make_plugin's arguments with "name" (and optionally
+    "checkpointing"); `config_kwargs`: a LlamaConfig's."""
+    from transformers import LlamaConfig
+
+    from phalanx.observe.memory import PeakResident, resident_bytes
+    from phalanx.testing import tiny_llama_config
+
+    if not follow_live_memory():
+        return {"skip": "resident memory follows live memory only with glibc's mallopt"}
+    # warm-up: the same plugin on a tiny model, so per-process first-use memory is in the baseline
+    _train_steps(plugin_kwargs, tiny_llama_config(), 16, 1, 2)
+    _quiesce()
+    config = LlamaConfig(**{"attn_implementation": "sdpa", **config_kwargs})
+    base = resident_bytes()
+    with PeakResident() as peak:
+        losses = _train_steps(plugin_kwargs, config, seq, micro_batch, steps, peak=peak)
+    _quiesce()
+    out = {key: peak.max[key] - base[key] for key in ("anon", "shmem", "total") if key in base}
+    out["losses"] = losses
+    return out
+
+
+def measure_many(cases: list[tuple[dict, dict, int, int]], steps: int = 3) -> list[dict]:
+    """measure_training_peak for each (plugin_kwargs, config_kwargs, seq, micro_batch) in turn,
+    in this process (one spawn for several layouts: starting ranks is the slow part)."""
+    return [measure_training_peak(*case, steps=steps) for case in cases]

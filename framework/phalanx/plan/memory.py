@@ -1,0 +1,268 @@
+"""Peak memory per rank of one layout: parameters, gradients, optimizer state, activations and
+communication buffers, each from the model's shapes and what each plugin keeps (docs/plan.md
+derives every term).
+
+The peak is taken over the two phases of a step, on top of what lives through the whole step
+(parameters, persistent gradient buffers, optimizer state):
+  forward/backward — saved activations and the loss' logits at the start of backward, or the
+  gradients built during backward at its end (activations are freed as gradients appear, so
+  the larger of the two), plus the buffers the plugin gathers or reduces through;
+  optimizer step — the gradients the step consumes plus the optimizer's temporaries.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from phalanx.plan.layout import Layout
+from phalanx.plan.model import ModelSpec
+from phalanx.plan.workload import Workload
+
+FP32 = 4
+ADAM_STATES = 2  # exp_avg, exp_avg_sq
+ADAM_TEMPS = 2   # torch's single-tensor Adam makes about two parameter-sized temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalModel:
+    """This rank's share of the model under tp and pp (the largest pipeline stage)."""
+    params: int        # parameters this rank holds
+    layers: int        # decoder layers on this rank's stage
+    layer: int         # parameters of one (tp-split) layer
+    root: int          # embedding + final norm + LM head held by this rank
+    largest: int       # largest single parameter tensor (optimizer temporaries)
+    has_head: bool     # this (worst) stage runs the LM head and loss
+
+
+def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
+    t, pp = layout.tp, layout.pp
+    h, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    kv_split = spec.num_kv_heads % t == 0
+    q = spec.q_dim // t
+    kv = spec.kv_dim // t if kv_split else spec.kv_dim
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
+    attn += 2 * hd if spec.qk_norm else 0
+    fl = f // t
+    mlp = (3 if spec.gated_mlp else 2) * h * fl + (((2 if spec.gated_mlp else 1) * fl + h) if spec.mlp_bias else 0)
+    layer = attn + mlp + 2 * spec.norm_params()
+    vocab_rows = math.ceil(spec.vocab_size / t)
+    embed = vocab_rows * h + spec.position_table * h
+    head = vocab_rows * h
+    if pp == 1:
+        root = embed + spec.norm_params() + (0 if spec.tie_word_embeddings else head)
+        return LocalModel(root + spec.num_layers * layer, spec.num_layers, layer, root, max(embed, h * f // t), True)
+    base, rem = divmod(spec.num_layers, pp)
+    first = base * layer + embed
+    last = base * layer + head + spec.norm_params()  # a tied head is a second copy on the last stage
+    middle = (base + (1 if rem else 0)) * layer if pp > 2 else 0
+    if pp == 2 and rem:
+        last += layer  # 2 stages: the extra layer goes to one of them
+    worst = max(first, last, middle)
+    return LocalModel(worst, base + (1 if rem else 0), layer, embed if worst == first else head,
+                      max(embed, h * f // t), worst == last)
+
+
+# ---------------------------------------------------------------------------- activations
+def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) -> float:
+    """Bytes autograd saves per token in one decoder layer (HF Llama forward with SDPA, no
+    attention mask; p = bytes of the compute dtype):
+      each RMSNorm: its fp32 input, the fp32 reciprocal RMS, the normalised value and the output
+        in the compute dtype (4h + 4 + 2ph; in fp32 the "cast" input is the input itself);
+      attention: q and k after RoPE, v, SDPA's output (already in [batch, seq, heads, dim] order,
+        so the o_proj input is a view of it), and SDPA's fp32 log-sum-exp per head:
+        p(2q + 2kv) + 4·heads;
+      MLP: gate, SiLU(gate), up and their product: 4pf.
+    Parts computed on 1/tp of the heads or features are divided by tp; norms are not, unless
+    split-gather sequence parallelism splits them. Checked exactly against the saved tensors of
+    a transformers Llama (tests/framework/test_plan.py)."""
+    t = layout.tp
+    h, f = spec.hidden_size, spec.intermediate_size
+    q = spec.q_dim / t
+    kv = spec.kv_dim / t if spec.num_kv_heads % t == 0 else spec.kv_dim
+    norm = FP32 * h + FP32 + 2 * p * h
+    if layout.sp_mode == "split_gather":
+        norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole
+    attention = p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t
+    mlp = 4 * p * f / t
+    return 2 * norm + attention + mlp
+
+
+def loss_bytes_per_token(spec: ModelSpec, layout: Layout, work: Workload) -> float:
+    """The LM head + cross-entropy at the start of backward. "hf": the fp32 log-softmax output
+    (saved), its gradient and the gradient of its input live together in log-softmax's backward:
+    12·V bytes per token in any compute dtype (the logits themselves are not saved; in bf16 the
+    fp32 copy is freed after the forward, and the bf16 gradient appears after the saved output
+    is released). "fused": chunked, about one chunk of logits (counted as 0 per token)."""
+    if work.loss == "fused":
+        return 0.0
+    return 3 * FP32 * spec.vocab_size / layout.tp
+
+
+def activation_bytes(spec: ModelSpec, layout: Layout, work: Workload, local: LocalModel, microbatches: int) -> dict:
+    """{"activations": saved tensors at the start of backward, "loss": the head's working set}."""
+    p = work.p
+    tokens = work.micro_batch * work.seq / (layout.sp if layout.sp_mode == "ulysses" else 1)
+    per_layer = layer_activation_bytes_per_token(spec, layout, p)
+    if layout.checkpointing:
+        kept = p * spec.hidden_size / (layout.tp if layout.sp_mode == "split_gather" else 1)
+        one_microbatch = tokens * (local.layers * kept + per_layer)
+    else:
+        one_microbatch = tokens * local.layers * per_layer
+    # outside the layers: the final norm, the input ids (int64), RoPE's cos and sin (per position)
+    one_microbatch += tokens * (FP32 * spec.hidden_size + FP32 + 2 * p * spec.hidden_size + 8
+                                + 2 * p * spec.head_dim / work.micro_batch)
+    if layout.pp == 1:
+        in_flight = 1
+    else:
+        in_flight = microbatches if layout.pp_schedule == "gpipe" else min(microbatches, layout.pp)
+    loss = tokens * loss_bytes_per_token(spec, layout, work) if local.has_head else 0.0
+    return {"activations": one_microbatch * in_flight, "loss": loss}
+
+
+# ---------------------------------------------------------------------------- the estimate
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Per-rank bytes by part at the peak, on the device and on the host."""
+    device: dict[str, float]
+    host: dict[str, float]
+    phase: str          # which phase makes the peak: "backward" or "step"
+    activations: float  # saved activations at the start of backward (whatever the peak phase)
+    loss: float         # the LM head and loss' working set at the start of backward
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What one plugin keeps, before the phases are combined."""
+    device: dict[str, float] = dataclasses.field(default_factory=lambda: {
+        "parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "buffers": 0.0})
+    host: dict[str, float] = dataclasses.field(default_factory=lambda: {
+        "parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "temporaries": 0.0})
+    built: float = 0.0           # gradients created bit by bit during backward, live until the step
+    early: float = 0.0           # gradient buffers allocated whole at backward's first reduction
+    backward_extra: float = 0.0  # buffers alive only during forward/backward
+    step_extra: float = 0.0      # temporaries alive only during the optimizer step
+
+
+def _replicated(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
+    """DDP, and the hybrid plugin without ZeRO: every rank keeps everything (fp32 masters when mixed)."""
+    n, p = local.params, work.p
+    out = _Parts()
+    out.device["parameters"] = p * n
+    if layout.plugin == "ddp":
+        out.device["gradients"] = p * n  # DDP's buckets; the .grad tensors are views of them
+    else:
+        out.built = p * n
+    out.device["optimizer"] = (FP32 * n if work.mixed else 0) + ADAM_STATES * FP32 * n
+    # bf16: fp32 copies of the gradients for the masters; Adam's temporaries of the largest tensor
+    out.step_extra = (FP32 * n if work.mixed else 0) + ADAM_TEMPS * FP32 * local.largest
+    return out
+
+
+def _zero(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
+    """ZeRO-1/2 (ZeroPlugin, or the hybrid plugin's zero_stage over dp × sp)."""
+    n, p = local.params, work.p
+    shard = math.ceil(n / layout.shard_group)
+    out = _Parts()
+    out.device["parameters"] = p * n
+    if layout.zero_stage == 1:
+        out.device["gradients"] = p * n  # the persistent flat gradient buffer
+    else:
+        out.backward_extra = min(p * n, 2 * work.bucket_mb * 2**20)  # buckets in flight
+        out.backward_extra += p * local.largest  # autograd's .grad before the hook copies it
+    side = out.host if layout.offload_optim else out.device
+    side["optimizer"] = FP32 * shard + ADAM_STATES * FP32 * shard  # master shard + moments
+    if layout.offload_optim:
+        out.host["gradients"] = FP32 * shard
+        out.host["temporaries"] = ADAM_TEMPS * FP32 * shard  # the update runs on the host
+        out.step_extra = p * shard  # the updated shard copied back to the device for the all-gather
+    else:
+        out.early = FP32 * shard  # the fp32 gradient shard is created whole at the first fold
+        # the update's temporaries, and the shard cast to the compute dtype for the all-gather
+        out.step_extra = ADAM_TEMPS * FP32 * shard + (p * shard if work.mixed else 0)
+    return out
+
+
+def _fsdp(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
+    """FSDP2 on every block and the root, fp32 sharded parameters, compute-dtype gathers."""
+    p, shard, block = work.p, math.ceil(local.params / layout.world), local.layer
+    out = _Parts()
+    out.device["parameters"] = FP32 * shard
+    out.device["optimizer"] = ADAM_STATES * FP32 * shard
+    out.built = FP32 * shard
+    # the root (embedding, final norm, head) stays gathered through forward and backward; two
+    # blocks gathered (current + prefetched); one block's gradients and their fp32 reduce-scatter input
+    out.backward_extra = p * local.root + 2 * p * block + (p + FP32) * block
+    out.step_extra = ADAM_TEMPS * FP32 * math.ceil(local.largest / layout.world)
+    return out
+
+
+def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) -> _Parts:
+    """Gemini (static placement): compute-dtype shards, fp32 master/moments/gradient per chunk,
+    all with the chunks' padding."""
+    from phalanx.plan.chunks import gemini_chunks
+
+    p = work.p
+    chunk_numel, padded = gemini_chunks(spec, layout.world, p, work.gemini_chunk_mb, layout.tp)
+    shard, chunk = padded // layout.world, chunk_numel * p  # elements per rank (padding included); bytes
+    out = _Parts()
+    (out.host if layout.offload_param else out.device)["parameters"] = p * shard
+    side = out.host if layout.offload_optim else out.device
+    side["optimizer"] = (1 + ADAM_STATES) * FP32 * shard
+    side["gradients"] = FP32 * shard  # fp32 gradient shards, allocated at boost
+    # at the start of backward: the LM head's chunks (held by the root from the first forward until
+    # their gradient is reduced) and their gradient buffer, and one chunk gathered ahead
+    head = p * spec.vocab_size * spec.hidden_size / layout.tp
+    out.backward_extra = min(p * local.params, 2 * head + chunk)
+    chunk_shard = min(shard, chunk / p / layout.world)
+    # Gemini's Adam makes one temporary per chunk (the denominator)
+    if layout.offload_optim:
+        out.host["temporaries"] = FP32 * chunk_shard
+        out.step_extra = p * chunk_shard
+    else:
+        out.step_extra = FP32 * chunk_shard
+    return out
+
+
+def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatches: int = 1) -> MemoryEstimate:
+    """Per-rank peak of `layout` (see the module docstring for the phases)."""
+    local = local_model(spec, layout)
+    act = activation_bytes(spec, layout, work, local, microbatches)
+    if layout.plugin == "ddp" or (layout.plugin == "hybrid" and layout.zero_stage == 0):
+        parts = _replicated(local, layout, work)
+    elif layout.plugin in ("zero", "hybrid"):
+        parts = _zero(local, layout, work)
+    elif layout.plugin == "fsdp":
+        parts = _fsdp(local, layout, work)
+    elif layout.plugin == "gemini":
+        parts = _gemini(spec, local, layout, work)
+    else:
+        raise ValueError(f"unknown plugin {layout.plugin!r}")
+    if layout.tp > 1 or layout.pp > 1:  # all-reduce / send-recv buffers of one activation
+        parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.hidden_size
+
+    saved = act["activations"] + act["loss"]
+    backward = max(saved, parts.built) + parts.early + parts.backward_extra
+    step = parts.built + parts.early + parts.step_extra
+    device = dict(parts.device, activations=0.0, temporaries=0.0)
+    device["gradients"] += parts.early
+    if backward >= step:
+        phase = "backward"
+        if saved >= parts.built:
+            device["activations"] = saved
+        else:
+            device["gradients"] += parts.built
+        device["buffers"] += parts.backward_extra
+    else:
+        phase = "step"
+        device["gradients"] += parts.built
+        device["temporaries"] = parts.step_extra
+    return MemoryEstimate(device=device, host={k: v for k, v in parts.host.items() if v}, phase=phase,
+                          activations=act["activations"], loss=act["loss"])

@@ -1,0 +1,85 @@
+"""Step time of one layout: FLOPs against the device's peak, bytes moved against the links,
+and the pipeline bubble. Idealised on purpose (even split of work, ring collectives, data-parallel
+communication hidden behind backward up to backward's length): it ranks layouts; it does not
+replace a measured step."""
+from __future__ import annotations
+
+import dataclasses
+
+from phalanx.plan.layout import Layout
+from phalanx.plan.memory import local_model
+from phalanx.plan.model import ModelSpec
+from phalanx.plan.workload import Hardware, Workload
+
+
+def training_flops_per_token(spec: ModelSpec, seq: int, checkpointing: bool) -> float:
+    """6·N (forward 2·N, backward 4·N over the matmul parameters) plus causal attention
+    (QKᵀ and AV: 2·seq·q_dim per token and layer forward, ×3 with backward); activation
+    checkpointing runs the forward once more (8·N + 8·L·seq·q_dim)."""
+    dense = spec.matmul_params()
+    attention = spec.num_layers * seq * spec.q_dim
+    factor = 8 if checkpointing else 6
+    return factor * dense + factor * attention
+
+
+@dataclasses.dataclass
+class StepTime:
+    compute: float       # seconds of matmul work per rank at peak × efficiency
+    bubble: float        # pipeline idle time
+    dp_comm: float       # data-parallel communication not hidden behind backward
+    tp_comm: float       # tensor/sequence-parallel collectives (on the critical path)
+    pp_comm: float       # activations between stages
+    offload: float       # device↔host copies
+    tokens: int          # tokens per optimizer step, all ranks
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.offload
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total if self.total else float("inf")
+
+
+def _ring(g: int) -> float:
+    return (g - 1) / g if g > 1 else 0.0
+
+
+def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware, microbatches: int) -> StepTime:
+    local = local_model(spec, layout)
+    n, p, m = local.params, work.p, microbatches
+    tokens_per_dp = m * work.micro_batch * work.seq
+    tokens = tokens_per_dp * layout.dp
+    flops = tokens * training_flops_per_token(spec, work.seq, layout.checkpointing)
+    compute = flops / layout.world / (hw.peak_flops * hw.efficiency)
+    bubble = compute * (layout.pp - 1) / m if layout.pp > 1 else 0.0
+
+    g = layout.shard_group if layout.plugin == "hybrid" else layout.dp
+    ring = _ring(g)
+    plugin, stage = layout.plugin, layout.zero_stage
+    offload_bytes = 0.0
+    if plugin == "ddp" or (plugin == "hybrid" and stage == 0):
+        dp_bytes = 2 * ring * p * n
+    elif plugin in ("zero", "hybrid"):
+        dp_bytes = (2 if stage == 1 else 1) * ring * p * n + ring * p * n  # reduce + all-gather
+        offload_bytes = 2 * p * n / g if layout.offload_optim else 0.0
+    elif plugin == "fsdp":
+        dp_bytes = ring * (2 * p + 4) * n  # two all-gathers, a fp32 reduce-scatter
+    else:  # gemini
+        dp_bytes = ring * 3 * p * n
+        offload_bytes = (2 * p * n / g if layout.offload_optim else 0.0) + (2 * p * n / g if layout.offload_param else 0.0)
+    dp_time = dp_bytes / hw.bandwidth
+    hidden = compute if plugin in ("fsdp", "gemini") else compute * 2 / 3  # prefetch vs backward-only overlap
+    dp_comm = max(0.0, dp_time - hidden)
+
+    activation = work.micro_batch * work.seq * spec.hidden_size * p  # one microbatch's hidden states
+    tp_bytes = 0.0
+    if layout.tp > 1:
+        collectives = 4 + (2 if layout.checkpointing else 0)  # per layer: 2 forward, 2 backward (+2 recomputed)
+        tp_bytes += m * local.layers * collectives * 2 * _ring(layout.tp) * activation
+    if layout.sp_mode == "ulysses":
+        per_layer = (2 * spec.q_dim + 2 * spec.kv_dim) / layout.tp * work.micro_batch * work.seq / layout.sp * p
+        tp_bytes += m * local.layers * 2 * _ring(layout.sp) * per_layer
+    pp_bytes = 2 * m * activation if layout.pp > 1 else 0.0
+    return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_bytes / hw.bandwidth,
+                    pp_comm=pp_bytes / hw.bandwidth, offload=offload_bytes / hw.host_bandwidth, tokens=tokens)

@@ -1,0 +1,278 @@
+"""phalanx.plan: exact parameter counts, activation bytes against autograd's saved tensors, the
+planner's arithmetic on hand-computed cases, its refusals, and its estimate against the measured
+peak memory of real 2-rank training runs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from phalanx.plan import Layout, load_spec, plan
+from phalanx.plan.cli import plan_main
+from phalanx.plan.memory import estimate_memory, layer_activation_bytes_per_token
+from phalanx.plan.planner import estimate_layout
+from phalanx.plan.timing import estimate_time
+from phalanx.plan.units import parse_bytes, parse_flops, parse_rate
+from phalanx.plan.workload import Hardware, Workload
+
+torch.set_num_threads(1)
+
+# A hand-sized Llama: vocab 1000, hidden 64, MLP 128, 2 layers, 4 heads (MHA, head dim 16), untied.
+HAND = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+# embedding 64,000 + LM head 64,000 + final norm 64 + 2 layers × (q,k,v,o 4·64·64 = 16,384;
+# gate, up, down 3·64·128 = 24,576; two norms 128) = 2 × 41,088
+HAND_PARAMS = 64_000 + 64_000 + 64 + 2 * 41_088  # 210,240
+
+
+def _meta_count(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- the model's size
+def test_parameter_count_equals_transformers_on_meta_device():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from phalanx.plan.model import PRESETS
+
+    for name, fields in PRESETS.items():
+        config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+        assert load_spec(name).total_params() == _meta_count(config), name
+    small = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    for config in (Qwen2Config(num_key_value_heads=2, **small),                     # q/k/v biases
+                   Qwen3Config(num_key_value_heads=2, head_dim=32, **small),        # q/k norms, head_dim ≠ h/heads
+                   MistralConfig(num_key_value_heads=1, **small),                   # GQA with one kv head
+                   LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True, mlp_bias=True, **small),
+                   GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0)):
+        assert load_spec(config).total_params() == _meta_count(config), type(config).__name__
+    assert load_spec(HAND).total_params() == HAND_PARAMS
+    # the published sizes
+    assert round(load_spec("llama2-7b").total_params() / 1e9, 2) == 6.74
+    assert round(load_spec("llama2-70b").total_params() / 1e9, 2) == 68.98
+
+
+def test_model_from_directory_and_config_file(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(HAND))
+    assert load_spec(tmp_path).total_params() == HAND_PARAMS
+    assert load_spec(tmp_path / "config.json").total_params() == HAND_PARAMS
+    with pytest.raises(ValueError, match="not a preset"):
+        load_spec(tmp_path / "missing")
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="lacks vocab_size"):
+        load_spec(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------------- activations
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_activations_equal_autograd_saved_tensors(dtype):
+    """The bytes autograd keeps for backward per decoder layer (distinct storages, parameters
+    excluded), measured as the difference between a 2-layer and a 1-layer model, equal the
+    formula exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    batch, seq = 2, 32
+    saved = {}
+    for layers in (1, 2):
+        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+        model = LlamaForCausalLM(config).to(dtype)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(input_ids=torch.randint(0, 128, (batch, seq)))
+        saved[layers] = sum(n for ptr, n in storages.items() if ptr not in params)
+    per_token = (saved[2] - saved[1]) / (batch * seq)
+    p = 4 if dtype == torch.float32 else 2
+    assert layer_activation_bytes_per_token(load_spec(config), Layout("ddp", 1), p) == per_token
+
+
+# ---------------------------------------------------------------------------- memory arithmetic
+def test_memory_terms_by_hand():
+    spec = load_spec(HAND)
+    n = HAND_PARAMS
+    fp32, bf16 = Workload(seq=8, micro_batch=1, dtype="fp32", loss="hf"), Workload(seq=8, micro_batch=1, dtype="bf16")
+
+    # DDP, bf16: bf16 weights and DDP's bf16 gradient buckets; fp32 masters + two Adam moments
+    ddp = estimate_memory(spec, Layout("ddp", 4), bf16)
+    assert ddp.device["parameters"] == 2 * n == 420_480
+    assert ddp.device["gradients"] == 2 * n
+    assert ddp.device["optimizer"] == 12 * n == 2_522_880
+
+    # ZeRO-2, fp32, 4 ranks: master shard + moments of ceil(210,240 / 4) = 52,560 elements
+    z2 = estimate_memory(spec, Layout("zero", 4, zero_stage=2), fp32)
+    assert z2.device["optimizer"] == 12 * 52_560 == 630_720
+    assert z2.device["parameters"] == 4 * n
+    # ...moved to the host with offload, with the fp32 gradient shard
+    z2o = estimate_memory(spec, Layout("zero", 4, zero_stage=2, offload_optim=True), fp32)
+    assert z2o.device["optimizer"] == 0 and z2o.host["optimizer"] == 630_720 and z2o.host["gradients"] == 210_240
+
+    # FSDP, fp32, 2 ranks: sharded parameters 4 × 105,120 and moments 8 × 105,120
+    fsdp = estimate_memory(spec, Layout("fsdp", 2), fp32)
+    assert fsdp.device["parameters"] == 420_480 and fsdp.device["optimizer"] == 840_960
+
+    # activations, fp32, 8 tokens, hf loss. Per layer and token: two norms 2·(4·64 + 4 + 8·64) =
+    # 1,544; attention 4·(64 + 64 + 64 + 64) + 4·4 heads = 1,040; MLP 4·4·128 = 2,048 → 4,632.
+    # Outside the layers per token: final norm 772 + ids 8 + RoPE cos/sin 2·4·16 = 908.
+    # Loss: fp32 log-softmax output, its gradient, the logits' gradient: 3·4·1000 = 12,000 per token.
+    expected = 8 * (2 * 4_632 + 908) + 8 * 12_000  # 177,376
+    ddp32 = estimate_memory(spec, Layout("ddp", 1), fp32)
+    assert ddp32.activations + ddp32.loss == expected == 177_376
+    assert ddp32.loss == 96_000
+    # checkpointing keeps each layer's input (4·64 per token) and one layer's activations
+    ckpt = estimate_memory(spec, Layout("ddp", 1, checkpointing=True), fp32)
+    assert ckpt.activations == 8 * (2 * 256 + 4_632 + 908)
+
+    # tensor parallel 2: heads and MLP halved, norms whole: 1,544 + (4·(32·4) + 4·2) + 1,024 = 3,088
+    assert layer_activation_bytes_per_token(spec, Layout("hybrid", 2, tp=2), 4) == 1_544 + 520 + 1_024
+
+
+def test_pipeline_stage_and_in_flight_microbatches():
+    spec = load_spec(dict(HAND, num_hidden_layers=4))
+    work = Workload(seq=8, micro_batch=1, global_batch=8, dtype="fp32", loss="fused")
+    # pp=2 over 2 ranks, dp=1: 8 microbatches; 1F1B keeps pp=2 in flight on the first stage, GPipe all 8
+    one = estimate_memory(spec, Layout("hybrid", 2, pp=2, zero_stage=1), work, microbatches=8)
+    gpipe = estimate_memory(spec, Layout("hybrid", 2, pp=2, zero_stage=1, pp_schedule="gpipe"), work, microbatches=8)
+    per_microbatch = 8 * (2 * 4_632 + 908)  # 2 layers on the stage
+    assert one.activations == 2 * per_microbatch
+    assert gpipe.activations == 8 * per_microbatch
+    # stage parameters: first stage = embedding + 2 layers (64,000 + 82,176); last = 2 layers + head + norm (146,240)
+    assert one.device["parameters"] == 4 * 146_240
+
+
+# ---------------------------------------------------------------------------- time arithmetic
+def test_step_time_by_hand():
+    spec = load_spec(HAND)
+    hw = Hardware(device_memory=2**40, peak_flops=1e12, efficiency=0.5, bandwidth=1e9)
+    work = Workload(seq=8, micro_batch=1, dtype="bf16")
+    t = estimate_time(spec, Layout("ddp", 4), work, hw, microbatches=1)
+    # 6 × (layers 82,176 + head 64,000) + 6 × 2 layers × 8 seq × 64 q_dim per token, 4 × 8 tokens
+    flops = 32 * (6 * 146_176 + 6 * 2 * 8 * 64)
+    assert math.isclose(t.compute, flops / 4 / 0.5e12)
+    # DDP all-reduces 2 × 3/4 × 2 bytes × 210,240; backward (2/3 of compute) hides part of it
+    assert math.isclose(t.dp_comm, 2 * 0.75 * 2 * HAND_PARAMS / 1e9 - t.compute * 2 / 3)
+    # the pipeline bubble: (pp − 1) / (m + pp − 1) of the step, pp = 2, m = 4
+    spec4 = load_spec(dict(HAND, num_hidden_layers=4))
+    tp = estimate_time(spec4, Layout("hybrid", 2, pp=2, zero_stage=1), Workload(seq=8, micro_batch=1, global_batch=4),
+                       hw, microbatches=4)
+    assert math.isclose(tp.bubble / (tp.compute + tp.bubble), 1 / 5)
+    # activation checkpointing: 8/6 of the compute
+    tc = estimate_time(spec, Layout("ddp", 4, checkpointing=True), work, hw, microbatches=1)
+    assert math.isclose(tc.compute / t.compute, 8 / 6)
+
+
+# ---------------------------------------------------------------------------- refusals and the CLI
+def test_refusals_name_the_memory_and_its_parts():
+    estimates = {e.name: e for e in plan("llama2-70b", 8, "80GiB")}
+    ddp = estimates["ddp"]
+    assert not ddp.fits
+    # bf16 DDP of 68.98B parameters: masters + moments 12 bytes each = 771 GiB
+    assert "of 80 GiB device memory" in ddp.reason and "optimizer 771 GiB" in ddp.reason, ddp.reason
+    need = float(ddp.reason.split("needs ")[1].split(" GiB")[0])
+    assert need == pytest.approx(ddp.memory.device_total / 2**30 + 2, rel=1e-2)  # + the 2 GiB reserve
+    # layouts that cannot be built say why
+    six = {e.name: e for e in plan("llama2-7b", 6, "80GiB")}
+    assert "tp=3 does not divide the 32 attention heads" in six["hybrid tp3 zero1"].reason
+    pipe = estimate_layout(load_spec("llama2-7b"), Layout("hybrid", 4, pp=4, zero_stage=1), Workload(seq=2048),
+                           Hardware(device_memory=2**40))
+    assert "needs at least pp=4 microbatches" in pipe.reason
+    with pytest.raises(ValueError, match="80 gigs.*80GiB"):
+        parse_bytes("80 gigs", "device_memory")
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_rate("200GB/s") == 200e9 and parse_flops("989TFLOPS") == 989e12
+
+
+def test_plan_ranks_fitting_layouts_by_throughput_and_cli_prints_them(capsys):
+    for global_batch in (16, None):  # without one, layouts with more data parallelism do more per step
+        estimates = plan("llama2-7b", 8, "80GiB", global_batch=global_batch)
+        fitting = [e for e in estimates if e.fits]
+        assert fitting and all(e.fits for e in estimates[:len(fitting)])
+        rates = [float(f"{e.time.tokens_per_s:.3g}") for e in fitting]
+        assert rates == sorted(rates, reverse=True)
+    assert plan_main(["--model", "llama2-7b", "--world-size", "8", "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended:" in out and "Rejected" in out and "needs" in out
+    # Gemini with everything offloaded fits 70B in 24 GiB of device memory, given 1.1 TiB of host memory
+    assert plan_main(["--model", "llama2-70b", "--world-size", "1", "--device-memory", "24GiB"]) == 0
+    assert "Recommended: gemini offload optim offload params ckpt" in capsys.readouterr().out
+    assert plan_main(["--model", "llama2-70b", "--world-size", "1", "--device-memory", "24GiB",
+                      "--host-memory", "512GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "No layout fits" in out and "of 512 GiB host memory" in out
+    assert plan_main(["--model", "nope", "--world-size", "1", "--device-memory", "24GiB"]) == 2
+    assert "not a preset" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- beside a run
+def test_estimate_for_run_reads_the_plugin_and_the_train_config():
+    from phalanx.booster.plugins import make_plugin
+    from phalanx.plan import estimate_for_run, estimate_vs_measured
+    from phalanx.testing import tiny_llama_config
+    from phalanx.train import TrainConfig
+
+    config = tiny_llama_config()
+    z = estimate_for_run(config, make_plugin("zero1", cpu_offload=True, reduce_bucket_mb=1), 16, 4, 2)
+    assert z.name == "zero1 offload optim" and z.memory.host_total > 0
+    cfg = TrainConfig(output_dir="unused", plugin="hybrid", micro_batch_size=4,
+                      plugin_options={"tp_size": 2, "pp_size": 2, "num_microbatches": 2})
+    h = estimate_for_run(config, cfg, 16, 4, 4)
+    assert h.name == "hybrid tp2+pp2 1f1b" and h.microbatches == 2 and h.fits
+    g = estimate_for_run(config, make_plugin("gemini", placement_policy="static", chunk_size_mb=1,
+                                             offload_optim_frac=1.0), 16, 4, 2)
+    assert g.name == "gemini offload optim"
+    line = estimate_vs_measured(z, z.memory.device_total / 1.1)
+    assert "+10.0%" in line and "zero1 offload optim" in line
+    with pytest.raises(ValueError, match="does not know plugin"):
+        estimate_for_run(config, object(), 16, 4, 2)
+
+
+# ---------------------------------------------------------------------------- against measured runs
+MEASURED_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+MEASURED_CASES = {  # layout -> (make_plugin arguments, seq, micro batch)
+    "ddp": (dict(name="ddp"), 128, 2),
+    "zero2": (dict(name="zero2", reduce_bucket_mb=1), 128, 2),
+    "fsdp": (dict(name="fsdp"), 128, 2),
+    "gemini": (dict(name="gemini", placement_policy="static", chunk_size_mb=1), 128, 2),
+    "hybrid tp2 zero1": (dict(name="hybrid", tp_size=2, zero_stage=1), 128, 2),
+}
+
+
+@pytest.mark.slow
+def test_estimate_within_15_percent_of_measured_peak():
+    """2 gloo ranks, 3 fp32 AdamW steps of a 5M-parameter Llama per layout; the worst rank's
+    peak resident memory above its baseline against the plan. 15%: the issue's target; what
+    the estimate leaves out here (allocator rounding, gloo buffers, Python objects) is a few MiB
+    against 80–110 MiB."""
+    from transformers import LlamaConfig
+
+    from phalanx.booster.plugins import make_plugin
+    from phalanx.plan import estimate_for_run
+    from phalanx.plan.measure import measure_many
+    from phalanx.testing import spawn
+
+    cases = [(dict(kw, precision="fp32"), MEASURED_MODEL, seq, mb) for kw, seq, mb in MEASURED_CASES.values()]
+    ranks = spawn(measure_many, 2, cases, timeout=300)
+    if "skip" in ranks[0][0]:
+        pytest.skip(ranks[0][0]["skip"])
+    errors = {}
+    for i, (name, (kwargs, seq, mb)) in enumerate(MEASURED_CASES.items()):
+        kwargs = dict(kwargs)
+        plugin = make_plugin(kwargs.pop("name"), precision="fp32", **kwargs)
+        est = estimate_for_run(LlamaConfig(**MEASURED_MODEL), plugin, seq, mb, 2, loss="hf").memory.device_total
+        measured = max(r[i]["anon"] for r in ranks)
+        errors[name] = est / measured - 1
+        # same losses on both ranks' views is not the point here; training must have run
+        assert all(math.isfinite(x) for r in ranks for x in r[i]["losses"])
+    assert all(abs(e) <= 0.15 for e in errors.values()), errors
