@@ -2,6 +2,7 @@
 `unwrapped` is the user's original model (for saving, generation, inspection)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -10,12 +11,17 @@ class ModelWrapper(nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "_unwrapped", unwrapped)  # not a registered submodule: no double state
+        # forwards with gradients since the last backward: a backward with none means the loss was
+        # computed past the parallel module (see `phalanx.booster.plugins.base.check_forward_went_through`)
+        object.__setattr__(self, "grad_forwards", 0)
 
     @property
     def unwrapped(self) -> nn.Module:
         return self._unwrapped
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            object.__setattr__(self, "grad_forwards", self.grad_forwards + 1)
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):

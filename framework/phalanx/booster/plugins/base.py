@@ -76,6 +76,7 @@ class Plugin(ABC):
 
     # ---- training -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, optimizer: Any) -> None:
+        check_forward_went_through(optimizer)
         optimizer.backward(loss)
 
     @contextlib.contextmanager
@@ -129,3 +130,33 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 # Imported at the end to keep the type names available without import cycles.
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments  # noqa: E402,F401
+
+
+def check_forward_went_through(optimizer: Any) -> None:
+    """Refuse a backward whose loss did not come from the boosted model's own forward under DDP.
+
+    A boosted model forwards unknown attributes to the user's model, so `model.get_decoder()(...)`
+    or `model.unwrapped(...)` computes with the same parameters but past DDP's forward, which is
+    where DDP arms its gradient all-reduce: the backward then leaves every rank with its own
+    gradients and the replicas drift apart silently. (FSDP2 fails loudly in that case, and the
+    ZeRO and Gemini plugins reduce from gradient hooks, so only DDP needs the check.) Catches a
+    backward with no forward through the boosted model since the previous one; a step that mixes
+    both kinds of forward is not caught.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from phalanx.booster.state import boosted_state
+
+    state = boosted_state(optimizer)
+    wrapper = state.module if state is not None else None
+    ddp = getattr(wrapper, "module", None)
+    if not isinstance(ddp, DistributedDataParallel):
+        return
+    forwards = getattr(wrapper, "grad_forwards", None)
+    object.__setattr__(wrapper, "grad_forwards", 0)
+    if forwards == 0 and ddp.require_backward_grad_sync and torch.distributed.get_world_size(ddp.process_group) > 1:
+        raise RuntimeError(
+            "backward of a loss that did not go through the boosted model's forward: with the DDP plugin the "
+            "gradients would not be all-reduced and the ranks would drift apart. Compute the loss from "
+            "`model(...)` (the model Booster.boost returned), not from `model.unwrapped`, `model.get_decoder()` or "
+            "another submodule; to get hidden states, call `model(..., output_hidden_states=True)`.")
