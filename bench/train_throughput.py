@@ -22,7 +22,23 @@ Part 2 -- one process: `phalanx.train.fit` on a Llama of hidden 512, 8 layers, s
     python bench/train_throughput.py            # both parts (~5-10 min on 2 CPU cores)
     python bench/train_throughput.py --part plugins --steps 5 --rounds 3
 
-Prints two tables and one `BENCH_JSON {...}` line.
+Part 3 (`--model medium|large`, or both: `--model medium,large`) -- the plugins on a real-sized
+  Llama, 2 gloo ranks x 1 thread, 4 x 64 tokens per rank, AdamW, clipping at 1.0, fp32:
+  medium = hidden 512, 4 layers, vocab 8192 (~21M parameters); large = hidden 1024, 8 layers
+  (~118M). Our DDPPlugin, ZeroPlugin stage 1/2 and FSDPPlugin against raw torch DDP and raw
+  `fully_shard` (and DDPPlugin with the user's AdamW(fused=True), the kernel ZeRO and FSDPPlugin
+  pick by default, to separate the kernel's share of their gain), plus DeepSpeed ZeRO-1/2 when `deepspeed` is importable (never required). Each
+  variant is built alone (one at a time, so the large model fits), runs `--steps` steps (default
+  20), and reports the median of steps 2..N; `--launches` repeats the whole measurement in fresh
+  processes and takes the median of the launches' medians. The table splits the step into
+  forward, backward, reduce (gradient reduction still in flight after backward), norm/clip,
+  optimizer and gather (ZeRO's parameter all-gather), gives ratios against our DDPPlugin, the
+  optimizer state per rank, the CPU kind and the load average.
+
+    python bench/train_throughput.py --model medium --launches 3
+    python bench/train_throughput.py --model medium,large --steps-sized 8
+
+Prints the tables and one `BENCH_JSON {...}` line.
 """
 from __future__ import annotations
 
@@ -238,6 +254,283 @@ def print_plugin_table(rows: dict, missing: list[str]) -> None:
 
 
 # =============================================================================================
+# Part 3: the plugins on a real-sized model (--model medium|large)
+
+SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "raw_fsdp2",
+                  "ds_zero1", "ds_zero2")
+SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
+                "ds_zero1": "DeepSpeed ZeRO-1", "ds_zero2": "DeepSpeed ZeRO-2"}
+PHASES = ("forward", "backward", "reduce", "norm", "optimizer", "gather")
+MODEL_SIZES = {"medium": (512, 4), "large": (1024, 8)}  # hidden, layers
+
+
+def sized_config(size: str):
+    """Llama with vocabulary 8192; intermediate = hidden x 2.6875 (1376 at 512), 64-wide heads."""
+    from transformers import LlamaConfig
+    hidden, layers = MODEL_SIZES[size]
+    return LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 43 // 16,
+                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                       max_position_embeddings=256, attn_implementation="sdpa", tie_word_embeddings=False)
+
+
+def deepspeed_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+class _PhaseClock:
+    """Times the inner torch optimizer's `step` of a wrapped optimizer (the optimizer phase)."""
+
+    def __init__(self, optimizer):
+        self.seconds = 0.0
+        inner = optimizer.step
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        optimizer.step = timed
+
+
+def _state_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors this rank holds (the local shard of a DTensor)."""
+    total = 0
+    for per_param in optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def build_sized_variant(name: str, size: str, batch: int, seq: int):
+    """(step, state_optimizer) where `step()` runs one training step and returns its phases in
+    seconds (forward, backward, reduce, norm, optimizer, gather; None where the phase is not
+    separate: DDP reduces inside backward, FSDP gathers inside forward and backward)."""
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(sized_config(size))
+    x = _batch(dist.get_rank(), batch, seq, 8192)
+    clock = time.perf_counter
+
+    if name.startswith("raw_"):
+        if name == "raw_ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                module = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            module = fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
+
+        def raw_step():
+            t0 = clock()
+            loss = module(input_ids=x, labels=x).loss
+            t1 = clock()
+            loss.backward()
+            t2 = clock()
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+            t3 = clock()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t4 = clock()
+            return {"forward": t1 - t0, "backward": t2 - t1, "reduce": None, "norm": t3 - t2, "optimizer": t4 - t3,
+                    "gather": None}
+        return raw_step, opt
+
+    if name.startswith("ds_"):
+        import deepspeed
+        config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": int(name[-1])}}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        engine, ds_opt, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def ds_step():
+            t0 = clock()
+            loss = engine(input_ids=x, labels=x).loss
+            t1 = clock()
+            engine.backward(loss)
+            t2 = clock()
+            engine.step()
+            t3 = clock()
+            return {"forward": t1 - t0, "backward": t2 - t1, "reduce": None, "norm": None, "optimizer": t3 - t2,
+                    "gather": None}
+        return ds_step, opt
+
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+    # ddp_fused: DDPPlugin with the user asking for AdamW(fused=True), which ZeRO and FSDPPlugin
+    # now use by default: shows how much of their lead over DDP is the kernel alone.
+    # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
+    # with the next forward.
+    options = {"overlap_param_gather": True} if name.endswith("_prefetch") else {}
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch"), precision="fp32", max_norm=1.0,
+                         **options)
+    booster = Booster(plugin)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None)
+    boosted, wrapped, *_ = booster.boost(model, opt)
+    inner = _PhaseClock(wrapped.optim)
+
+    def plugin_step():
+        t0 = clock()
+        loss = boosted(input_ids=x, labels=x).loss
+        t1 = clock()
+        booster.backward(loss, wrapped)
+        t2 = clock()
+        inner.seconds = 0.0
+        wrapped.step()
+        wrapped.zero_grad()
+        t3 = clock()
+        phases = getattr(wrapped, "step_phases", None)  # ZeroOptimizer splits its own step
+        if phases:
+            return {"forward": t1 - t0, "backward": t2 - t1, **phases}
+        return {"forward": t1 - t0, "backward": t2 - t1, "reduce": None, "norm": t3 - t2 - inner.seconds,
+                "optimizer": inner.seconds, "gather": None}
+    return plugin_step, wrapped.optim
+
+
+def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int) -> dict:
+    """Per rank: each variant alone (built, `steps` steps, freed); per-step wall time (barrier to
+    barrier: the slower rank sets the pace) and this rank's phases."""
+    import gc
+
+    import torch.distributed as dist
+
+    out = {}
+    for name in variants:
+        try:
+            step, state_opt = build_sized_variant(name, size, batch, seq)
+        except Exception as err:  # an optional peer (DeepSpeed) that cannot run here
+            if not name.startswith("ds_"):
+                raise
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
+            continue
+        wall, cpu, phases = [], [], []
+        for _ in range(steps):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            phases.append(step())
+            c1 = time.process_time()
+            dist.barrier()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(c1 - c0)
+        out[name] = {"wall": wall, "cpu": cpu, "phases": phases, "state_bytes": _state_bytes(state_opt)}
+        del step, state_opt
+        gc.collect()
+    return out
+
+
+def _median_after_first(values: list[float]) -> float:
+    """The median of steps 2..N (step 1 pays the lazy set-up: optimizer state, buffers)."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def run_sized(args, size: str) -> dict:
+    from phalanx.testing import spawn
+
+    chosen = args.variants.split(",") if args.variants else SIZED_VARIANTS
+    unknown = [v for v in chosen if v not in SIZED_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants {','.join(unknown)}: choose from {','.join(SIZED_VARIANTS)}")
+    variants = [v for v in SIZED_VARIANTS if v in chosen and (not v.startswith("ds_") or deepspeed_available())]
+    print(f"\n== plugins on the {size} Llama (hidden {MODEL_SIZES[size][0]}, {MODEL_SIZES[size][1]} layers, vocab 8192): "
+          f"2 gloo ranks x 1 thread, {args.batch_sized} x {args.seq_sized} tokens/rank, AdamW fp32, clip 1.0, "
+          f"median of steps 2..{args.steps_sized}, {args.launches} launch(es) ==", flush=True)
+    if not deepspeed_available():
+        print("   DeepSpeed not installed: its ZeRO-1/2 columns are left out (optional peer)", flush=True)
+    launches = []
+    for i in range(args.launches):
+        order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate: load drift hits all alike
+        load0 = _loadavg()
+        t0 = time.perf_counter()
+        per_rank = spawn(rank_sized, 2, order, size, args.batch_sized, args.seq_sized, args.steps_sized,
+                         timeout=3600, threads=1)
+        print(f"   launch {i + 1}: {time.perf_counter() - t0:.0f} s, load average {load0} -> {_loadavg()}", flush=True)
+        launches.append(per_rank)
+    rows = {}
+    for name in variants:
+        results = [[r[name] for r in per_rank] for per_rank in launches]
+        if any("error" in r for res in results for r in res):
+            rows[name] = {"error": next(r["error"] for res in results for r in res if "error" in r)}
+            continue
+        medians, cpu_medians, phase_medians = [], [], {p: [] for p in PHASES}
+        for res in results:
+            wall = [max(ts) for ts in zip(*(r["wall"] for r in res))]
+            medians.append(_median_after_first(wall) * 1e3)
+            cpu_medians.append(_median_after_first([max(ts) for ts in zip(*(r["cpu"] for r in res))]) * 1e3)
+            for p in PHASES:
+                values = [max(ph[p] for ph in step) if step[0][p] is not None else None
+                          for step in zip(*(r["phases"] for r in res))]
+                if values[0] is not None:
+                    phase_medians[p].append(_median_after_first(values) * 1e3)
+        rows[name] = {"step_ms": statistics.median(medians), "launch_ms": medians,
+                      "cpu_ms": statistics.median(cpu_medians),
+                      "phases_ms": {p: statistics.median(v) if v else None for p, v in phase_medians.items()},
+                      "state_mib_per_rank": max(r["state_bytes"] for r in results[0]) / 2**20}
+    base, cpu_base = rows.get("ddp", {}).get("step_ms"), rows.get("ddp", {}).get("cpu_ms")
+    for row in rows.values():
+        if "step_ms" in row and base:
+            row["vs_ddp_plugin"] = row["step_ms"] / base
+            row["cpu_vs_ddp_plugin"] = row["cpu_ms"] / cpu_base
+    raw_fsdp = rows.get("raw_fsdp2", {})
+    if "step_ms" in raw_fsdp and "step_ms" in rows.get("fsdp", {}):
+        rows["fsdp"]["vs_raw_fsdp2"] = rows["fsdp"]["step_ms"] / raw_fsdp["step_ms"]
+        rows["fsdp"]["cpu_vs_raw_fsdp2"] = rows["fsdp"]["cpu_ms"] / raw_fsdp["cpu_ms"]
+    print_sized_table(rows, variants)
+    busy = machine_busy()
+    if busy:
+        print(f"   measured under load ({busy}): other processes shared the cores; compare ratios, and re-measure "
+              "on a quiet machine before quoting times", flush=True)
+    return {"size": size, "rows": rows, "busy": busy, "steps": args.steps_sized, "launches": args.launches,
+            "batch_per_rank": args.batch_sized, "seq": args.seq_sized}
+
+
+def print_sized_table(rows: dict, variants: list[str]) -> None:
+    head = "".join(f"{p:>10}" for p in PHASES)
+    print(f"{'variant':<22}{'ms/step':>9}{'launches':>18}{'vs DDPPlugin':>14}{'CPU ms':>9}{'CPU vs DDP':>12}"
+          f"{head}{'opt state MiB':>15}")
+    for name in variants:
+        r = rows[name]
+        if "error" in r:
+            print(f"{SIZED_LABELS[name]:<22}  could not run: {r['error']}")
+            continue
+        spread = "/".join(f"{v:.0f}" for v in r["launch_ms"])
+        phases = "".join(f"{r['phases_ms'][p]:>10.0f}" if r["phases_ms"][p] is not None else f"{'-':>10}"
+                         for p in PHASES)
+        print(f"{SIZED_LABELS[name]:<22}{r['step_ms']:>9.0f}{spread:>18}{r.get('vs_ddp_plugin', float('nan')):>13.2f}x"
+              f"{r['cpu_ms']:>9.0f}{r.get('cpu_vs_ddp_plugin', float('nan')):>11.2f}x{phases}"
+              f"{r['state_mib_per_rank']:>15.1f}")
+    if "vs_raw_fsdp2" in rows.get("fsdp", {}):
+        print(f"   FSDPPlugin / raw fully_shard: {rows['fsdp']['vs_raw_fsdp2']:.2f}x wall, "
+              f"{rows['fsdp']['cpu_vs_raw_fsdp2']:.2f}x CPU")
+    print("   ms/step: wall clock, barrier to barrier; CPU ms: the busier rank's process CPU time per step (its "
+          "communication threads included), what to compare when other processes share the cores. Phases: wall "
+          "ms of the slower rank; '-' = not a separate phase (DDP reduces inside backward, FSDP gathers inside "
+          "forward and backward); norm = gradient norm + clipping")
+
+
+def cpu_kind() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
+# =============================================================================================
 # Part 2: one process, phalanx.train vs plain Hugging Face, fp32 and bf16
 
 def llama_512_config():
@@ -371,7 +664,16 @@ def _loadavg() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("all", "plugins", "single"), default="all")
+    parser.add_argument("--part", choices=("all", "plugins", "single", "models"), default=None,
+                        help="default: all, or models when --model is given")
+    parser.add_argument("--model", default=None,
+                        help="models part: medium, large or medium,large (real-sized Llama, per-phase split)")
+    parser.add_argument("--launches", type=int, default=1, help="models part: fresh launches (median of medians)")
+    parser.add_argument("--steps-sized", type=int, default=20, help="models part: steps per variant (median of 2..N)")
+    parser.add_argument("--variants", default=None,
+                        help=f"models part: comma-separated subset of {','.join(SIZED_VARIANTS)}")
+    parser.add_argument("--batch-sized", type=int, default=4, help="models part: sequences per rank")
+    parser.add_argument("--seq-sized", type=int, default=64, help="models part: tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="plugins: micro-batch per rank")
     parser.add_argument("--seq", type=int, default=128, help="plugins: sequence length")
     parser.add_argument("--steps", type=int, default=5, help="plugins: timed steps per variant per round (the best step is reported)")
@@ -383,6 +685,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated fp32,bf16; auto: bf16 only where the CPU runs it natively")
     parser.add_argument("--single-steps", type=int, default=2, help="timed steps per loop and dtype (best is reported)")
     args = parser.parse_args(argv)
+    if args.part is None:
+        args.part = "models" if args.model else "all"
+    sizes = [m.strip() for m in (args.model or "medium").split(",") if m.strip()]
+    unknown = [m for m in sizes if m not in MODEL_SIZES]
+    if unknown:
+        parser.error(f"--model {','.join(unknown)}: choose from {', '.join(MODEL_SIZES)} (comma-separated for both)")
+    if args.launches < 1 or args.steps_sized < 2:
+        parser.error("--launches must be at least 1 and --steps-sized at least 2 (step 1 is not counted)")
 
     started = time.perf_counter()
     from phalanx_kernels.capability import cpu_bf16_support
@@ -391,12 +701,15 @@ def main(argv: list[str] | None = None) -> int:
     out = {"bench": "train_throughput", "torch": torch.__version__, "cpus": os.cpu_count(),
            "cpu_capability": cpu.capability, "cpu_bf16": "native" if cpu.native else "emulated",
            "loadavg_start": _loadavg()}
-    print(f"CPU: {cpu.capability}, bf16 {'native' if cpu.native else 'emulated'} ({cpu.reason}); "
+    out["cpu_model"] = cpu_kind()
+    print(f"CPU: {out['cpu_model']}, {cpu.capability}, bf16 {'native' if cpu.native else 'emulated'} ({cpu.reason}); "
           f"1-min load average {out['loadavg_start']} on {os.cpu_count()} cores", flush=True)
     if args.part in ("all", "plugins"):
         out["plugins"] = run_plugins(args)
     if args.part in ("all", "single"):
         out["single_process"] = run_single(args)
+    if args.part == "models":
+        out["models"] = {size: run_sized(args, size) for size in sizes}
     out["wall_s"] = time.perf_counter() - started
     out["loadavg_end"] = _loadavg()
     print("BENCH_JSON " + json.dumps(out), flush=True)

@@ -141,6 +141,8 @@ def test_plugin_options_are_validated():
         ZeroPlugin(stage=3)
     with pytest.raises(ValueError, match="reduce_bucket_mb"):
         ZeroPlugin(reduce_bucket_mb=0)
+    with pytest.raises(ValueError, match="grad_collective='allreduce'"):
+        make_plugin("zero2", grad_collective="allreduce")
 
 
 # ---------------------------------------------------------------------------- equivalence (core)
@@ -150,8 +152,12 @@ def test_fp32_matches_single_process(world, stage, references, request):
     _assert_fp32_match(_results(request, world)[f"s{stage}_fp32"], references["fp32"], f"{world} ranks s{stage}")
 
 
-@pytest.mark.parametrize("config", ["s2_fp32_no_overlap", "s2_fp32_one_bucket"])
+@pytest.mark.parametrize("config", ["s2_fp32_no_overlap", "s2_fp32_one_bucket", "s2_fp32_prefetch",
+                                    "s1_fp32_reduce_scatter", "s2_fp32_reduce_scatter",
+                                    "s2_accum_every_microstep_reduce_scatter"])
 def test_fp32_matches_without_overlap_and_with_one_bucket(config, references, two_ranks):
+    """(s2_fp32_prefetch: parameters published during the next forward; the losses, compared
+    at every step, would differ if a forward ran on stale weights.)"""
     _assert_fp32_match(two_ranks[0][config], references["fp32"], config)
 
 
@@ -177,7 +183,8 @@ def test_the_fp32_comparison_rejects_broken_runs(bug, caught_by, references, two
 
 
 @pytest.mark.parametrize("config,world", [("s1_bf16", 2), ("s2_bf16", 2), ("s1_fp16", 2), ("s2_fp16", 2),
-                                          ("s2_bf16", 4), ("s2_fp16", 4)])
+                                          ("s2_bf16", 4), ("s2_fp16", 4), ("s1_bf16_prefetch", 2),
+                                          ("s2_bf16_reduce_scatter", 2)])
 def test_low_precision_matches_single_process(config, world, references, request):
     precision = config.split("_")[1]
     loss_rtol, norm_rtol, update_rtol = LOW_PRECISION[precision]
@@ -245,6 +252,48 @@ def test_every_bucket_is_reduced_during_backward(two_ranks):
         assert info["buckets"] > 1
         assert info["launched_in_backward"] == 3 * info["buckets"]  # 3 steps, all from the hooks
         assert info["launched_at_flush"] == 0
+
+
+# ---------------------------------------------------------------------------- optimizer kernel and step phases
+def test_the_step_runs_torchs_fused_adamw_over_the_flat_shard(two_ranks):
+    """One fused-kernel call per step over the single flat shard (the single-tensor loop makes
+    ~8 passes over it); the user's `fused`/`foreach` stay as built, in the live param groups and
+    in the checkpoint, so the checkpoint loads into DDP/FSDP unchanged."""
+    for rank in two_ranks:
+        default = rank["kernels"]["default"]
+        assert default["fused_calls"] == [1, 1]  # 2 steps x 1 group, one tensor (the shard) each
+        assert default["group_after"] == {"fused": None, "foreach": None}
+        assert default["saved"] == {"fused": None, "foreach": None}
+
+
+def test_a_users_kernel_choice_is_kept(two_ranks):
+    for label, expected in (("user_fused_false", {"fused": False, "foreach": None}),
+                            ("user_foreach_true", {"fused": None, "foreach": True})):
+        result = two_ranks[0]["kernels"][label]
+        assert result["fused_calls"] == [], label
+        assert result["group_after"] == expected and result["saved"] == expected, label
+
+
+def test_step_reports_its_phases(two_ranks):
+    phases = two_ranks[0]["kernels"]["default"]["phases"]
+    assert set(phases) == {"reduce", "norm", "optimizer", "gather"}
+    assert all(0 <= v < 60 for v in phases.values())
+    assert phases["optimizer"] > 0 and phases["gather"] > 0
+
+
+def test_fsdp_plugin_steps_adamw_with_the_fused_kernel(two_ranks):
+    """FSDPPlugin: one fused call over all its (DTensor) parameters per step, group unchanged.
+    Its equivalence with one process is tests/framework/test_plugins.py."""
+    fsdp = two_ranks[0]["kernels"]["fsdp"]
+    assert fsdp["fused_calls"] == [fsdp["params"]] and fsdp["group_after"] is None
+
+
+def test_prefetch_defers_the_publication_until_forward_or_wait(two_ranks):
+    for rank in two_ranks:
+        result = rank["prefetch"]
+        assert result["chunks"] > 1 and result["pending_after_step"] == result["chunks"]
+        assert result["hooked_modules"] > 0
+        assert result["params_equal_masters"]
 
 
 # ---------------------------------------------------------------------------- fp16 overflow

@@ -163,6 +163,14 @@ CONFIGS = {
     "s2_fp32": (2, "fp32", {}, "adamw", {}),
     "s2_fp32_no_overlap": (2, "fp32", {"overlap_communication": False}, "adamw", {}),
     "s2_fp32_one_bucket": (2, "fp32", {"reduce_bucket_mb": 25.0}, "adamw", {}),
+    "s2_fp32_prefetch": (2, "fp32", {"overlap_param_gather": True}, "adamw", {}),
+    # gloo's default is all_reduce: force the reduce-scatter path (NCCL's default) too
+    "s1_fp32_reduce_scatter": (1, "fp32", {"grad_collective": "reduce_scatter"}, "adamw", {}),
+    "s2_fp32_reduce_scatter": (2, "fp32", {"grad_collective": "reduce_scatter"}, "adamw", {}),
+    "s2_bf16_reduce_scatter": (2, "bf16", {"grad_collective": "reduce_scatter"}, "adamw", {}),
+    "s2_accum_every_microstep_reduce_scatter": (2, "fp32", {"grad_collective": "reduce_scatter"}, "adamw",
+                                                {"accum": 2, "no_sync": False}),
+    "s1_bf16_prefetch": (1, "bf16", {"overlap_param_gather": True}, "adamw", {}),
     "s1_bf16": (1, "bf16", {}, "adamw", {}),
     "s2_bf16": (2, "bf16", {}, "adamw", {}),
     "s1_fp16": (1, "fp16", {}, "adamw", {}),
@@ -292,6 +300,77 @@ def toy_padded() -> dict:
             "launched_at_flush": opt.reducer.stats.launched_at_flush}
 
 
+@contextlib.contextmanager
+def _counting_fused_adamw(calls: list[int]):
+    """Count calls of torch's fused AdamW kernel (torch.optim looks it up on `torch` at each step)."""
+    original = torch._fused_adamw_
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))  # tensors updated by this call
+        return original(*args, **kwargs)
+    torch._fused_adamw_ = counted
+    try:
+        yield
+    finally:
+        torch._fused_adamw_ = original
+
+
+def fused_kernels_and_phases() -> dict:
+    """Which kernel the optimizer step ran (fused AdamW over the shards unless the user chose),
+    whether the user's param-group settings survive a step and reach the checkpoint unchanged,
+    and the step's phase timings; FSDPPlugin's step likewise (its own DTensor parameters)."""
+    from phalanx.booster.plugins.fsdp import FSDPPlugin
+    from phalanx.zero.checkpoint import zero_fragments
+
+    out = {}
+    for label, options in (("default", {}), ("user_fused_false", {"fused": False}),
+                           ("user_foreach_true", {"foreach": True})):
+        model = tiny_llama(seed=0)
+        from phalanx.booster import Booster
+        booster = Booster(zero(2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **options)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        batch = _local_rows(make_batches(1)[0])
+        calls: list[int] = []
+        with _counting_fused_adamw(calls):
+            for _ in range(2):
+                booster.backward(model(input_ids=batch, labels=batch).loss, optimizer)
+                optimizer.step()
+                optimizer.zero_grad()
+        saved = zero_fragments(optimizer).param_groups[0]
+        out[label] = {"fused_calls": calls, "shard_numel": optimizer.master_params()[0].numel(),
+                      "group_after": {k: optimizer.param_groups[0][k] for k in ("fused", "foreach")},
+                      "saved": {k: saved[k] for k in ("fused", "foreach")},
+                      "phases": dict(optimizer.step_phases)}
+    fsdp_model = tiny_llama(seed=0)
+    from phalanx.booster import Booster
+    booster = Booster(FSDPPlugin())
+    fsdp_model, fsdp_opt, *_ = booster.boost(fsdp_model, torch.optim.AdamW(fsdp_model.parameters(), lr=1e-2))
+    batch = _local_rows(make_batches(1)[0])
+    calls = []
+    with _counting_fused_adamw(calls):
+        booster.backward(fsdp_model(input_ids=batch, labels=batch).loss, fsdp_opt)
+        fsdp_opt.step()
+    out["fsdp"] = {"fused_calls": calls, "params": len(fsdp_opt.params()),
+                   "group_after": fsdp_opt.param_groups[0]["fused"]}
+    return out
+
+
+def prefetch_consistency() -> dict:
+    """overlap_param_gather: `step` returns with the publication in flight (chunks pending), and
+    `wait_for_params` makes every parameter equal its (gathered) fp32 master exactly."""
+    run = Run(zero(2, overlap_param_gather=True))
+    run.train(2)
+    opt = run.optimizer
+    pending_after_step = len(opt.prefetch._pending)
+    opt.wait_for_params()
+    masters = opt.full_master_weights()
+    params = list(run.model.unwrapped.parameters())
+    return {"pending_after_step": pending_after_step, "chunks": len(opt.prefetch.chunks),
+            "params_equal_masters": all(torch.equal(p.detach(), masters[id(p)]) for p in params),
+            "hooked_modules": len(opt.prefetch._handles)}
+
+
 # ---------------------------------------------------------------------------- checkpoints
 SAVE_AT = 3
 
@@ -317,6 +396,8 @@ def two_rank_suite(configs: list[str], zero_dir: str) -> dict:
     out["memory"] = memory_and_overlap()
     out["overflow"] = overflow()
     out["toy"] = toy_padded()
+    out["kernels"] = fused_kernels_and_phases()
+    out["prefetch"] = prefetch_consistency()
     out["saved"] = train_and_save(zero_dir)
     return out
 

@@ -3,9 +3,11 @@
 - `partition`: the flat, rank-partitioned layout of a param group (index arithmetic only);
 - `flat_group`: model params as views of one flat buffer, the fp32 master shard;
 - `offload`: the host store for CPU offload, and the bytes it moves each way;
-- `reducer`: gradient buckets reduced from backward hooks (all-reduce or reduce-scatter);
+- `reducer`: gradient buckets reduce-scattered from backward hooks;
 - `optimizer`: `ZeroOptimizer` and its `ZeroConfig`;
 - `supported`: which torch optimizers are elementwise, hence shardable;
+- `fused_step`: the optimizer step with torch's fused kernel over the flat shards;
+- `prefetch`: the parameter publication overlapped with the next forward (opt-in);
 - `checkpoint`: optimizer state as layout-independent fragments.
 
 See docs/zero.md.

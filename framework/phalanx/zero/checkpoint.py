@@ -15,6 +15,7 @@ import torch
 from phalanx.checkpoint.atomic import CheckpointError
 from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
                                           apply_param_group_hyperparams)
+from phalanx.zero.fused_step import step_device_for
 from phalanx.zero.optimizer import ZeroOptimizer
 
 
@@ -84,7 +85,7 @@ def load_zero_fragments(zopt: ZeroOptimizer, reader: FragmentReader) -> None:
         for name in names:
             for key, value in reader.scalars(name).items():
                 scalars[key] = max(value, scalars.get(key, value))
-        scalar_device = flat.host if group.get("capturable") or group.get("fused") else torch.device("cpu")
+        scalar_device = step_device_for(zopt.optim, group, flat.host)
         for key, value in scalars.items():
             state[key] = torch.tensor(value, dtype=torch.float32, device=scalar_device)
         zopt.optim.state.pop(flat.master, None)

@@ -55,6 +55,8 @@ class FlatParamGroup:
         master = self._fp32_shard()
         master.copy_(self.flat[lo:hi])
         self.master = nn.Parameter(master)
+        self._written: set[int] = set()  # starts of the ranges of master.grad written since the step
+        self._grad_storage: torch.Tensor | None = None  # master.grad's memory, kept between steps
 
     def _fp32_shard(self) -> torch.Tensor:
         if self.store is not None:
@@ -68,33 +70,93 @@ class FlatParamGroup:
         return self.layout.rank_range(self.rank)
 
     # ------------------------------------------------------------------ gradients
+    def _grad_shard(self) -> torch.Tensor:
+        """The fp32 master gradient, handed out at the first reduction after a step. On the
+        device its memory is allocated once and kept (on the CPU a fresh shard-sized tensor costs
+        page faults every step, as much time as several copies of it); every element that holds
+        a parameter is written by exactly one bucket first (`_written` records which ranges
+        were), so only the padding needs zeros. Offloaded, a zeroed host buffer is taken from
+        the store each step (only ever added to) and given back at the end of the step."""
+        if self.master.grad is None:
+            if self.store is not None:
+                self.master.grad = self._fp32_shard()
+            else:
+                if self._grad_storage is None:
+                    self._grad_storage = torch.empty(self.layout.shard_numel, dtype=torch.float32,
+                                                     device=self.device)
+                    lo, _ = self.shard_range
+                    self._grad_storage[max(0, min(self.layout.numel - lo, self.layout.shard_numel)):].zero_()
+                self.master.grad = self._grad_storage
+            self._written = set()
+        return self.master.grad
+
+    def _grad_slice(self, flat_lo: int, numel: int) -> torch.Tensor:
+        start = self.layout.to_shard(self.rank, flat_lo)
+        return self._grad_shard()[start:start + numel]
+
+    def reduce_target(self, flat_lo: int, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a reduction of flat elements `[flat_lo, flat_lo + numel)` (inside this rank's
+        range) may write its result: straight into the fp32 master gradient when this is the
+        range's first reduction since the last step and no cast or host copy is needed (fp32
+        model, no offload), which saves a temporary and a copy per bucket; None: reduce into a
+        temporary and pass it to `accumulate_grad`."""
+        if numel == 0 or self.store is not None or dtype != torch.float32:
+            return None
+        target = self._grad_slice(flat_lo, numel)
+        if flat_lo in self._written:
+            return None
+        self._written.add(flat_lo)
+        return target
+
     def accumulate_grad(self, flat_lo: int, values: torch.Tensor) -> None:
         """Add reduced gradient `values` for flat elements `[flat_lo, flat_lo + len)` (inside this
-        rank's range) into the fp32 master gradient, copying device→host when offloading."""
+        rank's range) into the fp32 master gradient (the first reduction of a range since the
+        last step copies), copying device→host when offloading."""
         if values.numel() == 0:
             return
-        if self.master.grad is None:
-            self.master.grad = self._fp32_shard()
-        start = self.layout.to_shard(self.rank, flat_lo)
-        target = self.master.grad[start:start + values.numel()]
+        target = self._grad_slice(flat_lo, values.numel())
         if self.store is not None:  # transfer in the communication dtype, widen on the host
             self.store.add_to(target, values)
+        elif flat_lo in self._written:
+            target.add_(values)
         else:
-            target.add_(values.float())
+            target.copy_(values)
+            self._written.add(flat_lo)
 
     # ------------------------------------------------------------------ weights
     def start_publish(self):
-        """Start the all-gather that writes every rank's updated master shard, cast to the model
-        dtype and copied host→device, into the model's parameters. Returns (work, shard): keep
-        the shard alive until the work is waited on."""
+        """Start writing every rank's updated master shard, cast to the model dtype and copied
+        host→device, into the model's parameters: one all-gather, or on gloo one broadcast per
+        owner from its own range of the flat buffer (five times cheaper there, `comm.is_gloo`).
+        Returns (works, shard): keep the shard alive until the works are waited on."""
+        if self.layout.world_size > 1 and comm.is_gloo(self.group):
+            return self.start_publish_range(0, self.layout.padded_numel, "zero.broadcast_params"), None
         if self.store is not None:
             shard = self.store.to_device(self.master.detach(), self.device, self.dtype)
         else:
             shard = self.master.detach().to(dtype=self.dtype)
         if self.layout.world_size == 1:
             self.flat.copy_(shard)
-            return None, shard
-        return comm.all_gather_into(self.flat, shard, self.group, "zero.all_gather_params"), shard
+            return [], shard
+        return [comm.all_gather_into(self.flat, shard, self.group, "zero.all_gather_params")], shard
+
+    def start_publish_range(self, lo: int, hi: int, name: str) -> list:
+        """Start writing the updated master values of flat elements `[lo, hi)` into every rank's
+        parameters: each owner casts its part into its own flat buffer and broadcasts it from
+        there (the parts are uneven, so not an all-gather). Returns the work handles."""
+        works = []
+        own_lo, _ = self.shard_range
+        for r, (a, b) in enumerate(self.layout.split_by_rank(lo, hi)):
+            if a == b:
+                continue
+            if r == self.rank:
+                values = self.master.detach()[a - own_lo:b - own_lo]
+                if self.store is not None:
+                    values = self.store.to_device(values, self.device, self.dtype)
+                self.flat[a:b].copy_(values)
+            if self.layout.world_size > 1:
+                works.append(comm.broadcast_async(self.flat[a:b], r, self.group, name))
+        return works
 
     def gather_full_master(self) -> torch.Tensor:
         """The full fp32 master weights of the group (unpadded, on the CPU). A collective."""

@@ -9,12 +9,13 @@ What happens, per optimizer param group:
    of it, and this rank's contiguous slice is copied to an fp32 master shard, which replaces the
    group's params in the *user's* optimizer object. The optimizer's state is thus created for
    1/N of the parameters, and an LR scheduler built on that optimizer keeps working;
-2. backward: `GradReducer` reduces gradients in buckets from backward hooks, overlapping
-   communication with compute, into the fp32 gradient of each master shard;
+2. backward: `GradReducer` reduce-scatters gradients in buckets from backward hooks,
+   overlapping communication with compute, into the fp32 gradient of each master shard;
 3. step: wait for the reductions; compute the gradient norm over all shards (one all-reduce of
    per-rank partial norms), which also tells every rank whether any rank overflowed (fp16);
    skip the step and halve the loss scale on overflow; otherwise unscale, clip, run the torch
-   optimizer on the shards, and all-gather the updated shards into the model's parameters.
+   optimizer on the shards (with torch's fused kernel where it has one: `fused_step`), and
+   all-gather the updated shards into the model's parameters.
 
 Parameters that do not require gradients stay out of the flat buffers and are never updated.
 Ranks must start from identical weights (`ZeroPlugin` broadcasts rank 0's).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -35,7 +37,9 @@ from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.launch import collective
 from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
+from phalanx.zero.fused_step import fused_kernels
 from phalanx.zero.offload import HostStore
+from phalanx.zero.prefetch import ParamPrefetch
 from phalanx.zero.reducer import GradReducer
 from phalanx.zero.supported import check_elementwise, drop_unstepped_state
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
@@ -45,8 +49,8 @@ from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 class ZeroConfig:
     """How the ZeRO optimizer shards and communicates.
 
-    stage: 1 shards optimizer states and master weights (gradients are all-reduced and kept
-        whole); 2 also shards gradients (reduce-scatter, each rank keeps its slice only).
+    stage: 1 shards optimizer states and master weights (a whole gradient buffer is kept); 2
+        also shards gradients (each rank keeps its fp32 slice only). Both reduce-scatter.
     reduce_bucket_mb: size of a gradient bucket, in MB of the model dtype. Larger buckets mean
         fewer, more efficient collectives; smaller ones start communicating earlier in backward.
     overlap_communication: reduce buckets from backward hooks while backward runs; False
@@ -55,6 +59,13 @@ class ZeroConfig:
         memory and run the optimizer step there (`phalanx.zero.offload`; the optimizer's
         `offload.traffic` counts the bytes moved each way).
     max_norm: clip the global gradient norm to this value (None: no clipping).
+    overlap_param_gather: `step` only starts publishing the updated parameters; each module's
+        forward waits for its own (`phalanx.zero.prefetch`). Needs the model
+        (`ZeroOptimizer(..., model=)`, which ZeroPlugin passes); parameters read between `step`
+        and the next forward need `optimizer.wait_for_params()` first.
+    grad_collective: how buckets are reduced. "reduce_scatter" moves half the bytes of
+        "all_reduce"; "auto" picks all_reduce on gloo, where torch's reduce-scatter costs twice
+        its all-reduce (docs/zero.md), and reduce_scatter elsewhere.
     """
 
     stage: int = 2
@@ -62,11 +73,16 @@ class ZeroConfig:
     overlap_communication: bool = True
     cpu_offload: bool = False
     max_norm: float | None = None
+    overlap_param_gather: bool = False
+    grad_collective: str = "auto"
 
     def __post_init__(self):
         if self.stage not in (1, 2):
             raise ValueError(f"ZeRO stage={self.stage} is not supported here: use 1 (shard optimizer states) or "
                              "2 (also shard gradients); stage 3 shards parameters: use FSDPPlugin or GeminiPlugin")
+        from phalanx.zero.reducer import GRAD_COLLECTIVES
+        if self.grad_collective not in GRAD_COLLECTIVES:
+            raise ValueError(f"grad_collective={self.grad_collective!r}: use one of {', '.join(GRAD_COLLECTIVES)}")
         if not self.reduce_bucket_mb > 0:
             raise ValueError(f"reduce_bucket_mb={self.reduce_bucket_mb} must be positive")
 
@@ -77,7 +93,8 @@ class ZeroOptimizer(OptimizerWrapper):
     clip_grad_norm."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None, *,
-                 names: dict[int, str] | None = None, process_group: dist.ProcessGroup | None = None):
+                 names: dict[int, str] | None = None, process_group: dist.ProcessGroup | None = None,
+                 model: nn.Module | None = None):
         check_elementwise(optimizer)
         drop_unstepped_state(optimizer)
         self.optim = optimizer
@@ -88,6 +105,10 @@ class ZeroOptimizer(OptimizerWrapper):
         self.max_norm = self.config.max_norm
         self.last_grad_norm: float | None = None
         self.skipped = False
+        # Seconds spent in each phase of the last `step` (what a profile of the step needs):
+        # reduce (waiting for gradient reductions still in flight), norm (gradient norm, unscale,
+        # clip), optimizer (the torch optimizer on the shards), gather (the parameter all-gather).
+        self.step_phases: dict[str, float] = {}
 
         self.names: dict[int, str] = {}
         self.offload = HostStore() if self.config.cpu_offload else None
@@ -102,9 +123,17 @@ class ZeroOptimizer(OptimizerWrapper):
         bucket_numel = max(1, int(self.config.reduce_bucket_mb * 2**20) // (torch.finfo(dtype).bits // 8))
         self.reducer = GradReducer(groups, stage=self.config.stage, bucket_numel=bucket_numel,
                                    overlap=self.config.overlap_communication, process_group=process_group,
-                                   rank=self.rank, world_size=self.world_size, model_order=order)
+                                   rank=self.rank, world_size=self.world_size, model_order=order,
+                                   collective=self.config.grad_collective)
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
         self.scaler = DynamicLossScaler(enabled=dtype == torch.float16)
+        self.prefetch: ParamPrefetch | None = None
+        if self.config.overlap_param_gather:
+            if model is None:
+                raise ValueError("ZeroConfig(overlap_param_gather=True) needs the model, whose forward waits for "
+                                 "its parameters: pass ZeroOptimizer(..., model=model) (ZeroPlugin does)")
+            chunks = [(b.group, b.lo, b.hi) for b in reversed(self.reducer.buckets)]  # forward order
+            self.prefetch = ParamPrefetch(chunks, model)
 
     def _flatten_groups(self, names: dict[int, str]) -> dict[int, int]:
         """Replace each param group's trainable params by a flat master shard; returns every
@@ -153,13 +182,18 @@ class ZeroOptimizer(OptimizerWrapper):
         if closure is not None:
             raise ValueError("the ZeRO optimizer does not take closures (they re-run the model on whole "
                              "parameters); call backward before step")
+        clock = time.perf_counter
+        t0 = clock()
+        self.wait_for_params()  # the previous step's publication, if no forward consumed it
         self.reducer.finish()
+        t1 = clock()
         grads = [g.master.grad for g in self.flat_groups if g is not None and g.master.grad is not None]
         norm = self._global_norm(grads)
         self.skipped = self.scaler.enabled and not math.isfinite(norm)
         if self.skipped:
             self.scaler.update(True)
             self.last_grad_norm = float("inf")
+            t2 = t3 = clock()
         else:
             if self.scaler.enabled:
                 inv = 1.0 / self.scaler.scale
@@ -169,14 +203,23 @@ class ZeroOptimizer(OptimizerWrapper):
             self.last_grad_norm = norm
             if self.max_norm:
                 clip_grads_by_norm(grads, self.max_norm, norm)
-            self.optim.step()
+            t2 = clock()
+            with fused_kernels(self.optim, self._master_device):
+                self.optim.step()
             if self.offload is not None:
                 self.offload.adopt_state(self.optim.state)
             if self.scaler.enabled:
                 self.scaler.update(False)
+            t3 = clock()
             self._publish()
         for m in self.master_params():
             m.grad = None
+        self.step_phases = {"reduce": t1 - t0, "norm": t2 - t1, "optimizer": t3 - t2, "gather": clock() - t3}
+
+    @property
+    def _master_device(self) -> torch.device:
+        """Where the master shards and the optimizer state live (the host with CPU offload)."""
+        return torch.device("cpu") if self.offload is not None else self.device
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.discard()
@@ -206,11 +249,22 @@ class ZeroOptimizer(OptimizerWrapper):
         with collective("zero.grad_norm"):
             return global_grad_norm([partial], self.process_group, sharded=True)
 
+    def wait_for_params(self) -> None:
+        """Make the model's parameters current (with `overlap_param_gather`, `step` returns while
+        they are still being written; without, they always are)."""
+        if self.prefetch is not None:
+            self.prefetch.wait_all()
+
     def _publish(self) -> None:
-        """All-gather the updated master shards into the model's parameters."""
+        """All-gather the updated master shards into the model's parameters (or, with
+        `overlap_param_gather`, start publishing them chunk by chunk)."""
+        if self.prefetch is not None:
+            self.prefetch.launch()
+            return
         started = [g.start_publish() for g in self.flat_groups if g is not None]
-        for work, _shard in started:
-            comm.wait(work, "zero.all_gather_params")
+        for works, _shard in started:
+            for work in works:
+                comm.wait(work, "zero.publish_params")
 
     # ------------------------------------------------------------------ whole-model views
     def full_master_weights(self) -> dict[int, torch.Tensor]:

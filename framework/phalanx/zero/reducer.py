@@ -2,18 +2,25 @@
 
 Each parameter's `post_accumulate_grad` hook copies its gradient into a flat bucket (a
 contiguous range of its group's flat layout, about `bucket_numel` elements, filled in reverse
-model order) and frees `param.grad`. When a bucket is full it is divided by the world size and
-reduced with an asynchronous collective while backward carries on computing earlier layers:
+model order), divided by the world size on the way in, and frees `param.grad`. When a bucket is
+full it is reduced with an asynchronous collective while backward carries on computing earlier
+layers.
 
-- stage 1: all-reduce the bucket; every rank then keeps only the part it owns. The buckets are
-  views of one persistent flat gradient buffer per group, so stage 1 holds a full replica of
-  the gradients (in the model dtype), as ZeRO-1 does;
-- stage 2: reduce-scatter the bucket, cut at the rank boundaries of the partition, so each rank
-  receives only the sum of the part it owns; bucket buffers are temporary, so the gradients
-  held per rank are the fp32 shard plus the buckets in flight.
+Both stages reduce-scatter the bucket, cut at the rank boundaries of the partition, so each
+rank receives only the sum of the part it owns (the same bytes as half an all-reduce; a rank
+never reads the rest of the reduced gradient, so an all-reduce would be wasted work). They
+differ in memory:
 
-The reduced part is added into the owner's fp32 master gradient (`FlatParamGroup`). Adding,
-not assigning, makes several backward passes before one step accumulate correctly.
+- stage 1: the buckets are views of one persistent flat gradient buffer per group, so stage 1
+  holds a full gradient buffer (in the model dtype), as ZeRO-1 does, and allocates nothing per
+  step;
+- stage 2: bucket buffers are temporary, so the gradients held per rank are the fp32 shard
+  plus the buckets in flight.
+
+The reduced part lands in the owner's fp32 master gradient (`FlatParamGroup`): written there
+directly by the collective when it is the range's first reduction since the step and no cast is
+needed (fp32), else reduced into a temporary and added. Adding, not assigning, makes several
+backward passes before one step accumulate correctly.
 
 Buckets are launched in a fixed order (bucket 0, 1, …), never out of order even if a later
 bucket happens to fill first: every rank then issues the same collectives in the same order,
@@ -63,12 +70,18 @@ class _Bucket:
         return len(self.arrived) == len(self.slots)
 
 
+GRAD_COLLECTIVES = ("auto", "all_reduce", "reduce_scatter")
+_SPARE_BUFFERS = 2  # stage 2: freed bucket buffers kept for the next buckets
+
+
 @dataclass(eq=False)
 class _Pending:
     bucket: _Bucket
     work: object  # a torch.distributed Work, or None on one rank
     result: torch.Tensor  # this rank's reduced part of the bucket
     flat_lo: int  # where `result` starts in the group's flat layout
+    direct: bool = False  # `result` is already the master gradient's slice: nothing to add
+    buffer: torch.Tensor | None = None  # stage 2: the bucket's buffer, reusable once this completes
 
 
 @dataclass
@@ -83,9 +96,14 @@ class ReducerStats:
 class GradReducer:
     def __init__(self, groups: Sequence[FlatParamGroup], *, stage: int, bucket_numel: int, overlap: bool,
                  process_group: dist.ProcessGroup | None, rank: int, world_size: int,
-                 model_order: dict[int, int] | None = None):
+                 model_order: dict[int, int] | None = None, collective: str = "auto"):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: the ZeRO gradient reducer implements stages 1 and 2")
+        if collective not in GRAD_COLLECTIVES:
+            raise ValueError(f"grad_collective={collective!r}: use one of {', '.join(GRAD_COLLECTIVES)}")
+        if collective == "auto":
+            collective = "all_reduce" if comm.is_gloo(process_group) else "reduce_scatter"
+        self.collective = collective
         self.stage = stage
         self.group = process_group
         self.rank = rank
@@ -96,6 +114,7 @@ class GradReducer:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._next = 0  # index of the next bucket to launch in this round
         self._persistent: dict[int, torch.Tensor] = {}  # stage 1: id(group) -> flat gradient buffer
+        self._spare: list[torch.Tensor] = []  # stage 2: freed bucket buffers, reused (see _release)
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self.buckets: list[_Bucket] = []
         for g in groups:
@@ -107,6 +126,7 @@ class GradReducer:
         # earliest parameters last.
         order = model_order or {}
         self.buckets.sort(key=lambda b: -min(order.get(id(p), 0) for p in b.params))
+        self._largest_bucket = max((b.hi - b.lo for b in self.buckets), default=0)
         for b in self.buckets:
             for k, p in enumerate(b.params):
                 self._where[id(p)] = (b, k)
@@ -149,6 +169,7 @@ class GradReducer:
             pending = self._pending.popleft()
             comm.wait(pending.work, self._op_name)
             pending.bucket.in_flight -= 1
+            self._release(pending)
         for b in self.buckets:
             b.arrived.clear()
             b.launched = False
@@ -159,7 +180,7 @@ class GradReducer:
     # ------------------------------------------------------------------ hooks
     @property
     def _op_name(self) -> str:
-        return "zero.all_reduce_grads" if self.stage == 1 else "zero.reduce_scatter_grads"
+        return f"zero.{self.collective}_grads"
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.sync or param.grad is None:
@@ -190,17 +211,32 @@ class GradReducer:
                     self._persistent[key] = torch.zeros(g.layout.numel, dtype=g.dtype, device=g.device)
                 bucket.buffer = self._persistent[key][bucket.lo:bucket.hi]
         elif bucket.buffer is None:
+            # No zeros needed: the bucket's parameters are adjacent, and each one's range is
+            # written whole before the launch (its gradient, or zeros when it got none).
             g = bucket.group
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=g.dtype, device=g.device)
+            numel = bucket.hi - bucket.lo
+            spare = next((t for t in self._spare if t.dtype == g.dtype and t.device == g.device
+                          and t.numel() >= numel), None)
+            if spare is not None:
+                self._spare.remove(spare)
+                bucket.buffer = spare[:numel]
+            else:
+                bucket.buffer = torch.empty(self._largest_bucket, dtype=g.dtype, device=g.device)[:numel]
 
     def _take_grad(self, bucket: _Bucket, k: int, param: nn.Parameter) -> None:
-        """Move `param.grad` into its place in the bucket (adding if it is already there)."""
+        """Move `param.grad`, divided by the world size, into its place in the bucket (adding if
+        it is already there). Average, not sum, as DDP does; dividing on the way in (one pass
+        instead of a copy and a division) before the reduction keeps fp16 sums of many ranks
+        from overflowing."""
         self._ensure_buffer(bucket)
         view, grad = bucket.view(k), param.grad.detach().reshape(-1)
         if k in bucket.arrived:
-            view.add_(grad)
+            view.add_(grad / self.world_size if self.world_size > 1 else grad)
         else:
-            view.copy_(grad)
+            if self.world_size > 1:
+                torch.div(grad, self.world_size, out=view)
+            else:
+                view.copy_(grad)
             bucket.arrived.add(k)
         param.grad = None
 
@@ -217,20 +253,25 @@ class GradReducer:
         g = bucket.group
         parts = g.layout.split_by_rank(bucket.lo, bucket.hi)
         own_lo, own_hi = parts[self.rank]
+        direct = False
         if self.world_size == 1:
             work, result = None, buffer[own_lo - bucket.lo:own_hi - bucket.lo]
+        elif self.collective == "all_reduce":
+            # In place, on the whole bucket; this rank then reads the part it owns. Twice the
+            # bytes of a reduce-scatter, but on gloo the cheaper of the two (comm.is_gloo).
+            work = comm.all_reduce_sum(buffer, self.group, self._op_name)
+            result = buffer[own_lo - bucket.lo:own_hi - bucket.lo]
         else:
-            # Average, not sum, as DDP does: divide before the reduction so that fp16 sums of
-            # many ranks do not overflow.
-            buffer.div_(self.world_size)
-            if self.stage == 1:
-                work = comm.all_reduce_sum(buffer, self.group, self._op_name)
-                result = buffer[own_lo - bucket.lo:own_hi - bucket.lo]
-            else:
-                views = [buffer[a - bucket.lo:b - bucket.lo] for a, b in parts]
+            # Each rank receives only the sum of the part it owns; it lands in the fp32
+            # gradient shard directly when it can.
+            views = [buffer[a - bucket.lo:b - bucket.lo] for a, b in parts]
+            result = g.reduce_target(own_lo, own_hi - own_lo, buffer.dtype)
+            direct = result is not None
+            if not direct:
                 result = torch.empty(own_hi - own_lo, dtype=buffer.dtype, device=buffer.device)
-                work = comm.reduce_scatter_uneven(result, views, self.group, self._op_name)
-        self._pending.append(_Pending(bucket, work, result, own_lo))
+            work = comm.reduce_scatter_uneven(result, views, self.group, self._op_name)
+        self._pending.append(_Pending(bucket, work, result, own_lo, direct,
+                                      buffer if self.stage == 2 else None))
         bucket.in_flight += 1
         bucket.launched = True
         bucket.arrived.clear()
@@ -249,8 +290,19 @@ class GradReducer:
 
     def _complete(self, pending: _Pending) -> None:
         comm.wait(pending.work, self._op_name)
-        pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
+        if not pending.direct:
+            pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
         pending.bucket.in_flight -= 1
+        self._release(pending)
+
+    def _release(self, pending: _Pending) -> None:
+        """Keep a completed stage-2 bucket buffer for the next bucket (at most _SPARE_BUFFERS):
+        on the CPU a fresh bucket-sized tensor costs page faults every time, several copies'
+        worth; a GPU's caching allocator does the same reuse by itself."""
+        if pending.buffer is not None and len(self._spare) < _SPARE_BUFFERS:
+            base = pending.buffer._base if pending.buffer._base is not None else pending.buffer
+            self._spare.append(base)
+        pending.buffer = None
 
     def _end_round(self) -> None:
         self._next = 0

@@ -28,6 +28,7 @@ from phalanx.checkpoint.atomic import CheckpointError
 from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
                                           apply_param_group_hyperparams)
 from phalanx.param_binding import rebind_optimizer_params
+from phalanx.zero.fused_step import DTENSOR_FUSED_OPTIMIZERS, fused_kernels, step_device_for
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,22 @@ class FSDPOptimizer(OptimizerWrapper):
         self.last_grad_norm = global_grad_norm(grads, self.group, sharded=True)
         if self.max_norm:
             clip_grads_by_norm(grads, self.max_norm, self.last_grad_norm)
-        self.optim.step()
+        with self._fast_kernels():
+            self.optim.step()
         self.skipped = False
         if self.scaler.enabled:
             self.scaler.update(False)
 
+    def _fast_kernels(self):
+        """Adam/AdamW step with torch's fused kernel (`phalanx.zero.fused_step`): one DTensor
+        dispatch and one vectorised pass per group instead of ~8 dispatched ops per parameter
+        (21M-parameter Llama, 2 ranks: 32 ms against 155 for raw `fully_shard`'s AdamW,
+        docs/zero.md). DTensor implements the fused kernel for Adam and AdamW only; other
+        optimizers run as the user built them."""
+        params = self.params()
+        if not params:
+            return contextlib.nullcontext()
+        return fused_kernels(self.optim, _local(params[0]).device, DTENSOR_FUSED_OPTIMIZERS)
 
 
 class FSDPPlugin(Plugin):
@@ -121,7 +133,13 @@ class FSDPPlugin(Plugin):
         # FSDP2 must wrap a child before its parent. For flat transformer layers the order is moot.
         for block in reversed(blocks):
             fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        # The root (embeddings, final norm, LM head: ~40% of a small Llama) is needed again as soon
+        # as backward starts, so resharding it after forward only buys a second all-gather: keep
+        # it unsharded between forward and backward, as raw `fully_shard` does by default (None).
+        # (Without blocks the root holds everything and follows the option.)
+        root_reshard = None if self.reshard_after_forward and blocks else self.reshard_after_forward
+        root_kwargs = {**kwargs, "reshard_after_forward": root_reshard}
+        fully_shard(model, **root_kwargs)
         return self.boosted(ModelWrapper(model, model), param_names=old_names)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
@@ -196,7 +214,9 @@ class FSDPPlugin(Plugin):
                     state[key] = (DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                                      shape=p.shape, stride=p.stride())
                                   if isinstance(p, DTensor) else local)
+                step_device = step_device_for(optimizer.optim, group, _local(p).device,
+                                              DTENSOR_FUSED_OPTIMIZERS)
                 for key, value in reader.scalars(name).items():
-                    state[key] = torch.tensor(value, dtype=torch.float32)
+                    state[key] = torch.tensor(value, dtype=torch.float32, device=step_device)
                 if state:
                     optimizer.optim.state[p] = state

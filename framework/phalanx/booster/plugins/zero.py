@@ -25,14 +25,16 @@ from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
 
 class ZeroPlugin(Plugin):
     """ZeroPlugin(stage=2, precision="bf16", reduce_bucket_mb=25, overlap_communication=True,
-    cpu_offload=False, max_norm=1.0)."""
+    cpu_offload=False, max_norm=1.0, overlap_param_gather=False, grad_collective="auto")."""
 
     def __init__(self, stage: int = 2, precision: str = "fp32", reduce_bucket_mb: float = 25.0,
-                 overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None):
+                 overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
+                 overlap_param_gather: bool = False, grad_collective: str = "auto"):
         super().__init__(precision, max_norm)
         self.config = ZeroConfig(stage=stage, reduce_bucket_mb=reduce_bucket_mb,
                                  overlap_communication=overlap_communication, cpu_offload=cpu_offload,
-                                 max_norm=max_norm)
+                                 max_norm=max_norm, overlap_param_gather=overlap_param_gather,
+                                 grad_collective=grad_collective)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -41,7 +43,8 @@ class ZeroPlugin(Plugin):
     def describe(self) -> str:
         c = self.config
         return (f"{self.name}(precision={self.precision}, dp={self.dp_size}, bucket={c.reduce_bucket_mb}MB, "
-                f"overlap={c.overlap_communication}, cpu_offload={c.cpu_offload})")
+                f"overlap={c.overlap_communication}, cpu_offload={c.cpu_offload}, "
+                f"overlap_param_gather={c.overlap_param_gather})")
 
     # ------------------------------------------------------------------ set-up
     def configure_model(self, model: nn.Module) -> ModelWrapper:
@@ -61,7 +64,8 @@ class ZeroPlugin(Plugin):
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
         names = optimizer_param_names(optimizer, unwrap_model(model))
-        return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group)
+        return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group,
+                             model=unwrap_model(model))
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager
@@ -82,6 +86,8 @@ class ZeroPlugin(Plugin):
         when the model computes in bf16/fp16). Every rank gets the full dict."""
         unwrapped = unwrap_model(model)
         optimizer = boosted_optimizer(model)
+        if optimizer is not None:
+            optimizer.wait_for_params()
         masters = optimizer.full_master_weights() if optimizer is not None else {}
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         state = {}
@@ -92,8 +98,10 @@ class ZeroPlugin(Plugin):
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)
-        unwrapped.load_state_dict(state_dict, strict=False)  # copies into the flat buffer views
         optimizer = boosted_optimizer(model)
+        if optimizer is not None:
+            optimizer.wait_for_params()  # a publication still in flight would overwrite what loads
+        unwrapped.load_state_dict(state_dict, strict=False)  # copies into the flat buffer views
         if optimizer is not None:
             values = {id(p): state_dict[n] for n, p in unwrapped.named_parameters(remove_duplicate=False)
                       if n in state_dict}
