@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phalanx.inference import packed_linear
-from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store
+from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, store_kv
 from phalanx.inference.families import SUPPORTED, family_of, rope_parameters
 from phalanx.inference.kernels import rms_norm, swiglu
 
@@ -129,17 +129,6 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
         x = x + residual
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return y if residual is None else (y, x)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, skips_slots: bool = False) -> None:
-    """Write k and v at their cache slots, without rotating (learned-position families)."""
-    heads, dim = k.shape[1:]
-    if skips_slots:
-        keep = slot_mapping >= 0
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class DecoderLayer(nn.Module):
