@@ -52,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGINT and SIGTERM stop the server the same way
+    """SIGINT and SIGTERM stop the server the same way. Only the first one: under torchrun a
+    worker can get SIGINT twice (from the terminal's process group and from the agent passing it
+    on), and a second KeyboardInterrupt inside the shutdown left the HTTP thread running into the
+    interpreter's exit (a traceback from uvicorn's thread)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def serve_main(argv: list[str]) -> int:
