@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.config import ConfigError, load_config, parse_config_args, resolve_path
 from phalanx.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,8 +20,7 @@ APP_DATA = Path(__file__).resolve().parent / "data"
 
 def resolve(path: str | Path) -> Path:
     """Absolute paths stay; relative ones are taken from the repository root."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO / p
+    return resolve_path(path, REPO)
 
 
 @dataclass

@@ -108,17 +108,14 @@ def saved_scaling_factor(checkpoint_dir: Path, parts: Components) -> float:
 
 def run_script(description: str, train_fn, argv: list[str] | None = None) -> None:
     """The scripts' `main`: parse `--config FILE key=value...`, launch, train, print, shut down."""
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     from .config import parse_args
 
     cfg = parse_args(description, argv)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
-    launch(seed=cfg.train.seed)
-    try:
+    with launched(seed=cfg.train.seed):
         result, _ = train_fn(cfg)
         if is_main_process() and result.losses:
             print(f"done at step {result.final_step}: loss {result.losses[0]:.4f} (first step) -> "
                   f"{result.losses[-1]:.4f} (last); eval {result.last_eval}")
-    finally:
-        shutdown()

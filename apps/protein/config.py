@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.config import ConfigError, load_config, parse_config_args, resolve_path
 from phalanx.train import TrainConfig
 
 from apps.protein.features import FeatureConfig
@@ -21,8 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def resolve(path: str | Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else REPO / p
+    return resolve_path(path, REPO)
 
 
 @dataclass

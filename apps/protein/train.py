@@ -93,19 +93,16 @@ def train(cfg: RecipeConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
     from phalanx.observe import is_main_process
 
     cfg, _ = parse_args("Train an AlphaFold-style model on the shipped protein structures.", argv)
-    launch(seed=cfg.train.seed)
-    try:
+    with launched(seed=cfg.train.seed):
         result, seconds = train(cfg)
         if is_main_process():
             print(f"done at step {result.final_step} in {seconds:.0f} s: loss {result.losses[0]:.3f} (first) -> "
                   f"{result.losses[-1]:.3f} (last); eval {json.dumps(result.last_eval)}" if result.losses else
                   f"nothing to do: already at step {result.final_step}; eval {result.last_eval}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

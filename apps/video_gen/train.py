@@ -164,16 +164,13 @@ def train(cfg: RecipeConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg = parse_args("Train the Open-Sora-style text-to-video recipe", argv)
-    launch(seed=cfg.train.seed)
-    try:
+    with launched(seed=cfg.train.seed):
         result = train(cfg)
         if is_main_process():
             print(f"done at step {result.final_step}: eval {result.last_eval}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

@@ -60,16 +60,13 @@ def train_vae(cfg: RecipeConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg = parse_args("Train the causal 3D video autoencoder", argv)
-    launch(seed=cfg.train.seed)
-    try:
+    with launched(seed=cfg.train.seed):
         result = train_vae(cfg)
         if is_main_process():
             print(f"done at step {result.final_step}: eval {result.last_eval}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

@@ -191,6 +191,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def resolve_path(path: str | Path, root: str | Path) -> Path:
+    """`path` with `~` expanded; a relative one taken from `root` (a recipe's repository root), so
+    config paths mean the same from any working directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(root) / p
+
+
 def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
     return _build(cls, data)
 

@@ -167,6 +167,17 @@ def shutdown() -> None:
     _CONTEXT = None
 
 
+@contextlib.contextmanager
+def launched(**launch_kwargs):
+    """`with launched(seed=...) as ctx:` — `launch(...)`, then `shutdown()` however the block ends:
+    the body of every recipe command's `main`."""
+    ctx = launch(**launch_kwargs)
+    try:
+        yield ctx
+    finally:
+        shutdown()
+
+
 class CollectiveError(RuntimeError):
     """A collective failed (most often a timeout because another rank died or diverged)."""
 
