@@ -246,20 +246,17 @@ def train_preference(cfg: DPOConfig, log=print):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg, _ = parse_config_args("Preference optimisation (DPO / IPO / SimPO / KTO).", load_dpo_config, argv,
                                example="apps/chat_rlhf/configs/dpo.yaml")
-    ctx = launch(seed=cfg.train.seed)
-    log = print if ctx.is_main else (lambda *a, **k: None)
-    try:
+    with launched(seed=cfg.train.seed) as ctx:
+        log = print if ctx.is_main else (lambda *a, **k: None)
         result, before = train_preference(cfg, log)
         after = result.last_eval
         log(f"held-out preference accuracy: {before.get('accuracy', float('nan')):.3f} before -> "
             f"{after.get('accuracy', float('nan')):.3f} after {result.final_step} steps "
             f"(reward margin {after.get('margin', float('nan')):.3g}); checkpoint {result.checkpoint_dir}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

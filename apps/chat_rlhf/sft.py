@@ -99,20 +99,17 @@ def sft(cfg: SFTConfig, log=print):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg, _ = parse_config_args("Supervised fine-tuning (labels on assistant turns only).", load_sft_config, argv,
                                example="apps/chat_rlhf/configs/sft.yaml")
-    ctx = launch(seed=cfg.train.seed)
-    log = print if ctx.is_main else (lambda *a, **k: None)
-    try:
+    with launched(seed=cfg.train.seed) as ctx:
+        log = print if ctx.is_main else (lambda *a, **k: None)
         result, before = sft(cfg, log)
         held = result.last_eval.get("loss")
         log(f"SFT done at step {result.final_step}: train loss {result.losses[-1]:.4f}"
             + (f", held-out assistant-token loss {before['loss']:.4f} -> {held:.4f}" if held is not None else "")
             + f"; checkpoint {result.checkpoint_dir}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

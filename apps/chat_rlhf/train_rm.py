@@ -167,20 +167,17 @@ def train_reward_model(cfg: RMConfig, log=print):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg, _ = parse_config_args("Train a reward model (Bradley-Terry) on preference pairs.", load_rm_config, argv,
                                example="apps/chat_rlhf/configs/rm.yaml")
-    ctx = launch(seed=cfg.train.seed)
-    log = print if ctx.is_main else (lambda *a, **k: None)
-    try:
+    with launched(seed=cfg.train.seed) as ctx:
+        log = print if ctx.is_main else (lambda *a, **k: None)
         result, before = train_reward_model(cfg, log)
         after = result.last_eval
         log(f"held-out reward accuracy: {before.get('accuracy', float('nan')):.3f} before -> "
             f"{after.get('accuracy', float('nan')):.3f} after {result.final_step} steps "
             f"(mean gap {after.get('reward_gap', float('nan')):.3g}); reward model {result.checkpoint_dir}/model")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

@@ -64,18 +64,15 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg, _ = parse_args("Continual pre-training of the initialised model on the prepared data.", argv)
-    ctx = launch(seed=cfg.train.seed)
-    try:
+    with launched(seed=cfg.train.seed) as ctx:
         result = pretrain(cfg)
         if ctx.is_main:
             evals = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.last_eval.items()) if k.endswith("bpc"))
             print(f"pre-training done at step {result.final_step}: loss {result.losses[-1] if result.losses else float('nan'):.4f}"
                   f"{', ' + evals if evals else ''}; checkpoint {result.checkpoint_dir}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":

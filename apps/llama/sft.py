@@ -46,19 +46,16 @@ def sft(cfg: RecipeConfig, model=None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from phalanx.launch import launch, shutdown
+    from phalanx.launch import launched
 
     cfg, _ = parse_args("Supervised fine-tuning on chat data (labels on assistant turns only).", argv)
-    ctx = launch(seed=cfg.sft.seed)
-    try:
+    with launched(seed=cfg.sft.seed) as ctx:
         result = sft(cfg)
         if ctx.is_main:
             held = result.last_eval.get("loss")
             print(f"SFT done at step {result.final_step}: train loss {result.losses[-1] if result.losses else float('nan'):.4f}"
                   + (f", held-out assistant-token loss {held:.4f}" if held is not None else "")
                   + f"; checkpoint {result.checkpoint_dir}")
-    finally:
-        shutdown()
 
 
 if __name__ == "__main__":
