@@ -29,10 +29,10 @@ demo: install
 
 # Installs what the tests need and runs the whole suite (GPU tests are deselected).
 test: install-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 bench: install-dev
 	$(PY) bench/train_throughput.py

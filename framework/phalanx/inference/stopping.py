@@ -27,6 +27,12 @@ def streamable_prefix(text: str, stops: list[str]) -> int:
     return end
 
 
+# The tail decoded to look for a stop string: enough tokens for its characters even when each
+# takes four byte-level tokens, plus a few for a partial character at the window's start.
+TAIL_TOKENS_PER_CHAR = 4
+TAIL_SLACK_TOKENS = 8
+
+
 class StopChecker:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -37,6 +43,21 @@ class StopChecker:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _stop_in_tail(self, seq: Sequence) -> bool:
+        """Whether a stop string occurs in the text of the last few output tokens. Checked after
+        every token, a stop string can only newly appear in text that ends with the newest token,
+        so decoding a tail of `TAIL_TOKENS_PER_CHAR` tokens per character of the longest stop
+        string (a character may take several byte-level tokens) finds it without decoding the
+        whole output each step (quadratic in the output length); the full text is decoded only
+        when a stop is there, to cut it."""
+        params = seq.params
+        window = TAIL_TOKENS_PER_CHAR * max(len(stop) for stop in params.stop) + TAIL_SLACK_TOKENS
+        ids = seq.output_token_ids
+        if len(ids) <= window:
+            return True  # short outputs: the full decode is the tail
+        tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=params.skip_special_tokens)
+        return any(stop in tail for stop in params.stop)
 
     def check(self, seq: Sequence) -> bool:
         """After a token was appended: set seq.finish_reason/stop_reason and return True if done."""
@@ -50,7 +71,7 @@ class StopChecker:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
                 return True
-        if params.stop and self.tokenizer is not None:
+        if params.stop and self.tokenizer is not None and self._stop_in_tail(seq):
             text = self.decode(seq)
             cut = None
             for stop in params.stop:
