@@ -11,6 +11,14 @@ knows about the token's text, so the expanded model starts close to the base mod
 The split is computed with the old tokenizer's BPE model on the token's own string (in the
 tokenizer's internal alphabet: `▁` for spaces in SentencePiece, byte symbols in byte-level BPE),
 which avoids any decode/re-encode whitespace quirks.
+
+Big models: when `train.plugin` shards parameters (fsdp, zero*, gemini, hybrid: `builds_lazily`)
+and `model.base` is a checkpoint, the base is never loaded whole: its tensors are copied file by
+file into the new checkpoint (`phalanx.checkpoint.hf.ShardedSafetensorsWriter`), and only the
+embedding and LM head are read whole to get their new rows (`stream_resized_checkpoint`); the
+same values as the eager path. Training then builds the model on the meta device
+(`pretrain.load_model`), and the plugin reads only each rank's part. A model built from
+`model.architecture` (recipe tests, the tiny config) is still initialised eagerly.
 """
 from __future__ import annotations
 
@@ -87,17 +95,109 @@ def load_base_model(path: str | Path):
     from transformers import AutoModelForCausalLM
 
     p = resolve_path(path)
+    check_base_dir(p)
+    return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+
+
+SHARDING_PLUGINS = ("fsdp", "zero1", "zero2", "zero3", "gemini", "hybrid")
+
+
+def builds_lazily(plugin: str | None) -> bool:
+    """Whether a recipe with this `train.plugin` builds its model on the meta device (the plugin
+    materialises only each rank's part); DDP and single-process runs build it eagerly."""
+    return plugin in SHARDING_PLUGINS
+
+
+def resized_rows(old: torch.Tensor, pieces: dict[int, list[int]], rows: int, std: float,
+                 generator: torch.Generator) -> torch.Tensor:
+    """`old` grown to `rows` rows: the old rows kept, each new token's row the mean of its pieces'
+    old rows (as `resize_with_piece_means`), any other added row drawn from N(0, std)."""
+    out = torch.empty((max(rows, old.shape[0]), *old.shape[1:]), dtype=old.dtype)
+    out[:old.shape[0]] = old
+    if out.shape[0] > old.shape[0]:
+        out[old.shape[0]:].normal_(0.0, std, generator=generator)
+    for new_id, ids in pieces.items():
+        out[new_id] = old[torch.tensor(ids)].mean(0)
+    return out
+
+
+def stream_resized_checkpoint(base_dir: Path, out_dir: Path, pieces: dict[int, list[int]], rows: int,
+                              config_updates: dict, seed: int = 0, max_shard_size: str = "2GB") -> int:
+    """Write the base checkpoint into `out_dir` with the embedding (and an untied LM head) grown
+    to `rows` rows, one tensor at a time; returns the number of parameters written. The config and
+    generation config get `config_updates` (vocab_size, eos/pad ids)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from phalanx import lazy
+    from phalanx.checkpoint.hf import ShardedSafetensorsWriter, parse_shard_size
+
+    config = AutoConfig.from_pretrained(str(base_dir))
+    model = lazy.from_pretrained(base_dir)  # meta: names, ties and shapes only
+    source = lazy.source_for(model)
+    resized = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    generator = torch.Generator().manual_seed(seed)
+    writer = ShardedSafetensorsWriter(Path(out_dir), parse_shard_size(max_shard_size))
+    numel = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied parameters once
+            value = source.full(name, p)
+            if id(p) in resized:
+                value = resized_rows(value, pieces, rows, config.initializer_range, generator)
+            writer.add(name, value)
+            numel += value.numel()
+            del value
+    writer.finish()
+    for key, value in config_updates.items():
+        setattr(config, key, value)
+    config.save_pretrained(str(out_dir))
+    if (Path(base_dir) / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(str(base_dir))
+    else:
+        gen = GenerationConfig.from_model_config(config)
+    for key in ("eos_token_id", "pad_token_id"):
+        if key in config_updates:
+            setattr(gen, key, config_updates[key])
+    gen.save_pretrained(str(out_dir))
+    return numel
+
+
+def _init_streamed(cfg: RecipeConfig, base_tok, new_tok) -> dict:
+    """`init_model` for a sharding plugin and a base checkpoint: never the whole base in memory."""
+    base_dir = resolve_path(cfg.model.base)
+    check_base_dir(base_dir)
+    new_ids = check_extension(base_tok, new_tok)
+    pieces = old_piece_ids(base_tok, new_tok, new_ids)
+    from transformers import AutoConfig
+
+    old_rows = AutoConfig.from_pretrained(str(base_dir)).vocab_size
+    rows = max(len(new_tok), old_rows)
+    updates = {"vocab_size": rows, "eos_token_id": new_tok.eos_token_id, "pad_token_id": new_tok.pad_token_id}
+    with atomic_directory(cfg.model_init_dir) as tmp:
+        numel = stream_resized_checkpoint(base_dir, tmp, pieces, rows, updates, seed=cfg.model.init_seed)
+        new_tok.save_pretrained(str(tmp))
+        report = {
+            "base": cfg.model.base, "parameters": numel,
+            "vocab_before": len(base_tok), "vocab_after": rows, "new_rows": len(new_ids),
+            "mean_pieces_per_new_token": round(sum(len(v) for v in pieces.values()) / max(len(pieces), 1), 2),
+            "streamed": True,
+        }
+        (tmp / "init_report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+def check_base_dir(p: Path) -> None:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
             f"no model at {str(p)!r} (no config.json): set model.base to a Hugging Face model directory, "
             "for SmolLM2 run `python -m phalanx.pretrained` first, or leave model.base empty to build from model.architecture"
         )
-    return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
 
 
 def init_model(cfg: RecipeConfig) -> dict:
     base_tok = load_tokenizer(cfg.tokenizer.base)
     new_tok = load_tokenizer(cfg.tokenizer_dir)
+    if cfg.model.base and builds_lazily(cfg.train.plugin):
+        return _init_streamed(cfg, base_tok, new_tok)
     model = load_base_model(cfg.model.base) if cfg.model.base else build_from_config(cfg.model.architecture, base_tok, cfg.model.init_seed)
     new_ids = check_extension(base_tok, new_tok)
     pieces = old_piece_ids(base_tok, new_tok, new_ids)

@@ -34,11 +34,18 @@ def bpc_eval_fn(tokenizer, chunks: list[Chunk], ecfg: EvalConfig) -> Callable:
     return eval_fn
 
 
-def load_model(model_dir: Path):
+def load_model(model_dir: Path, plugin: str | None = None):
+    """The model in `model_dir`, in fp32; on the meta device when `plugin` shards parameters (the
+    plugin then reads only each rank's part: init_model.builds_lazily, phalanx.lazy)."""
     from transformers import AutoModelForCausalLM
+
+    from .init_model import builds_lazily
 
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir}: run `python -m apps.llama.init_model` with the same config first")
+    if builds_lazily(plugin):
+        from phalanx import lazy
+        return lazy.from_pretrained(model_dir)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
@@ -51,7 +58,7 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
 
     tokenizer = load_tokenizer(cfg.model_init_dir if (cfg.model_init_dir / "tokenizer_config.json").exists()
                                else cfg.tokenizer_dir)
-    model = model if model is not None else load_model(cfg.model_init_dir)
+    model = model if model is not None else load_model(cfg.model_init_dir, cfg.train.plugin)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the tokenizer "
                          f"{len(tokenizer)} tokens: re-run init_model after expand_vocab")

@@ -36,7 +36,7 @@ def sft(cfg: RecipeConfig, model=None):
 
     data_dir = cfg.sft_data_dir
     tokenizer = load_tokenizer(data_dir / "tokenizer")  # carries the chat template used for the labels
-    model = model if model is not None else load_model(sft_start_model(cfg))
+    model = model if model is not None else load_model(sft_start_model(cfg), cfg.sft.plugin)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the SFT "
                          f"tokenizer {len(tokenizer)} tokens: prepare the SFT data with the model's own tokenizer")

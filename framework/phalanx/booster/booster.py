@@ -105,9 +105,9 @@ class Booster:
         return path
 
     def _write_model(self, model, directory: Path, **kwargs) -> None:
-        state = self.plugin.full_model_state_dict(model)
-        if self.rank == 0:
-            save_hf_model(unwrap_model(model), state, directory, **kwargs)
+        """Rank 0 writes the tensors as the plugin gathers them, one at a time
+        (`iter_full_model_state`, a collective every rank walks to the end)."""
+        write_streamed_model(self.plugin, model, directory, self.rank == 0, **kwargs)
 
     def load_model(self, model: nn.Module, path: str | Path) -> None:
         """Load HF-layout weights (saved by any plugin and world size, or by transformers)."""
@@ -208,6 +208,19 @@ class Booster:
         if state.world_size == dist.get_world_size():
             load_rng_state(path, self.rank)
         return state
+
+
+def write_streamed_model(plugin: Plugin, model: nn.Module, directory: Path, writer: bool, **kwargs) -> None:
+    """Walk `plugin.iter_full_model_state(model)` (every rank must: it is a collective); the
+    `writer` rank writes the tensors into `directory` as they come. If writing fails there, the
+    rest is still walked (the other ranks are inside its collectives) and the error raised after."""
+    stream = plugin.iter_full_model_state(model)
+    try:
+        if writer:
+            save_hf_model(unwrap_model(model), stream, directory, **kwargs)
+    finally:
+        for pair in stream:
+            del pair  # not kept while the next tensor is gathered
 
 
 def _scheduler_state(lr_scheduler: Any) -> dict:

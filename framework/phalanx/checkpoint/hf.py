@@ -1,15 +1,19 @@
 """Model weights in the Hugging Face layout: safetensors shards + index json + config.
 
-A `transformers` model is written with its own `save_pretrained` (given our gathered full state
-dict), so `AutoModelForCausalLM.from_pretrained(dir)` opens it unchanged. Any other module is
-written with `huggingface_hub.save_torch_state_dict`, the same shard/index layout.
+`save_hf_model` streams: it takes the full tensors one at a time (a plugin's
+`iter_full_model_state`) and writes each safetensors file as soon as it is full, in the layout
+`save_pretrained` writes (`model.safetensors`, or `model-0000i-of-0000n.safetensors` with
+`model.safetensors.index.json`), with config.json for a `transformers` model, so
+`AutoModelForCausalLM.from_pretrained(dir)` opens it unchanged. No pickle anywhere.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -21,40 +25,191 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def _drop_aliases(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tied parameters (e.g. lm_head = embed_tokens) appear under several names; keep the first."""
-    seen: dict[int, str] = {}
+def _alias_names(model: nn.Module) -> set[str]:
+    """Names under which a tied parameter (e.g. lm_head = embed_tokens) appears after its first."""
+    seen: set[int] = set()
     aliases = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             aliases.add(name)
         else:
-            seen[id(p)] = name
+            seen.add(id(p))
+    return aliases
+
+
+def _drop_aliases(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied parameters appear under several names; keep the first."""
+    aliases = _alias_names(model)
     return {k: v for k, v in state_dict.items() if k not in aliases}
 
 
-def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor], directory: str | Path, *,
-                  max_shard_size: str | int = "2GB", shard: bool = True, dtype: torch.dtype | None = None,
-                  tokenizer=None) -> None:
-    """Write `state_dict` (full, CPU) for `model` (unwrapped) into `directory`. Rank 0 only."""
+@dataclass
+class ExportStats:
+    """What `save_hf_model` wrote, and the most tensor bytes it held at once (the writer's memory
+    bound: one shard of `max_shard_size` plus the tensor that does not fit in it)."""
+
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    total_bytes: int = 0
+    peak_bytes_held: int = 0
+    streamed: bool = True
+
+
+def parse_shard_size(size: str | int) -> int:
+    """"2GB" / "500MB" / "10KiB" / an int (bytes) -> bytes (decimal units as transformers reads them)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[:-len(unit)]) * factor)
+            except ValueError:
+                break
+    raise ValueError(f"max_shard_size={size!r}: use bytes (an int) or a size such as '2GB', '500MB', '64MiB'")
+
+
+class ShardedSafetensorsWriter:
+    """Writes `(name, tensor)` pairs into safetensors files of at most `max_bytes` each (a tensor
+    larger than that gets a file of its own), holding one file's tensors at a time. `finish`
+    names the files `model-0000i-of-0000n.safetensors` and writes the index, or a single
+    `model.safetensors` when one file was enough — the layout `save_pretrained` produces."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.stats = ExportStats()
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._parts: list[tuple[Path, list[str]]] = []
+        self._numel = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view of a larger buffer: write (and hold) only its own bytes
+        size = tensor.numel() * tensor.element_size()
+        self.stats.peak_bytes_held = max(self.stats.peak_bytes_held, self._pending_bytes + size)
+        if self._pending and self._pending_bytes + size > self.max_bytes:
+            self._flush()
+        self._pending[name] = tensor
+        self._pending_bytes += size
+        self.stats.tensors += 1
+        self.stats.total_bytes += size
+        self._numel += tensor.numel()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        part = self.directory / f"model-{len(self._parts) + 1:05d}.safetensors.part"
+        save_file(self._pending, str(part), metadata={"format": "pt"})
+        self._parts.append((part, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> ExportStats:
+        if self._pending or not self._parts:
+            self._flush()
+        n = len(self._parts)
+        if n == 1:
+            self._parts[0][0].replace(self.directory / SINGLE)
+            self.stats.files = [SINGLE]
+            return self.stats
+        weight_map = {}
+        for i, (part, names) in enumerate(self._parts, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            part.replace(self.directory / final)
+            self.stats.files.append(final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.stats.total_bytes, "total_parameters": self._numel},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return self.stats
+
+
+def _needs_transformers_writer(model: nn.Module) -> bool:
+    """transformers models whose saved names or layout differ from their state dict (weight
+    conversions such as fused MoE experts, quantizers, adapters) are written by `save_pretrained`,
+    which needs the whole state dict at once."""
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "_hf_peft_config_loaded", False):
+        return True
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return False
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    return bool(conversions)
+
+
+def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                  directory: str | Path, *, max_shard_size: str | int = "2GB", shard: bool = True,
+                  dtype: torch.dtype | None = None, tokenizer=None) -> ExportStats:
+    """Write the full weights of `model` (unwrapped) into `directory`, in the layout
+    `from_pretrained` reads. Rank 0 only.
+
+    `state_dict`: a dict, or `(name, full CPU tensor)` pairs (a plugin's `iter_full_model_state`),
+    consumed one at a time: safetensors files are written as they fill, so the writer holds at
+    most one file of `max_shard_size` plus one tensor, never the whole model. Tied aliases are
+    dropped, `dtype` casts floating tensors as they come. A transformers model also gets its
+    config.json (and generation_config.json); one whose weights are renamed or fused on save
+    (`_needs_transformers_writer`) is written by `save_pretrained`, from the whole state dict."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    pairs = state_dict.items() if isinstance(state_dict, dict) else state_dict
+    size = parse_shard_size(max_shard_size) if shard else 2**62
+    from transformers import PreTrainedModel
+
+    is_hf = isinstance(model, PreTrainedModel)
+    if is_hf and _needs_transformers_writer(model):
+        return _save_with_transformers(model, dict(pairs), directory, size, dtype, tokenizer)
+    aliases = _alias_names(model)
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or []) if is_hf else set()
+    writer = ShardedSafetensorsWriter(directory, size)
+    written_dtype = None
+    for name, tensor in pairs:
+        if name in aliases or name in ignored:
+            continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if written_dtype is None and tensor.is_floating_point():
+            written_dtype = tensor.dtype
+        writer.add(name, tensor)
+        del tensor
+    stats = writer.finish()
+    if is_hf:
+        config = copy.deepcopy(model.config)
+        config.dtype = str(written_dtype or model.dtype).split(".")[1]
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+        config.save_pretrained(directory)
+        if model.can_generate() and getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return stats
+
+
+def _save_with_transformers(model, state_dict: dict[str, torch.Tensor], directory: Path, size: int,
+                            dtype: torch.dtype | None, tokenizer) -> ExportStats:
     state_dict = _drop_aliases(model, state_dict)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     state_dict = {k: v.detach().contiguous() for k, v in state_dict.items()}
-    size = max_shard_size if shard else "1000GB"
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        if dtype is not None:
-            model.config.dtype = dtype
-        model.save_pretrained(directory, state_dict=state_dict, max_shard_size=size)
-    else:
-        from huggingface_hub import save_torch_state_dict
-        save_torch_state_dict(state_dict, directory, max_shard_size=size)
+    stats = ExportStats(tensors=len(state_dict), streamed=False,
+                        total_bytes=sum(v.numel() * v.element_size() for v in state_dict.values()))
+    stats.peak_bytes_held = stats.total_bytes
+    if dtype is not None:
+        model.config.dtype = dtype
+    model.save_pretrained(directory, state_dict=state_dict, max_shard_size=size)
+    stats.files = sorted(p.name for p in directory.glob("*.safetensors"))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    return stats
 
 
 def load_hf_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:

@@ -5,7 +5,10 @@ A save has two halves:
 1. **snapshot** (every rank, on the training thread, with collectives): gather the full model
    state, this rank's optimizer fragments and the fragment index, the RNG states and the training
    state into host memory (copies when the write is asynchronous, so training may change the live
-   tensors), and let hooks (EMA) write their part;
+   tensors), and let hooks (EMA) write their part. A synchronous save streams the model instead:
+   the plugin gathers one tensor at a time and rank 0 writes the safetensors files as they fill
+   (`phalanx.checkpoint.hf`), so no rank ever holds the whole model; an asynchronous one keeps a
+   copy of the whole model on rank 0 until its background write;
 2. **write and commit** (no collectives): each rank writes its files into the temporary directory
    and reports "ok" or its error through the process group's key-value store; rank 0 waits for
    every report, then writes the manifest and renames the directory into place (or deletes it if
@@ -66,7 +69,8 @@ class _Snapshot:
     tmp: Path
     token: str
     model: Any = None            # rank 0: the unwrapped model (its config is saved with the weights)
-    model_state: dict[str, torch.Tensor] | None = None  # rank 0
+    model_state: dict[str, torch.Tensor] | None = None  # rank 0, asynchronous saves
+    model_written: bool = False  # synchronous saves: the model was streamed into tmp already
     tokenizer: Any = None
     optim_file: str = ""
     optim_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -173,12 +177,27 @@ class CheckpointWriter:
         token, error = box
         snap = _Snapshot(step=step, path=path, tmp=path.parent / f"{path.name}.tmp-{token}", token=token, error=error)
 
-        state = self.booster.plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
         if self.rank == 0:
             snap.model = unwrap_model(model)
-            snap.model_state = {k: v.detach().to("cpu", copy=True) if copy else v for k, v in state.items()}
             snap.tokenizer = tokenizer
-        del state
+        if copy:
+            # Asynchronous: rank 0 keeps a copy of the whole model until the background write.
+            state = self.booster.plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
+            if self.rank == 0:
+                snap.model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+            del state
+        else:
+            # Synchronous: rank 0 writes each tensor as it is gathered (one file of max_shard_size
+            # held at a time); a failure becomes this rank's error, reported like any other.
+            from phalanx.booster.booster import write_streamed_model
+
+            try:
+                with quiet_hf_progress():
+                    write_streamed_model(self.booster.plugin, model, snap.tmp / MODEL_DIR,
+                                         self.rank == 0 and not snap.error, tokenizer=tokenizer)
+                snap.model_written = True
+            except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
+                snap.error = snap.error or _describe(exc)
         if optimizer is not None:
             frags = self.booster._optimizer_fragments(optimizer)
             snap.optim_file, snap.optim_tensors, local = fragment_tensors(frags, self.rank, copy=copy)
@@ -202,7 +221,7 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ the writer (maybe a thread)
     def _write_files(self, snap: _Snapshot) -> None:
         """This rank's files, no collectives."""
-        if self.rank == 0:
+        if self.rank == 0 and not snap.model_written:
             with quiet_hf_progress():
                 save_hf_model(snap.model, snap.model_state, snap.tmp / MODEL_DIR, tokenizer=snap.tokenizer)
         optim_dir = snap.tmp / OPTIM_DIR

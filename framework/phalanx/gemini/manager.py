@@ -96,36 +96,63 @@ class ChunkManager:
         self.disk = None  # a DiskTier when some optimizer chunks live on disk (set by the plugin)
 
     # ------------------------------------------------------------------ storage
-    def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str]) -> None:
+    def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str], read=None) -> None:
         """Copy the parameters into their chunks' shards and create the fp32 masters and Adam
         moments, each on its tier; the parameters become placeholders. A "disk" chunk's master
-        and moments are written to its file (`self.disk` must be set), its gradient is on the host."""
+        and moments are written to its file (`self.disk` must be set), its gradient is on the host.
+
+        `read(name, param, a, b)` (a lazy model, whose parameters are on the meta device): elements
+        `[a, b)` of the flattened parameter in fp32 (`phalanx.lazy.flat_reader`); only this rank's
+        shard of each chunk is then built, and its master holds the values read, unrounded."""
         if DISK in optim_tiers and self.disk is None:
             raise ValueError("optimizer chunks placed on disk but the manager has no disk tier")
         with torch.no_grad():
             for chunk, st, ot in zip(self.chunks, shard_tiers, optim_tiers):
-                flat = torch.zeros(chunk.numel, dtype=chunk.dtype)
-                for slot, p in zip(chunk.layout.slots, chunk.params):
-                    flat[slot.offset:slot.end].copy_(p.detach().reshape(-1).cpu())
-                lo, hi = chunk.layout.rank_range(chunk.rank)
+                if read is None:
+                    lo, hi = chunk.layout.rank_range(chunk.rank)
+                    flat = torch.zeros(chunk.numel, dtype=chunk.dtype)
+                    for slot, p in zip(chunk.layout.slots, chunk.params):
+                        flat[slot.offset:slot.end].copy_(p.detach().reshape(-1).cpu())
+                    values = flat[lo:hi]
+                else:
+                    values = self._read_shard(chunk, read)
                 chunk.shard = self.tiers.empty(st, chunk.shard_numel, chunk.dtype)
-                chunk.shard.copy_(flat[lo:hi])
+                chunk.shard.copy_(values)
                 chunk.shard_tier = st
                 chunk.optim_tier = ot
                 if ot == DISK:
                     self.disk.create(chunk)
                     with self.disk.loaded(chunk, read=False, write=True):
-                        chunk.master.copy_(flat[lo:hi])
+                        chunk.master.copy_(values)
                         chunk.exp_avg.zero_()
                         chunk.exp_avg_sq.zero_()
                 else:
                     chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
-                    chunk.master.copy_(flat[lo:hi])
+                    chunk.master.copy_(values)
                     chunk.exp_avg = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
                     chunk.exp_avg_sq = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
                 chunk.master_grad = self.tiers.empty(HOST if ot == DISK else ot, chunk.shard_numel, torch.float32,
                                                      zero=True)
                 chunk.detach()
+
+    def _read_shard(self, chunk: Chunk, read) -> torch.Tensor:
+        """This rank's shard of `chunk` in fp32, parameter by parameter from `read`; meta
+        parameters become real (placeholder) tensors, the same objects. Every parameter is read,
+        with an empty range where this rank holds none of it (a random-init source then frees it)."""
+        from phalanx.gemini.chunk import placeholder
+        from phalanx.lazy import swap_in
+
+        values = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+        owned = {k: (a, b) for k, a, b in chunk.owned()}
+        for k, (name, p) in enumerate(zip(chunk.names, chunk.params)):
+            a, b = owned.get(k, (0, 0))
+            piece = read(name, p, a, b)
+            if b > a:
+                start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
+                values[start:start + (b - a)].copy_(piece)
+            if p.is_meta:
+                swap_in(p, placeholder(p.shape, chunk.dtype, chunk.device))
+        return values
 
     @contextlib.contextmanager
     def optim_state(self, chunk: Chunk, write: bool = False) -> Iterator[Chunk]:

@@ -12,6 +12,12 @@ does), and keeps this rank's pieces: peak memory is this rank's share of the mod
 Every rank draws the same random numbers (same seed, same order), so the pieces fit together.
 Loading reads, for each split tensor, only the ranges this rank holds with `safetensors`'
 `get_slice`. `materialize(model)` does the same for an unsplit model.
+
+Every plugin accepts a lazy model (`phalanx.lazy.materialise` does the work; docs/big_models.md):
+FSDPPlugin reads only this rank's rows of each parameter; GeminiPlugin fills its chunk shards
+tensor by tensor (fp32 masters straight from the source); ZeroPlugin and DDPPlugin keep every
+parameter whole on every rank by design and materialise it one tensor at a time in the compute
+dtype; HybridParallelPlugin reads only this rank's tensor-parallel pieces.
 """
 from __future__ import annotations
 
@@ -22,10 +28,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.lazy.sources import CheckpointSource, RandomInitSource, is_lazy, materialise_buffers
+from phalanx.lazy.materialise import (buffers_first, flat_reader, materialise_fsdp_shards, materialise_whole,
+                                     swap_in)
+from phalanx.lazy.sources import CheckpointSource, RandomInitSource, flat_range, is_lazy, materialise_buffers
 
 __all__ = ["init_empty", "from_config", "from_pretrained", "source_for", "materialize", "materialise_buffers",
-           "is_lazy", "CheckpointSource", "RandomInitSource"]
+           "is_lazy", "CheckpointSource", "RandomInitSource", "flat_range", "flat_reader", "materialise_whole",
+           "materialise_fsdp_shards", "buffers_first", "swap_in"]
 
 CHECKPOINT_ATTR = "phalanx_checkpoint"
 
@@ -59,14 +68,31 @@ def from_pretrained(path: str | Path, model_class=None, **config_overrides) -> n
     return model
 
 
-def source_for(model: nn.Module, device: torch.device | str = "cpu"):
-    """Where a lazy model's values come from (None for a model that is already materialised)."""
+def source_for(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None, group=None):
+    """Where a lazy model's values come from (None for a model that is already materialised).
+    `seed` (random init only) defaults to a draw from the global generator; with a process
+    `group` (collective: every rank of it calls), rank 0's draw, so that the pieces fit together
+    even if the ranks' generators differ."""
     if not is_lazy(model):
         return None
-    path = getattr(model, CHECKPOINT_ATTR, None)
-    if path is not None:
-        return CheckpointSource(model, path, device=device)
-    return RandomInitSource(model, device=device)
+    for prefix, module in model.named_modules():  # the model itself, or the one inside a wrapper
+        path = getattr(module, CHECKPOINT_ATTR, None)
+        if path is not None:
+            return CheckpointSource(model, path, device=device, prefix=prefix)
+    if seed is None and group is not None:
+        seed = agreed_seed(group, device)
+    return RandomInitSource(model, device=device, seed=seed)
+
+
+def agreed_seed(group, device: torch.device | str = "cpu") -> int:
+    """A draw from the global generator on the first rank of `group`, the same on every rank."""
+    import torch.distributed as dist
+
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        seed = seed.to(device)
+        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+    return int(seed.item())
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

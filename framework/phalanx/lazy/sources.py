@@ -1,6 +1,16 @@
-"""Where the values of a lazily built (meta-device) model come from: `ParamSource`s for
-`phalanx.shard.apply_tp`, which asks each for this rank's piece of a split parameter (`local`)
-or for the whole of a replicated one (`full`)."""
+"""Where the values of a lazily built (meta-device) model come from.
+
+A source answers, for a parameter of the meta model (by name):
+- `full(name, param)`: the whole tensor (`phalanx.shard.apply_tp` for a replicated parameter, DDP, ZeRO);
+- `local(name, param, spec, rank, tp)`: a tensor-parallel piece (`phalanx.shard.apply_tp`);
+- `rows(name, param, start, stop, dtype)`: rows `[start, stop)` of dimension 0 (FSDP2's `Shard(0)`);
+- `flat_range(name, param, start, stop, dtype)` (module function): elements `[start, stop)` of the
+  flattened tensor (the ZeRO / Gemini flat shards), read as the rows that cover them.
+
+`CheckpointSource` reads only those slices from safetensors; `RandomInitSource` initialises one
+unit (decoder layer) at a time and hands each value out once. Every value is asked for once per
+rank, even when the rank keeps none of it (an empty range), so a random unit's values are freed.
+"""
 from __future__ import annotations
 
 import copy
@@ -17,6 +27,17 @@ from phalanx.shard.spec import ShardSpec
 
 def is_lazy(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def init_weights_fn(model: nn.Module):
+    """The `_init_weights` of the (first) transformers model inside `model`, which may be a
+    wrapper such as phalanx.train's loss module."""
+    for m in model.modules():
+        fn = getattr(m, "_init_weights", None)
+        if callable(fn):
+            return fn
+    raise TypeError(f"{type(model).__name__} holds no model with an `_init_weights` method: lazy random "
+                    "initialisation needs a transformers model (or build the model eagerly)")
 
 
 def _empty_like_on(t: torch.Tensor, device) -> torch.Tensor:
@@ -37,28 +58,46 @@ class RandomInitSource:
 
     def __init__(self, model: nn.Module, device="cpu", seed: int | None = None):
         self.model = model
+        # A copy of the meta model as built (no memory): units are initialised from it, so a plugin
+        # may cast (`model.to(bf16)`) or re-class (FSDP2's `fully_shard`) the live model first and
+        # the values still equal an eager fp32 init of the model as built. A model that cannot be
+        # copied (already split: it holds process groups) is used as it is.
+        try:
+            self.template = copy.deepcopy(model)
+        except (TypeError, RuntimeError):
+            self.template = model
         self.device = torch.device(device)
         self.seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
-        self._units = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+        self._units = {id(child) for m in self.template.modules() if isinstance(m, nn.ModuleList) for child in m}
         self._values: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
 
     def _unit_name(self, name: str) -> str:
         parts = name.split(".")[:-1]
-        module = self.model
+        module = self.template
         for i, part in enumerate(parts):
             module = getattr(module, part)
             if id(module) in self._units:
                 return ".".join(parts[:i + 1])
         return ".".join(parts)
 
+    def _seed_name(self, unit_name: str) -> str:
+        """The unit's name inside the transformers model (a wrapper's prefix left out), so that a
+        model boosted inside phalanx.train's loss module gets the same values as on its own."""
+        for name, m in self.template.named_modules():
+            if callable(getattr(m, "_init_weights", None)):
+                if name and unit_name.startswith(name + "."):
+                    return unit_name[len(name) + 1:]
+                return "" if name and unit_name == name else unit_name
+        return unit_name
+
     def _initialise(self, unit_name: str) -> None:
-        unit = copy.deepcopy(self.model.get_submodule(unit_name) if unit_name else self.model)
+        unit = copy.deepcopy(self.template.get_submodule(unit_name) if unit_name else self.template)
         unit.to_empty(device=self.device)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            torch.manual_seed((self.seed + zlib.crc32(unit_name.encode())) % 2**63)
-            unit.apply(self.model._init_weights)  # children before parents, as transformers does
+            torch.manual_seed((self.seed + zlib.crc32(self._seed_name(unit_name).encode())) % 2**63)
+            unit.apply(init_weights_fn(self.template))  # children before parents, as transformers does
         prefix = unit_name + "." if unit_name else ""
         for n, t in [*unit.named_parameters(remove_duplicate=False), *unit.named_buffers()]:
             self._values.setdefault(prefix + n, t.detach())
@@ -67,6 +106,9 @@ class RandomInitSource:
     def _value(self, name: str, param: torch.Tensor) -> torch.Tensor:
         if not param.is_meta:
             return param.detach()
+        return self._take(name)
+
+    def _take(self, name: str) -> torch.Tensor:
         if name not in self._values:
             unit = self._unit_name(name)
             if unit in self._done:
@@ -80,6 +122,13 @@ class RandomInitSource:
     def full(self, name: str, param: torch.Tensor) -> torch.Tensor:
         return self._value(name, param)
 
+    def rows(self, name: str, param: torch.Tensor, start: int, stop: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `[start, stop)` (dimension 0) of the initial value, in `dtype` (default: as built)."""
+        value = self._take(name)
+        piece = value[start:stop] if value.dim() else value
+        return piece.to(dtype or value.dtype, copy=True)
+
     def buffers(self, module: nn.Module) -> None:
         prefix = next(n for n, m in self.model.named_modules() if m is module)
         for bname, b in list(module.named_buffers(recurse=False)):
@@ -90,10 +139,11 @@ class RandomInitSource:
 class CheckpointSource:
     """Values from a Hugging Face safetensors directory, reading only the needed slices."""
 
-    def __init__(self, model: nn.Module, path: str | Path, device="cpu"):
+    def __init__(self, model: nn.Module, path: str | Path, device="cpu", prefix: str = ""):
         from safetensors import safe_open
 
         self.model = model
+        self.prefix = prefix + "." if prefix else ""  # where the checkpoint's model sits inside `model`
         self.path = Path(path)
         self.device = torch.device(device)
         index = self.path / "model.safetensors.index.json"
@@ -118,6 +168,8 @@ class CheckpointSource:
 
     def _key(self, name: str) -> str:
         for candidate in self._aliases.get(name, [name]):
+            if self.prefix and candidate.startswith(self.prefix):
+                candidate = candidate[len(self.prefix):]
             if candidate in self.weight_map:
                 return candidate
         raise CheckpointError(f"{str(self.path)!r} has no tensor {name!r}: the checkpoint was saved for another model")
@@ -142,9 +194,16 @@ class CheckpointSource:
             parts.append(self._read(view[index], param))
         return spec.assemble(parts, param.shape, rank, tp)
 
-    def _read(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    def _read(self, tensor: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         self.elements_read += tensor.numel()
-        return tensor.to(self.device, param.dtype)
+        return tensor.to(self.device, dtype or param.dtype)
+
+    def rows(self, name: str, param: torch.Tensor, start: int, stop: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows `[start, stop)` (dimension 0) read from the file, in `dtype` (default: the parameter's)."""
+        view = self._slice(name)
+        self._check_shape(name, param, view.get_shape())
+        return self._read(view[start:stop] if param.dim() else view[:], param, dtype)
 
     def full(self, name: str, param: torch.Tensor) -> torch.Tensor:
         if not param.is_meta:
@@ -154,14 +213,43 @@ class CheckpointSource:
         return self._read(view[:], param)
 
     def buffers(self, module: nn.Module) -> None:
-        """Buffers that are not in the checkpoint (rotary frequencies) come from `_init_weights`."""
-        if any(p.is_meta for p in module.parameters(recurse=False)):
-            raise CheckpointError(f"{type(module).__name__} still has parameters on the meta device")
-        for bname, b in list(module.named_buffers(recurse=False)):
-            if b is not None and b.is_meta:
-                module._buffers[bname] = _empty_like_on(b, self.device)
+        """Buffers saved in the checkpoint are read from it; the others (rotary frequencies) come
+        from `_init_weights`, run on a copy of the module when it has parameters (which must not be
+        re-initialised, and may still be on the meta device or sharded)."""
+        prefix = next(n for n, m in self.model.named_modules() if m is module)
+        meta = [bname for bname, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        computed = module
+        if any(True for _ in module.parameters(recurse=False)):
+            computed = copy.deepcopy(module)
+            for pname, p in list(computed.named_parameters(recurse=False)):
+                computed._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
+                                                           requires_grad=p.requires_grad)
+        for bname in meta:
+            computed._buffers[bname] = _empty_like_on(computed._buffers[bname], self.device)
         with torch.no_grad():
-            self.model._init_weights(module)
+            init_weights_fn(self.model)(computed)
+        for bname in meta:
+            key = f"{prefix}.{bname}" if prefix else bname
+            key = key[len(self.prefix):] if self.prefix and key.startswith(self.prefix) else key
+            if key in self.weight_map:
+                value = self._open(self.weight_map[key]).get_tensor(key).to(self.device, module._buffers[bname].dtype)
+            else:
+                value = computed._buffers[bname]
+            module._buffers[bname] = value
+
+
+def flat_range(source, name: str, param: torch.Tensor, start: int, stop: int,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Elements `[start, stop)` of the flattened value of `param`, read as the rows that cover them
+    (so a flat shard costs at most two rows more than its own size)."""
+    if param.dim() == 0:
+        return source.rows(name, param, 0, 1, dtype).reshape(-1)[start:stop]
+    row = param[0].numel() if param.shape[0] else 1
+    if stop <= start or row == 0:
+        return source.rows(name, param, 0, 0, dtype).reshape(-1)
+    first, last = start // row, -(-stop // row)
+    block = source.rows(name, param, first, last, dtype).reshape(-1)
+    return block[start - first * row:stop - first * row]
 
 
 def materialise_buffers(model: nn.Module, source) -> None:

@@ -10,6 +10,11 @@ A plugin decides how the model, optimizer and data are spread over ranks. It imp
   * `full_model_state_dict(model)`: the full, unsharded weights keyed by the *unwrapped* model's
     parameter/buffer names, on CPU (a collective: every rank calls it; only rank 0's result
     must be complete);
+  * `iter_full_model_state(model)`: the same, one `(name, full tensor)` at a time, so that a save
+    holds one tensor (not the model) on each rank (a collective: every rank consumes all of it;
+    only rank 0's values must be complete). The DDP, ZeRO, FSDP and Gemini plugins stream (their
+    `full_model_state_dict` is `dict(iter_full_model_state(model))`); the default walks
+    `full_model_state_dict`;
   * `load_full_model_state_dict(model, state_dict)`: every rank passes the full state dict;
   * `optimizer_fragments(optimizer)`: this rank's pieces of optimizer state (see
     `phalanx.checkpoint.optimizer.Fragment`);
@@ -90,6 +95,9 @@ class Plugin(ABC):
     @abstractmethod
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         ...
+
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.full_model_state_dict(model).items()
 
     @abstractmethod
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

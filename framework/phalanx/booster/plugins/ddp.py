@@ -22,7 +22,10 @@ class DDPPlugin(Plugin):
     """Every rank holds the whole model; gradients are all-reduced in buckets during backward.
 
     precision="bf16"/"fp16": the model computes in low precision and the optimizer updates fp32
-    master weights (the gradient all-reduce then runs in the low precision too)."""
+    master weights (the gradient all-reduce then runs in the low precision too).
+
+    A lazy model (`phalanx.lazy`) is materialised whole on every rank (DDP replicates it by
+    design), one tensor at a time, straight into the compute dtype."""
 
     name = "ddp"
 
@@ -34,6 +37,12 @@ class DDPPlugin(Plugin):
         self.static_graph = static_graph
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
+        from phalanx import lazy
+
+        source = lazy.source_for(model, device=self.device, group=self.dp_group)
+        if source is not None:
+            lazy.materialise_whole(model, source, self.device,
+                                   dtype_of(self.precision) if self.precision != "fp32" else None)
         model = model.to(self.device)
         if self.precision != "fp32":
             model = model.to(dtype_of(self.precision))
@@ -54,16 +63,18 @@ class DDPPlugin(Plugin):
             yield
 
     # ---- checkpoint hooks ----
-    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every rank holds the model: no communication; parameters from the fp32 masters if any."""
         unwrapped = unwrap_model(model)
         optimizer = boosted_optimizer(model)
-        state = {k: v.detach().cpu() for k, v in unwrapped.state_dict().items()}
-        if optimizer is not None and optimizer.master_of:
-            for name, p in unwrapped.named_parameters():
-                master = optimizer.master_of.get(id(p))
-                if master is not None:
-                    state[name] = master.detach().cpu().clone()
-        return state
+        masters = optimizer.master_of if optimizer is not None and optimizer.master_of else {}
+        param_ids = {n: id(p) for n, p in unwrapped.named_parameters()}
+        for name, value in unwrapped.state_dict().items():
+            master = masters.get(param_ids.get(name, -1))
+            yield name, (master.detach().cpu().clone() if master is not None else value.detach().cpu())
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(self.iter_full_model_state(model))
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)

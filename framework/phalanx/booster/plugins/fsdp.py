@@ -3,6 +3,10 @@
 Parameters, gradients and optimizer states are sharded over the data-parallel ranks (ZeRO-3
 style); each block's parameters are all-gathered just before it runs. Mixed precision uses FSDP2's
 `MixedPrecisionPolicy` (bf16/fp16 compute, fp32 sharded master parameters and gradient reduction).
+
+A lazy model (`phalanx.lazy`, built on the meta device) is sharded while still on the meta
+device; then only this rank's rows of each parameter are allocated and read from the checkpoint
+(or initialised, one decoder layer at a time): the whole model never exists on any rank.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.plugins.fsdp_comms import use_gloo_collectives
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError
@@ -61,6 +66,35 @@ def _flat_range(p: torch.Tensor) -> tuple[int, int]:
     for s in local_shape:
         numel *= s
     return start, start + numel
+
+
+def _gather_rows(p: DTensor) -> torch.Tensor:
+    """The full value of a row-sharded (`Shard(0)` on a 1-D mesh) DTensor, with each rank
+    broadcasting its rows straight into one full-size buffer: no padded staging copy (as
+    `full_tensor` makes), and on gloo broadcasts are the cheap collective (`phalanx.zero.comm`)."""
+    from phalanx.zero import comm
+
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    group = p.device_mesh.get_group() if p.device_mesh.ndim == 1 else None
+    rows = p.shape[0] if p.dim() else 0
+    world = dist.get_world_size(group) if group is not None else 0
+    chunk = -(-rows // world) if world else 0
+    rank = dist.get_rank(group) if group is not None else -1
+    mine = (min(rank * chunk, rows), min(rank * chunk + chunk, rows)) if world else None
+    if group is None or not rows or mine != (offset[0], offset[0] + local_shape[0]):
+        return p.full_tensor()  # another layout than FSDP2's row chunks
+    full = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+    works = []
+    for r in range(world):
+        a, b = min(r * chunk, rows), min(r * chunk + chunk, rows)
+        if a == b:
+            continue
+        if r == rank:
+            full[a:b].copy_(p.to_local())
+        works.append(comm.broadcast_async(full[a:b], r, group, "fsdp.gather_param"))
+    for work in works:
+        comm.wait(work, "fsdp.gather_param")
+    return full
 
 
 class FSDPOptimizer(OptimizerWrapper):
@@ -116,9 +150,15 @@ class FSDPPlugin(Plugin):
         self.dp_group = self.mesh.get_group("dp")
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
+        from phalanx import lazy
+
         hf_model = unwrap_model(model)
         old_names = {id(p): n for n, p in hf_model.named_parameters()}
-        model = model.to(self.device)
+        source = lazy.source_for(hf_model, device=self.device, group=self.dp_group)
+        if source is not None:
+            buffers = lazy.buffers_first(hf_model, source)
+        else:
+            model = model.to(self.device)
         kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
         if self.precision != "fp32":
             low = dtype_of(self.precision)
@@ -140,6 +180,10 @@ class FSDPPlugin(Plugin):
         root_reshard = None if self.reshard_after_forward and blocks else self.reshard_after_forward
         root_kwargs = {**kwargs, "reshard_after_forward": root_reshard}
         fully_shard(model, **root_kwargs)
+        # On gloo: all-reduce / broadcasts instead of gloo's slow reduce-scatter / all-gather (fsdp_comms).
+        use_gloo_collectives([*blocks, model], self.dp_group)
+        if source is not None:
+            lazy.materialise_fsdp_shards(hf_model, source, self.device, buffers)
         return self.boosted(ModelWrapper(model, model), param_names=old_names)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
@@ -157,14 +201,17 @@ class FSDPPlugin(Plugin):
             root.set_requires_gradient_sync(True)
 
     # ---- checkpoint hooks ----
-    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor at a time, gathered into a single full-size buffer (`_gather_rows`): every
+        rank holds one full tensor at a time."""
         hf_model = unwrap_model(model)
-        state = {}
         for name, t in hf_model.state_dict().items():
             if isinstance(t, DTensor):
-                t = t.full_tensor()
-            state[name] = t.detach().cpu()
-        return state
+                t = _gather_rows(t)
+            yield name, t.detach().cpu()
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(self.iter_full_model_state(model))
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         hf_model = unwrap_model(model)

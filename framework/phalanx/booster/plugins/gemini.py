@@ -10,6 +10,10 @@ device budget: `phalanx.gemini.chunk_search`), place them with the policy, hook 
 check that the unavoidable working set fits the budget, put on disk the optimizer chunks the
 host budget cannot hold (`offload_to_disk`), and only then take memory.
 See docs/gemini.md for the options and the memory model.
+
+A lazy model (`phalanx.lazy`) stays on the meta device until the chunks are filled: each rank
+reads (or initialises) only the elements its shards hold, tensor by tensor, and its fp32 masters
+come straight from those values (not widened from the compute dtype).
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
-from phalanx.gemini.checkpoint import full_master_weights, gemini_fragments, load_gemini_fragments
-from phalanx.gemini.chunk import search_chunk_size
+from phalanx.gemini.checkpoint import gemini_fragments, load_gemini_fragments
+from phalanx.gemini.chunk import placeholder, search_chunk_size
 from phalanx.gemini.chunk_search import search_chunk_numel
 from phalanx.gemini.disk import ChunkFileStore, DiskTier
 from phalanx.gemini.hooks import install_hooks
@@ -120,17 +124,26 @@ class GeminiPlugin(Plugin):
         return size
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
+        from phalanx import lazy
+
         if self.manager is not None:
             raise ValueError("a GeminiPlugin manages one model: build one plugin per model")
         dtype = dtype_of(self.precision)
+        source = lazy.source_for(model, device=self.device, group=self.dp_group)
+        if source is not None:
+            lazy.materialise_buffers(model, source)  # the parameters wait for their chunks
         model = model.to(dtype)
+        if source is not None:  # real (zero-memory) placeholders before any hook is installed on them
+            for p in model.parameters():
+                if p.is_meta:
+                    lazy.swap_in(p, placeholder(p.shape, p.dtype, self.device))
         for buf in model.buffers():
             buf.data = buf.data.to(self.device)
         with torch.no_grad():
             if self.dp_size > 1:
                 seen = set()
                 for t in list(model.parameters()) + list(model.buffers()):
-                    if id(t) not in seen:
+                    if id(t) not in seen and source is None:
                         seen.add(id(t))
                         data = t.data.to(self.device)
                         comm.broadcast_from_first(data, self.dp_group, "gemini.broadcast_model")
@@ -163,7 +176,8 @@ class GeminiPlugin(Plugin):
             store = ChunkFileStore(self.disk_dir, rank=self.dp_rank, drop_cache=self.disk_drop_cache)
             record = 3 * max(c.shard_numel for c in on_disk)  # fp32 master and two moments
             self.manager.disk = DiskTier(store, tiers, record, depth=self.disk_prefetch)
-        self.manager.materialise(shard_tiers, optim_tiers)
+        self.manager.materialise(shard_tiers, optim_tiers,
+                                 read=lazy.flat_reader(source) if source is not None else None)
         return self.boosted(ModelWrapper(model, model))
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> GeminiOptimizer:
@@ -185,18 +199,26 @@ class GeminiPlugin(Plugin):
     def _names(self, model: nn.Module) -> dict[int, str]:
         return {id(p): n for n, p in unwrap_model(model).named_parameters()}
 
-    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Parameters from the fp32 masters, gathered one chunk at a time (the chunk in hand is
+        kept while its parameters are handed out); buffers as they are."""
         unwrapped = unwrap_model(model)
-        masters = full_master_weights(self.manager)
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         buffers = dict(unwrapped.named_buffers())
-        state = {}
+        held: tuple = (None, None)  # (chunk, its gathered fp32 masters)
         for name in unwrapped.state_dict().keys():
             if name in param_ids:
-                state[name] = masters[param_ids[name]]
+                chunk, k = self.manager.where[param_ids[name]]
+                if held[0] is not chunk:
+                    held = (None, None)  # drop the previous chunk before gathering the next
+                    held = (chunk, self.manager.gather_master(chunk))
+                slot, p = chunk.layout.slots[k], chunk.params[k]
+                yield name, held[1][slot.offset:slot.end].view(p.shape).clone()
             elif name in buffers:
-                state[name] = buffers[name].detach().cpu().clone()
-        return state
+                yield name, buffers[name].detach().cpu().clone()
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(self.iter_full_model_state(model))
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)

@@ -3,6 +3,11 @@
 Every rank holds the whole model (in the compute precision) and runs it on its part of the
 batch; the fp32 master weights and optimizer states are partitioned over the ranks (stage 1),
 and so are the reduced gradients (stage 2). See docs/zero.md for the design and the options.
+
+A lazy model (`phalanx.lazy`) is materialised whole on every rank (ZeRO-1/2 keep the full model
+by design), one tensor at a time and straight into the compute dtype; loaded from a checkpoint in
+bf16/fp16, each rank's fp32 master shard is then read from the file in fp32 (only its own range),
+not widened from the rounded weights. Saving streams the masters one parameter at a time.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class ZeroPlugin(Plugin):
                  overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
                  overlap_param_gather: bool = False, grad_collective: str = "auto"):
         super().__init__(precision, max_norm)
+        self._lazy_source = None  # a lazy model's checkpoint, until the optimizer's masters are read
         self.config = ZeroConfig(stage=stage, reduce_bucket_mb=reduce_bucket_mb,
                                  overlap_communication=overlap_communication, cpu_offload=cpu_offload,
                                  max_norm=max_norm, overlap_param_gather=overlap_param_gather,
@@ -49,11 +55,20 @@ class ZeroPlugin(Plugin):
     # ------------------------------------------------------------------ set-up
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         """Move to the device, cast to the compute precision, and make every rank start from rank
-        0's weights and buffers (as DDP does at construction)."""
+        0's weights and buffers (as DDP does at construction). A lazy model is materialised here."""
+        from phalanx import lazy
+        from phalanx.lazy.sources import CheckpointSource
+
+        source = lazy.source_for(model, device=self.device, group=self.dp_group)
+        if source is not None:
+            lazy.materialise_whole(model, source, self.device,
+                                   dtype_of(self.precision) if self.precision != "fp32" else None)
+        self._lazy_source = source if isinstance(source, CheckpointSource) and self.precision != "fp32" else None
         model = model.to(self.device)
         if self.precision != "fp32":
             model = model.to(dtype_of(self.precision))
-        if self.dp_size > 1:
+        # A lazy model is already the same on every rank (the same file, or the same agreed seed).
+        if self.dp_size > 1 and source is None:
             with torch.no_grad():
                 seen = set()
                 for tensor in list(model.parameters()) + list(model.buffers()):
@@ -64,8 +79,12 @@ class ZeroPlugin(Plugin):
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
         names = optimizer_param_names(optimizer, unwrap_model(model))
-        return ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group,
+        zero = ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group,
                              model=unwrap_model(model))
+        if self._lazy_source is not None:
+            _read_fp32_masters(zero, self._lazy_source)
+            self._lazy_source = None
+        return zero
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager
@@ -81,20 +100,27 @@ class ZeroPlugin(Plugin):
         return optimizer.clip_grad_norm(max_norm)
 
     # ------------------------------------------------------------------ checkpoint hooks
-    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Buffers as they are; parameters from the gathered fp32 masters (full precision even
-        when the model computes in bf16/fp16). Every rank gets the full dict."""
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Buffers as they are; parameters from the fp32 masters (full precision even when the
+        model computes in bf16/fp16), gathered one parameter at a time (each owner broadcasts its
+        part). Every rank gets every tensor."""
         unwrapped = unwrap_model(model)
         optimizer = boosted_optimizer(model)
+        slots = {}
         if optimizer is not None:
             optimizer.wait_for_params()
-        masters = optimizer.full_master_weights() if optimizer is not None else {}
+            slots = {id(p): (g, slot) for g in optimizer.flat_groups if g is not None
+                     for slot, p in zip(g.layout.slots, g.params)}
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
-        state = {}
         for name, value in unwrapped.state_dict().items():
-            master = masters.get(param_ids.get(name, -1))
-            state[name] = master if master is not None else value.detach().cpu().clone()
-        return state
+            place = slots.get(param_ids.get(name, -1))
+            if place is None:
+                yield name, value.detach().cpu().clone()
+            else:
+                yield name, _gather_master_slot(*place).view(value.shape)
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return dict(self.iter_full_model_state(model))
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)
@@ -112,3 +138,37 @@ class ZeroPlugin(Plugin):
 
     def load_optimizer_fragments(self, optimizer: ZeroOptimizer, reader: FragmentReader) -> None:
         load_zero_fragments(optimizer, reader)
+
+
+def _gather_master_slot(group, slot) -> torch.Tensor:
+    """The full fp32 master of one parameter of a `FlatParamGroup` (flat, on the CPU): each rank
+    that owns part of it broadcasts that part. A collective over the group's ranks."""
+    full = torch.empty(slot.numel, dtype=torch.float32, device=group.device)
+    own_lo, _ = group.shard_range
+    works = []
+    for r, (a, b) in enumerate(group.layout.split_by_rank(slot.offset, slot.end)):
+        if a == b:
+            continue
+        piece = full[a - slot.offset:b - slot.offset]
+        if r == group.rank:
+            piece.copy_(group.master.detach()[a - own_lo:b - own_lo])
+        if group.layout.world_size > 1:
+            works.append(comm.broadcast_async(piece, r, group.group, "zero.gather_master_param"))
+    for work in works:
+        comm.wait(work, "zero.gather_master_param")
+    return full.cpu()
+
+
+def _read_fp32_masters(optimizer: ZeroOptimizer, source) -> None:
+    """Set this rank's fp32 master shard from the checkpoint `source` in fp32 (only its range)."""
+    from phalanx.lazy import flat_reader
+
+    read = flat_reader(source, torch.float32)
+    with torch.no_grad():
+        for g in optimizer.flat_groups:
+            if g is None:
+                continue
+            for slot, a, b in g.layout.owned_slots(g.rank):
+                p = g.params[slot.index]
+                start = g.layout.to_shard(g.rank, slot.offset + a)
+                g.master[start:start + (b - a)].copy_(read(optimizer.names[id(p)], p, a, b))
