@@ -54,6 +54,7 @@ class RecipeConfig:
         need(d.crop_size >= 8, "data.crop_size", d.crop_size, "must be at least 8 residues")
         need(d.max_msa_clusters >= 1, "data.max_msa_clusters", d.max_msa_clusters, "must be at least 1 (the query)")
         need(0.0 <= d.masked_msa_fraction < 1.0, "data.masked_msa_fraction", d.masked_msa_fraction, "must be in [0, 1)")
+        need(m.crop_position_bins >= 0, "model.crop_position_bins", m.crop_position_bins, "must be 0 (off) or more")
         need(m.recycles >= 0, "model.recycles", m.recycles, "must be 0 or more")
         need(m.evoformer_blocks >= 1, "model.evoformer_blocks", m.evoformer_blocks, "must be at least 1")
         need(m.structure.layers >= 1, "model.structure.layers", m.structure.layers, "must be at least 1")

@@ -1,9 +1,10 @@
 """Train the AlphaFold-style model on crops of the shipped structures, through `phalanx.train.fit`.
 
     python -m apps.protein.train --config apps/protein/configs/tiny.yaml
-    phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml   # data parallel
+    phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml train.micro_batch_size=2
 
-Flow: chains + MSAs read once -> random crops (fresh MSA sampling and masking every item) ->
+Flow: chains + MSAs read once -> crops (random, or each chain's fixed evaluated window with
+`data.random_crop: false`, as tiny.yaml; fresh MSA sampling and masking every item) ->
 `fit` with the AlphaFold loss, EMA as a hook (AlphaFold averages its weights with decay 0.999) and
 an eval that predicts each chain's fixed crop with the EMA weights and scores it (lDDT-Ca, RMSD,
 TM-score, GDT-TS) -> `<output_dir>/eval.json`. Re-running continues from the latest checkpoint.

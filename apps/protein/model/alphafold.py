@@ -33,6 +33,9 @@ class ModelConfig:
     evoformer_blocks: int = 48
     extra_msa_blocks: int = 4
     relpos_k: int = 32
+    crop_position_bins: int = 0      # 0: AlphaFold (residues told apart only through relative offsets). N > 0:
+                                     # also embed each residue's position in its crop (one-hot, clipped at N-1)
+                                     # into the MSA; a toy-scale aid, see crop_position_one_hot
     recycles: int = 3                # extra passes through the network (training samples 0..recycles)
     evoformer: EvoformerConfig = field(default_factory=EvoformerConfig)
     structure: StructureConfig = field(default_factory=StructureConfig)
@@ -53,6 +56,20 @@ def distance_bins(x: torch.Tensor, low: float, high: float, n: int) -> torch.Ten
     return torch.nn.functional.one_hot(index, n).to(x.dtype)
 
 
+def crop_position_one_hot(residue_index: torch.Tensor, bins: int) -> torch.Tensor:
+    """[B, L, bins]: each residue's position counted from the first residue of its crop, clipped
+    to bins - 1 (padding rows are masked downstream).
+
+    Not in AlphaFold, whose single representation starts with residue types and MSA columns
+    only: residues of the same type in a single-sequence crop are identical there until the
+    model has learnt to route the pair's relative offsets into them, which at toy size costs a few
+    hundred steps. With this feature the structure module can place residues from the first steps
+    (tiny.yaml reaches lDDT-Ca 0.8 in ~500 steps instead of ~750: apps/protein/README.md). It is
+    not invariant to shifting the crop, so the shipped configs leave it off."""
+    position = (residue_index - residue_index[:, :1]).clamp(0, bins - 1).long()
+    return torch.nn.functional.one_hot(position, bins)
+
+
 class InputEmbedder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,12 +77,17 @@ class InputEmbedder(nn.Module):
         self.z_i, self.z_j = linear(22, cfg.c_z), linear(22, cfg.c_z)
         self.m_target, self.m_msa = linear(22, cfg.c_m), linear(49, cfg.c_m)
         self.relpos = linear(2 * cfg.relpos_k + 1, cfg.c_z)
+        self.position_bins = cfg.crop_position_bins
+        self.m_position = linear(cfg.crop_position_bins, cfg.c_m) if cfg.crop_position_bins else None
 
     def forward(self, target_feat, residue_index, msa_feat):
         z = self.z_i(target_feat)[:, :, None] + self.z_j(target_feat)[:, None, :]
         offset = (residue_index[:, :, None] - residue_index[:, None, :]).clamp(-self.relpos_k, self.relpos_k)
         z = z + self.relpos(torch.nn.functional.one_hot(offset + self.relpos_k, 2 * self.relpos_k + 1).to(z.dtype))
-        m = self.m_msa(msa_feat) + self.m_target(target_feat)[:, None]
+        m_single = self.m_target(target_feat)
+        if self.m_position is not None:
+            m_single = m_single + self.m_position(crop_position_one_hot(residue_index, self.position_bins).to(z.dtype))
+        m = self.m_msa(msa_feat) + m_single[:, None]
         return m, z
 
 
