@@ -2,6 +2,7 @@
 
     python -m apps.protein.train --config apps/protein/configs/tiny.yaml
     phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml train.micro_batch_size=2
+    phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml dap_size=2   # one sample, 2 ranks
 
 Flow: chains + MSAs read once -> crops (random, or each chain's fixed evaluated window with
 `data.random_crop: false`, as tiny.yaml; fresh MSA sampling and masking every item) ->
@@ -21,6 +22,7 @@ from apps.protein.config import RecipeConfig, parse_args
 from apps.protein.dataset import CropDataset, fixed_crops, train_and_heldout
 from apps.protein.losses import alphafold_loss
 from apps.protein.model import AlphaFold
+from apps.protein.model.dap import DapAxial
 from apps.protein.scoring import score_crops, summarise
 
 EVAL_FILE = "eval.json"
@@ -31,6 +33,38 @@ def build_model(cfg: RecipeConfig) -> AlphaFold:
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
     return AlphaFold(cfg.model)
+
+
+def dap_group(size: int):
+    """This rank's DAP group: consecutive ranks `size` at a time (every rank creates every group,
+    as torch.distributed requires)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"dap_size={size} needs a world size that is a multiple of it, got {world} ranks: "
+                         f"launch with phalanx run -n {size * max(1, world // size)} or change dap_size")
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine
+
+
+def with_dap_replicas(cfg: RecipeConfig):
+    """The train config fit gets: with dap_size > 1, DDP whose data replicas are the DAP groups
+    (`ranks_per_replica`): the ranks of a group see the same crops and random numbers, gradients
+    are averaged over every rank (docs/protein.md)."""
+    import dataclasses
+
+    if cfg.dap_size == 1:
+        return cfg.train
+    if cfg.train.plugin != "ddp":
+        raise ValueError(f"dap_size={cfg.dap_size} runs under train.plugin=ddp (DAP's groups are the data "
+                         f"replicas of DDPPlugin(ranks_per_replica)), got train.plugin={cfg.train.plugin!r}")
+    options = {**cfg.train.plugin_options, "ranks_per_replica": cfg.dap_size}
+    return dataclasses.replace(cfg.train, plugin_options=options)
 
 
 def make_loss_fn(cfg: RecipeConfig):
@@ -78,17 +112,17 @@ def train(cfg: RecipeConfig):
     t0 = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.dap_size != 1:
-        raise NotImplementedError("train with dap_size > 1 is not wired into fit yet; DAP runs through "
-                                  "apps.protein.model.dap (see docs/protein.md)")
+    train_cfg = with_dap_replicas(cfg)
     train_chains, held_chains = train_and_heldout(cfg.max_train_chains, cfg.eval_heldout)
     dataset = CropDataset(train_chains, cfg.data, cfg.samples_per_epoch)
     model = build_model(cfg)
+    if cfg.dap_size > 1:
+        model.use_axial(DapAxial(dap_group(cfg.dap_size)))
     ema = EMA(cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     output_dir = Path(cfg.train.output_dir)
     eval_fn = make_eval_fn(cfg, fixed_crops(train_chains, cfg.data), fixed_crops(held_chains, cfg.data), ema,
                            output_dir)
-    result = fit(cfg.train, model, dataset, loss_fn=make_loss_fn(cfg), eval_fn=eval_fn,
+    result = fit(train_cfg, model, dataset, loss_fn=make_loss_fn(cfg), eval_fn=eval_fn,
                  hooks=[ema] if ema is not None else ())
     return result, time.perf_counter() - t0
 

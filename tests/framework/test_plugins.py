@@ -77,3 +77,12 @@ def test_checkpoint_moves_between_plugins_and_world_sizes(tmp_path):
                   (("got", loaded), ("want", reference_model), ("start", initial_model))}
     check(update_diff(logits["got"], logits["want"], logits["start"]), ADAMW_UPDATE_RTOL,
           "exported Hugging Face model: logits")
+
+
+def test_ranks_per_replica_is_validated():
+    from phalanx.booster.plugins.ddp import DDPPlugin
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="ranks_per_replica"):
+            DDPPlugin(ranks_per_replica=bad)
+    assert DDPPlugin(ranks_per_replica=2).ranks_per_replica == 2  # the split itself: tests/apps/protein (DAP through fit)

@@ -145,7 +145,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
 
     # 3. Optimizer and schedule on the original model, then the parallel layout (a plugin that
     # rejects the layout or the optimizer fails here, still before anything is written).
-    seed_everything(cfg.seed, rank, per_rank=True)
+    seed_everything(cfg.seed, plugin.seed_rank, per_rank=True)
     optimizer = build_optimizer(train_module, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg)
     loader = DataLoader(train_dataset, batch_size=cfg.micro_batch_size, shuffle=True, drop_last=True,

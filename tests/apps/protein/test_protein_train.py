@@ -66,3 +66,18 @@ def test_train_resume_predict_evaluate(tmp_path):
     assert (out / "2q2k_A_confidence.png").stat().st_size > 10_000
     again = score_files(out / "2q2k_A.pdb", "apps/protein/data/structures/2q2k.cif.gz", ref_chain="A")
     assert again["residues_scored"] == 45 and again["lddt_ca"] == pytest.approx(summary["metrics"]["lddt_ca"])
+
+
+@pytest.mark.slow
+def test_train_with_dap_on_two_ranks_equals_one_process(tmp_path):
+    """`dap_size=2` through fit (DDPPlugin(ranks_per_replica=2)): both ranks see the same crops
+    and recycling draws, split the activations, and train exactly as one process does. Tolerance:
+    DAP's forward is bit-identical and its gradients differ by rounding (docs/protein.md), which
+    three Adam steps may amplify slightly."""
+    steps = [*TINY, "train.max_steps=3", "train.save_every=0", "train.eval_every=3"]
+    (one_losses, one_eval), = spawn(_train, 1, [*steps, f"train.output_dir={tmp_path / 'one'}"], timeout=400)
+    dap = spawn(_train, 2, [*steps, "dap_size=2", f"train.output_dir={tmp_path / 'dap'}"], timeout=400)
+    for losses, last_eval in dap:
+        assert len(losses) == 3
+        assert losses == pytest.approx(one_losses, rel=1e-4)
+        assert last_eval["train_lddt_ca"] == pytest.approx(one_eval["train_lddt_ca"], rel=1e-3)

@@ -60,6 +60,13 @@ class Plugin(ABC):
         self.dp_rank = dist.get_rank()
         self.dp_size = dist.get_world_size()
 
+    @property
+    def seed_rank(self) -> int:
+        """The rank number `fit` seeds this process's per-rank random streams with (data
+        augmentation, dropout): its global rank, unless ranks must draw alike (DDPPlugin's
+        ranks_per_replica)."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
     @abstractmethod
     def configure_model(self, model: nn.Module) -> nn.Module:
         ...

@@ -25,16 +25,39 @@ class DDPPlugin(Plugin):
     master weights (the gradient all-reduce then runs in the low precision too).
 
     A lazy model (`phalanx.lazy`) is materialised whole on every rank (DDP replicates it by
-    design), one tensor at a time, straight into the compute dtype."""
+    design), one tensor at a time, straight into the compute dtype.
+
+    ranks_per_replica=k: consecutive groups of k ranks work on the same samples, as the ranks of
+    a model-parallel group this plugin does not manage (the protein recipe's Dynamic Axial
+    Parallelism: every rank of a DAP group holds a slice of one sample's activations). The data
+    is split over world/k replicas, each group's ranks draw the same random numbers
+    (`seed_rank`), and gradients are still averaged over every rank: the mean over a group is
+    that replica's gradient (each rank's backward gives its share of it), so the mean over the
+    world is the data-parallel mean over replicas."""
 
     name = "ddp"
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
-                 find_unused_parameters: bool = False, static_graph: bool = False):
+                 find_unused_parameters: bool = False, static_graph: bool = False, ranks_per_replica: int = 1):
         super().__init__(precision, max_norm)
+        if not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
+            raise ValueError(f"DDPPlugin(ranks_per_replica={ranks_per_replica!r}): must be a whole number >= 1")
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
+        self.ranks_per_replica = ranks_per_replica
+
+    def setup(self) -> None:
+        super().setup()
+        k, world = self.ranks_per_replica, self.dp_size
+        if world % k:
+            raise ValueError(f"DDPPlugin(ranks_per_replica={k}) needs a world size that is a multiple of {k}, got "
+                             f"{world} ranks: launch a multiple of {k} processes or change ranks_per_replica")
+        self.dp_rank, self.dp_size = self.dp_rank // k, world // k
+
+    @property
+    def seed_rank(self) -> int:
+        return self.dp_rank if self.ranks_per_replica > 1 else super().seed_rank
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         from phalanx import lazy
