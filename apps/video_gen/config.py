@@ -58,6 +58,9 @@ class ModelConfig:
     text_layers: int = 2
     text_heads: int = 4
     text_token_embedding_std: float = 1.0       # init std of the word embeddings (CLIP's 0.02 left the direction words alike)
+    # Concatenate (frame, row, column) planes to the input: absolute positions, which Wan's relative 3D RoPE
+    # cannot give from noise (issue 16; on its own it has not yet made the direction word learned, see README).
+    position_channels: bool = False
     gradient_checkpointing: bool = False        # recompute each transformer block in backward (memory for time)
 
 
@@ -70,6 +73,10 @@ class FlowConfig:
     # Resolution/length shift sqrt(tokens / shift_base_tokens) (Open-Sora, SD3); 0 turns it off.
     shift_base_tokens: int = 64
     max_shift: float = 3.0
+    # The velocity as skip + network: v = c(t) x_t + F(x_t), c(t) = the best linear guess of the velocity from
+    # x_t for data of std `skip_data_std` (1 at t = 1: the noise is passed through, not copied by the network).
+    # 0: off, v = F(x_t).
+    skip_data_std: float = 0.0
 
 
 @dataclass

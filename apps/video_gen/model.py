@@ -21,6 +21,7 @@ of the non-SP run on the same global batch.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,43 @@ from .config import FlowConfig, ModelConfig
 TIME_SCALE = 1000.0  # Wan embeds timesteps on the 0..1000 scale
 
 
+POSITION_CHANNELS = 3  # (frame, row, column) planes: see `position_planes`
+
+
 def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
+    """A tiny Wan transformer; with `mcfg.position_channels` it takes 3 more input channels than it
+    outputs (the position planes, see `VideoFlowModel`)."""
     from diffusers import WanTransformer3DModel
 
+    extra = POSITION_CHANNELS if mcfg.position_channels else 0
     return WanTransformer3DModel(patch_size=tuple(mcfg.patch_size), num_attention_heads=mcfg.num_heads,
-                                 attention_head_dim=mcfg.head_dim, in_channels=channels, out_channels=channels,
+                                 attention_head_dim=mcfg.head_dim, in_channels=channels + extra, out_channels=channels,
                                  text_dim=text_dim, freq_dim=mcfg.freq_dim, ffn_dim=mcfg.ffn_dim,
                                  num_layers=mcfg.num_layers, rope_max_seq_len=256)
+
+
+def velocity_skip(t: torch.Tensor, data_std: float) -> torch.Tensor:
+    """c(t) = Cov(v, x_t) / Var(x_t) for x0 ~ N(0, s^2), noise ~ N(0, 1), x_t = (1 - t) x0 + t noise,
+    v = noise - x0: (t - (1 - t) s^2) / ((1 - t)^2 s^2 + t^2); 1 at t = 1, -1 at t = 0."""
+    s2 = data_std ** 2
+    return (t - (1 - t) * s2) / ((1 - t) ** 2 * s2 + t ** 2)
+
+
+def position_planes(shape: tuple[int, ...], device=None, dtype=torch.float32) -> torch.Tensor:
+    """[B, 3, F, H, W]: each pixel's frame, row and column, scaled to (-1, 1) at the pixel centres.
+
+    Wan knows positions only through 3D RoPE in self-attention, which is relative: from pure noise
+    (high t) a token cannot tell the first frame from the last or the left edge from the right, so
+    what the prompt's motion implies there ("moving left": bright on the right early, on the left
+    late) cannot be predicted from the word alone. These planes, concatenated to the input, give
+    every token its absolute place in the clip (`model.position_channels`)."""
+    b, _, f, h, w = shape
+
+    def axis(n: int) -> torch.Tensor:
+        return (torch.arange(n, device=device, dtype=dtype) + 0.5) / n * 2 - 1
+
+    grid = torch.stack(torch.meshgrid(axis(f), axis(h), axis(w), indexing="ij"))
+    return grid.unsqueeze(0).expand(b, -1, -1, -1, -1)
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
@@ -72,6 +103,12 @@ class VideoFlowModel(nn.Module):
         self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
         self._processors = sequence_parallel.install(transformer)
         self._sp_group = None
+        extra = transformer.config.in_channels - transformer.config.out_channels
+        if extra not in (0, POSITION_CHANNELS):
+            raise ValueError(f"the transformer takes {transformer.config.in_channels} input channels and gives "
+                             f"{transformer.config.out_channels}: expected equal counts, or {POSITION_CHANNELS} more "
+                             "inputs for the position planes (model.position_channels)")
+        self.position_channels = extra > 0
 
     @property
     def sp_group(self):
@@ -112,6 +149,8 @@ class VideoFlowModel(nn.Module):
         """v_theta(x_t, t) in token layout: all tokens, or this rank's shard when `group` is given."""
         tr = self.transformer
         cos, sin = tr.rope(x)
+        if self.position_channels:
+            x = torch.cat([x, position_planes(tuple(x.shape), x.device, x.dtype)], dim=1)
         h = tr.patch_embedding(x).flatten(2).transpose(1, 2)
         temb, tproj, text, _ = tr.condition_embedder(t * TIME_SCALE, text, None)
         tproj = tproj.unflatten(1, (6, -1))
@@ -130,7 +169,13 @@ class VideoFlowModel(nn.Module):
             self._set_attention_group(self._sp_group)
         shift, scale = (tr.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         h = (tr.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
-        return tr.proj_out(h)
+        out = tr.proj_out(h)
+        if self.fcfg.skip_data_std > 0:
+            skip = patchify(x[:, :out.shape[-1] // math.prod(self.patch)], self.patch)
+            if group is not None:
+                skip = skip[:, token_shard(skip.shape[1], group)]
+            out = out + velocity_skip(t, self.fcfg.skip_data_std).view(-1, 1, 1).to(out.dtype) * skip
+        return out
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """v_theta in video layout [B, C, F, H, W] (sampling)."""

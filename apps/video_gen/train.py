@@ -26,6 +26,7 @@ from .data import BucketedClips, check_buckets_cover, load_all_clips, training_b
 from .model import VideoFlowModel, build_transformer
 from .motion import motion_prompts, motion_score
 from .pipeline import VideoPipeline, euler_sample, make_meta
+from .sensitivity import direction_gap
 from .text import build_text_encoder, build_tokenizer, tokenize
 
 log = get_logger("apps.video_gen")
@@ -114,6 +115,7 @@ def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: 
     def eval_fn(model: VideoFlowModel, step: int) -> dict[str, float]:
         metrics = heldout_flow_loss(model, held, cfg.eval.timesteps, cfg.eval.max_clips, cfg.eval.seed)
         if cfg.eval.motion_samples and step == cfg.train.max_steps and is_main_process():
+            metrics.update(direction_gap(model, tokenizer, cfg.data.shapes_frames, cfg.data.shapes_size))
             metrics.update(motion_check(model, tokenizer, cfg, output_dir / "eval"))
         return metrics
     return eval_fn

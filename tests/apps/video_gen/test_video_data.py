@@ -79,3 +79,30 @@ def test_impossible_buckets_stop_before_training(tmp_path):
         prepare(cfg)
     with pytest.raises(ConfigError, match="not divisible by model.patch_size"):
         tiny_config(tmp_path, "data.buckets=[[8,16,18,2]]")
+
+
+def test_direction_gap_pairs_each_clip_with_its_true_and_opposite_word():
+    """The issue-16 diagnostic: a stand-in model whose loss is 1 when the prompt's direction word is
+    the clip's tracked motion and 2 otherwise gives a gap of exactly 1; one that ignores the prompt, 0."""
+    from apps.video_gen.sensitivity import direction_gap, with_opposite_direction
+    from apps.video_gen.text import build_tokenizer
+
+    tok = build_tokenizer([f"a red square moving {d}" for d in ("left", "right", "up", "down")], 12)
+    word_of = {tok.convert_tokens_to_ids(d): d for d in ("left", "right", "up", "down")}
+
+    class ReadsTheWord:
+        def per_sample_loss(self, video, ids, t, noise):
+            said = [next(word_of[i] for i in row.tolist() if i in word_of) for row in ids]
+            return torch.tensor([1.0 if track(v)[1] == d else 2.0 for v, d in zip(video, said)])
+
+    class IgnoresTheWord:
+        def per_sample_loss(self, video, ids, t, noise):
+            return (video - noise).pow(2).flatten(1).mean(1) * (1 + t)
+
+    gap = direction_gap(ReadsTheWord(), tok, frames=8, size=16, clips=12, timesteps=(0.5, 0.9))
+    assert gap == {"direction_gap/t=0.5": 1.0, "direction_gap/t=0.9": 1.0}
+    assert direction_gap(IgnoresTheWord(), tok, frames=8, size=16, clips=12) == {
+        "direction_gap/t=0.8": 0.0, "direction_gap/t=0.95": 0.0}
+    assert with_opposite_direction("a red square moving up", "up") == "a red square moving down"
+    with pytest.raises(ValueError, match="does not end with its direction"):
+        with_opposite_direction("a red square", "up")

@@ -101,3 +101,83 @@ def test_the_text_encoder_tells_the_direction_words_apart_from_the_start():
 
     assert separation(1.0) > 0.9
     assert separation(0.02) < 0.6  # the old init: the check tells the two apart
+
+
+def test_position_planes_feed_diffusers_wan_its_absolute_place(tmp_path):
+    """`model.position_channels`: the transformer is a plain diffusers Wan with 3 more input than
+    output channels, and our forward equals diffusers' on the clip concatenated with the (frame,
+    row, column) planes (pixel centres in (-1, 1), checked by hand). Why it exists (issue 16):
+    from a featureless input, Wan's relative 3D RoPE gives every token the same output, so nothing
+    can depend on where the token is; with the planes the first and the last frame differ."""
+    from diffusers import WanTransformer3DModel
+
+    from apps.video_gen.model import position_planes
+    from apps.video_gen.text import tokenize
+
+    planes = position_planes((2, 3, 4, 2, 8))
+    assert planes.shape == (2, 3, 4, 2, 8)
+    torch.testing.assert_close(planes[0, 0, :, 0, 0], torch.tensor([-0.75, -0.25, 0.25, 0.75]))  # frames
+    torch.testing.assert_close(planes[1, 1, 0, :, 0], torch.tensor([-0.5, 0.5]))                 # rows
+    torch.testing.assert_close(planes[0, 2, 3, 1], (torch.arange(8) + 0.5) / 4 - 1)              # columns
+
+    ids_prompt = ["a red square moving left", "a blue circle"]
+    flat = torch.zeros(2, 3, 8, 16, 16)
+    t = torch.tensor([0.9, 0.9])
+    outputs = {}
+    for on in (False, True):
+        model, tok = _model(tmp_path / str(on), "model.patch_size=[1,2,2]", f"model.position_channels={on}")
+        model.eval()
+        assert model.transformer.config.in_channels == 3 + 3 * on and model.transformer.config.out_channels == 3
+        text = model.encode_prompts(tokenize(tok, ids_prompt))
+        with torch.no_grad():
+            outputs[on] = model.velocity_tokens(flat, t, text)  # [B, tokens (frame-major), 2*2*3]
+        if on:
+            plain = WanTransformer3DModel.from_config(model.transformer.config)
+            plain.load_state_dict(model.transformer.state_dict())
+            x = torch.randn(2, 3, 8, 16, 16)
+            with torch.no_grad():
+                want = plain(torch.cat([x, position_planes(x.shape)], 1), t * 1000, text, return_dict=False)[0]
+                torch.testing.assert_close(model.velocity(x, t, text), want, rtol=1e-5, atol=1e-6)
+    off, on = outputs[False], outputs[True]
+    # without the planes: one output for every token (up to float rounding); with them, frames differ
+    assert (off - off[:, :1]).abs().max() < 1e-5
+    per_frame = 8 * 8
+    assert (on[:, :per_frame] - on[:, -per_frame:]).abs().mean() > 1e-2
+
+
+def test_a_transformer_with_unexpected_input_channels_is_refused(tmp_path):
+    import pytest
+
+    from apps.video_gen.model import VideoFlowModel
+
+    model, _ = _model(tmp_path)
+    from diffusers import WanTransformer3DModel
+
+    odd = WanTransformer3DModel.from_config({**model.transformer.config, "in_channels": 5, "out_channels": 3})
+    with pytest.raises(ValueError, match="position planes"):
+        VideoFlowModel(odd, model.text_encoder, model.empty_prompt_ids[0], 0, model.fcfg)
+
+
+def test_velocity_skip_is_the_least_squares_guess_and_is_added_to_the_network(tmp_path):
+    """`flow.skip_data_std`: c(t) is the regression slope of v = noise - x0 on x_t for x0 ~ N(0, s^2)
+    (checked against 200k samples, tolerance ~4 standard errors), and the model's velocity is the
+    network's output plus c(t) x_t."""
+    from apps.video_gen.model import velocity_skip
+    from apps.video_gen.text import tokenize
+
+    torch.testing.assert_close(velocity_skip(torch.tensor([1.0, 0.0, 0.5]), 1.0), torch.tensor([1.0, -1.0, 0.0]))
+    g = torch.Generator().manual_seed(0)
+    for t, s in [(0.9, 0.5), (0.3, 1.0), (0.7, 2.0)]:
+        x0, noise = torch.randn(200_000, generator=g) * s, torch.randn(200_000, generator=g)
+        xt, v = (1 - t) * x0 + t * noise, noise - x0
+        slope = float((xt * v).mean() / (xt * xt).mean())
+        assert abs(slope - float(velocity_skip(torch.tensor(t), s))) < 0.01, (t, s, slope)
+
+    plain, tok = _model(tmp_path / "a", "model.position_channels=true")
+    skipped, _ = _model(tmp_path / "b", "model.position_channels=true", "flow.skip_data_std=0.5")
+    skipped.load_state_dict(plain.state_dict())
+    x, t = torch.randn(2, 3, 8, 16, 16), torch.tensor([0.2, 0.95])
+    text = plain.encode_prompts(tokenize(tok, ["a red square moving left", "a blue circle"]))
+    with torch.no_grad():
+        want = plain.velocity(x, t, text) + velocity_skip(t, 0.5).view(2, 1, 1, 1, 1) * x
+        torch.testing.assert_close(skipped.velocity(x, t, text), want, rtol=1e-5, atol=1e-5)
