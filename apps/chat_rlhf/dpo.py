@@ -27,6 +27,8 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train.config import TrainConfig
 
 from .data import PreferenceDataConfig, collate_completions, encode_completion, read_split
+from .frozen_trunk import FrozenTrunk, pad_rows, split_rows, trunk_for
+from .stats import wilson_interval
 from .preference_losses import (LOSS_TYPES, REFERENCE_FREE, dpo_losses, kto_kl_estimate, kto_losses,
                                 sequence_logps)
 
@@ -56,6 +58,7 @@ class DPOConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     eval_batch_size: int = 8             # held-out pairs per forward
     train_layers: int = 0                # train only the top N blocks (+ final norm); 0: the whole model
+    cache_frozen_trunk: bool = True      # with train_layers: compute the frozen blocks once, run only the top N per step
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -91,6 +94,8 @@ def collate_examples(examples: list[dict], pad_id: int) -> dict:
     slots = len(examples[0]["rows"])
     batch = collate_completions([e["rows"][s] for s in range(slots) for e in examples], pad_id)
     batch["slots"] = torch.tensor(slots)
+    if "hidden" in examples[0]:  # the frozen trunk's cached output (frozen_trunk.py)
+        batch["hidden"] = pad_rows([e["hidden"][s] for s in range(slots) for e in examples], batch["input_ids"].shape[1])
     if "ref" in examples[0]:
         batch["ref_logps"] = torch.tensor([e["ref"][s] for s in range(slots) for e in examples], dtype=torch.float32)
     if "label" in examples[0]:
@@ -99,31 +104,54 @@ def collate_examples(examples: list[dict], pad_id: int) -> dict:
 
 
 @torch.no_grad()
-def score_rows(model, examples: list[dict], pad_id: int, batch_size: int) -> list[list[float]]:
-    """Each example's completion log-prob sums under `model` (eval mode, no gradient)."""
+def score_rows(model, examples: list[dict], pad_id: int, batch_size: int, trunk: FrozenTrunk | None = None,
+               capture: bool = False) -> list[list[float]]:
+    """Each example's completion log-prob sums under `model` (eval mode, no gradient).
+
+    With `trunk`: examples that carry cached trunk states ("hidden") skip the frozen blocks;
+    `capture=True` runs the full forward and stores each example's trunk states instead."""
     was_training = model.training
     model.eval()
     out = []
+    keys = ("rows",) if capture or trunk is None else ("rows", "hidden")
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        logps, _ = sequence_logps(model, collate_examples([{"rows": e["rows"]} for e in chunk], pad_id))
-        out.extend(logps.view(len(chunk[0]["rows"]), len(chunk)).t().tolist())
+        batch = collate_examples([{k: e[k] for k in keys if k in e} for e in chunk], pad_id)
+        slots = len(chunk[0]["rows"])
+        if capture:
+            sink: list[torch.Tensor] = []
+            with trunk.capturing(sink):
+                logps, _ = sequence_logps(model, batch)
+            rows = split_rows(sink[-1], batch["attention_mask"].to(sink[-1].device))
+            for j, e in enumerate(chunk):
+                e["hidden"] = [rows[s * len(chunk) + j].cpu() for s in range(slots)]
+        else:
+            logps, _ = sequence_logps(model, batch, trunk)
+        out.extend(logps.view(slots, len(chunk)).t().tolist())
     model.train(was_training)
     return out
 
 
-def attach_reference(model, examples: list[dict], pad_id: int, batch_size: int) -> None:
-    """examples[i]["ref"] = reference log-probs, computed once; ranks split the work."""
+def attach_reference(model, examples: list[dict], pad_id: int, batch_size: int, trunk: FrozenTrunk | None = None,
+                     store_ref: bool = True) -> None:
+    """examples[i]["ref"] = reference log-probs, computed once; ranks split the work. With `trunk`
+    (whose model is `model`) the same pass also stores every example's frozen-trunk states
+    ("hidden"), gathered so that every rank holds all of them; `store_ref=False` keeps only those."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = score_rows(model, examples[rank::world], pad_id, batch_size)
+    share = examples[rank::world]
+    mine = score_rows(model, share, pad_id, batch_size, trunk, capture=trunk is not None)
+    payload = (mine, [e["hidden"] for e in share] if trunk is not None else None)
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, payload)
     else:
-        gathered = [mine]
-    for r, part in enumerate(gathered):
-        for j, ref in enumerate(part):
-            examples[r + j * world]["ref"] = ref
+        gathered = [payload]
+    for r, (refs, hidden) in enumerate(gathered):
+        for j, ref in enumerate(refs):
+            if store_ref:
+                examples[r + j * world]["ref"] = ref
+            if hidden is not None:
+                examples[r + j * world]["hidden"] = hidden[j]
 
 
 # --- loss and held-out metrics ------------------------------------------------------------------
@@ -146,13 +174,13 @@ def preference_loss(cfg: LossConfig, logps: torch.Tensor, lens: torch.Tensor, re
                       chosen_len=lens[0], rejected_len=lens[1])
 
 
-def make_loss_fn(cfg: LossConfig, reference=None):
+def make_loss_fn(cfg: LossConfig, reference=None, trunk: FrozenTrunk | None = None):
     def loss_fn(model, batch):
-        logps, lens = sequence_logps(model, batch)
+        logps, lens = sequence_logps(model, batch, trunk)
         ref = batch.get("ref_logps")
         if reference is not None:
             with torch.no_grad():
-                ref, _ = sequence_logps(reference, batch)
+                ref, _ = sequence_logps(reference, {k: v for k, v in batch.items() if k != "hidden"})
         losses, _, _ = preference_loss(cfg, logps, lens, ref, batch.get("label"))
         return losses.mean()
     return loss_fn
@@ -175,16 +203,17 @@ def heldout_metrics(cfg: LossConfig, policy_logps: list[list[float]], examples: 
         out["reward_undesirable"] = r0[~label].mean().item() if (~label).any() else float("nan")
         return out
     out["accuracy"] = ((r0 > r1).double() + 0.5 * (r0 == r1).double()).mean().item()
+    out["pairs"] = float(len(r0))
     out["margin"] = (r0 - r1).mean().item()
     out["chosen_reward"], out["rejected_reward"] = r0.mean().item(), r1.mean().item()
     return out
 
 
-def make_eval_fn(cfg: LossConfig, heldout: list[dict], pad_id: int, batch_size: int):
+def make_eval_fn(cfg: LossConfig, heldout: list[dict], pad_id: int, batch_size: int, trunk: FrozenTrunk | None = None):
     lens = [[len(c) for _, c in e["rows"]] for e in heldout]
 
     def eval_fn(model, step):
-        return heldout_metrics(cfg, score_rows(model, heldout, pad_id, batch_size), heldout, lens)
+        return heldout_metrics(cfg, score_rows(model, heldout, pad_id, batch_size, trunk), heldout, lens)
     return eval_fn
 
 
@@ -217,19 +246,29 @@ def train_preference(cfg: DPOConfig, log=print):
     log(f"{cfg.loss.type}: {len(train_ex)} training and {len(held_ex)} held-out examples from {cfg.data.path}")
 
     policy = load_policy(policy_dir)
+    trunk = trunk_for(policy, cfg.train_layers, cfg.cache_frozen_trunk)
     reference = None
+    need_states = [held_ex, train_ex] if trunk is not None else []  # examples still without trunk states
     if cfg.loss.type not in REFERENCE_FREE:
         reference = policy if ref_dir == policy_dir else load_policy(ref_dir)
+        # the frozen-trunk states ride along the reference pass when the reference is the policy itself
+        capture = trunk if reference is policy else None
         # held-out reference log-probs are always cached: evaluation reuses them every time
-        attach_reference(reference, held_ex, pad, cfg.eval_batch_size)
+        attach_reference(reference, held_ex, pad, cfg.eval_batch_size, capture)
         if cfg.loss.reference == "cached":
-            attach_reference(reference, train_ex, pad, cfg.eval_batch_size)
+            attach_reference(reference, train_ex, pad, cfg.eval_batch_size, capture)
             reference = None
         elif reference is policy:
             reference = load_policy(ref_dir)  # a frozen copy: the policy is about to change
+        if capture is not None:
+            need_states = [ex for ex in need_states if ex is train_ex and cfg.loss.reference != "cached"]
         if reference is not None:
             reference.eval().requires_grad_(False)
-    eval_fn = make_eval_fn(cfg.loss, held_ex, pad, cfg.eval_batch_size)
+    for examples in need_states:  # one extra no-grad pass over the policy
+        attach_reference(policy, examples, pad, cfg.eval_batch_size, trunk, store_ref=False)
+    if trunk is not None:
+        log(f"frozen trunk cached: blocks 0-{trunk.split - 1} computed once, {cfg.train_layers} top blocks per step")
+    eval_fn = make_eval_fn(cfg.loss, held_ex, pad, cfg.eval_batch_size, trunk)
     before = {}
     if cfg.loss.type not in REFERENCE_FREE:
         before["base_logp_preference"] = base_preference_accuracy(held_ex) if cfg.loss.type != "kto" else None
@@ -241,7 +280,7 @@ def train_preference(cfg: DPOConfig, log=print):
     log(f"held-out before training: " + ", ".join(f"{k}={v:.4g}" for k, v in before.items() if v is not None))
     train_top_layers(policy, cfg.train_layers)
     result = fit(cfg.train, policy, train_ex, collate_fn=lambda ex: collate_examples(ex, pad),
-                 loss_fn=make_loss_fn(cfg.loss, reference), eval_fn=eval_fn, tokenizer=tokenizer)
+                 loss_fn=make_loss_fn(cfg.loss, reference, trunk), eval_fn=eval_fn, tokenizer=tokenizer)
     return result, before
 
 
@@ -254,8 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         log = print if ctx.is_main else (lambda *a, **k: None)
         result, before = train_preference(cfg, log)
         after = result.last_eval
+        n = after.get("pairs", 0.0)
+        lo, hi = wilson_interval(after.get("accuracy", 0.0) * n, n)
         log(f"held-out preference accuracy: {before.get('accuracy', float('nan')):.3f} before -> "
-            f"{after.get('accuracy', float('nan')):.3f} after {result.final_step} steps "
+            f"{after.get('accuracy', float('nan')):.3f} (95% Wilson interval {lo:.3f}-{hi:.3f}, {int(n)} pairs) "
+            f"after {result.final_step} steps "
             f"(reward margin {after.get('margin', float('nan')):.3g}); checkpoint {result.checkpoint_dir}")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,19 +30,21 @@ from phalanx.train import TrainConfig, fit
 from . import rl_losses as L
 from .rewards import RewardSet
 from .rollout import LogProbGap, Rollout, RolloutEngine, completion_batch, completion_logprobs, padded
+from .stats import wilson_interval  # noqa: F401  (re-exported: demo and tests use grpo.wilson_interval)
 
 ROLLOUT_METRICS = "rollouts.jsonl"
+_NUMBER_FIRST = re.compile(r"\s*-?\d")
 
 
 # -- configuration ---------------------------------------------------------------------------------
 @dataclass
 class DataSettings:
-    source: str = "arithmetic"   # "arithmetic" (the generated task of tasks.py) or prompt records (.jsonl/.parquet/dir)
-    heldout: str = ""            # held-out prompt records; "" with arithmetic: generated, disjoint from training
-    num_train: int = 400         # arithmetic: training problems; files: at most this many records (0: all)
+    source: str = "arithmetic"   # a generated task of tasks.py ("compare", "arithmetic") or prompt records (.jsonl/.parquet/dir)
+    heldout: str = ""            # held-out prompt records; "" with a generated task: generated, disjoint from training
+    num_train: int = 400         # generated: training problems; files: at most this many records (0: all)
     num_heldout: int = 200       # held-out problems scored by eval
-    max_operand: int = 20        # arithmetic: operands in 1..max_operand
-    seed: int = 0                # arithmetic: generator seed
+    max_operand: int = 20        # generated: numbers in 1..max_operand
+    seed: int = 0                # generated: generator seed
     kind: str = "prompt"         # files: "prompt" records, or "preference" pairs whose prompts are used (e.g. hh-rlhf)
 
 
@@ -100,6 +103,7 @@ class GRPOConfig:
     data: DataSettings = field(default_factory=DataSettings)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    train_layers: int = 0             # train only the top N blocks (+ final norm); 0: the whole model
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/chat_rlhf/grpo", lr=1e-6,
                                                                     micro_batch_size=4, precision="auto"))
 
@@ -114,9 +118,9 @@ def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GR
 # -- data ------------------------------------------------------------------------------------------
 def load_prompt_sets(data: DataSettings) -> tuple[list[dict], list[dict]]:
     """(train, held-out) prompt records {"prompt": messages, "ground_truth": str | None}."""
-    if data.source == "arithmetic":
-        from .tasks import train_and_heldout
-        return train_and_heldout(data.num_train, data.num_heldout, data.seed, data.max_operand)
+    from .tasks import TASKS, train_and_heldout
+    if data.source in TASKS:
+        return train_and_heldout(data.num_train, data.num_heldout, data.seed, data.max_operand, task=data.source)
     from .data import load_records
 
     def read(source: str, limit: int) -> list[dict]:
@@ -363,29 +367,22 @@ class RLHook:
 def heldout_eval(engine: RolloutEngine, records: Sequence[dict], prompt_ids: Sequence[list[int]], rewards: RewardSet
                  ) -> Callable[[Any, int], dict]:
     """eval_fn: greedy answers from the engine (which holds the latest weights), scored by the rewards;
-    each rank scores its share, counts are summed."""
+    each rank scores its share, counts are summed. `heldout_number_first` is the share of replies that
+    open with a number (the answer format the demo teaches), whatever the number."""
     def run(model=None, step: int = 0) -> dict:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = list(range(rank, len(records), world))
-        correct = total = 0.0
+        correct = total = number_first = 0.0
         if mine:
             out = engine.generate([prompt_ids[i] for i in mine], 1, greedy=True)
             scores, _ = rewards([records[i]["prompt"] for i in mine], out.texts,
                                 [records[i].get("ground_truth") for i in mine])
             correct, total = float(scores.sum()), float(len(mine))
-        correct, total = global_sum([correct, total])
-        return {"heldout_reward": correct / max(total, 1.0), "heldout_n": total}
+            number_first = float(sum(bool(_NUMBER_FIRST.match(t)) for t in out.texts))
+        correct, total, number_first = global_sum([correct, total, number_first])
+        return {"heldout_reward": correct / max(total, 1.0), "heldout_n": total,
+                "heldout_number_first": number_first / max(total, 1.0)}
     return run
-
-
-def wilson_interval(successes: float, n: float, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion."""
-    if n == 0:
-        return 0.0, 0.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def plot_rl_curves(output_dir: str | Path, keys: Sequence[str] = ("reward_mean", "kl", "logprob_gap")) -> Path | None:
@@ -446,7 +443,7 @@ class GRPORun:
 
 
 def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
-    from .models import load_policy, load_tokenizer
+    from .models import load_policy, load_tokenizer, train_top_layers
     from phalanx.launch import context
     context()
     if cfg.train.plugin == "hybrid":
@@ -454,6 +451,7 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
                           "fsdp, gemini); tensor/pipeline-parallel training of the policy is not wired yet")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     model = model if model is not None else load_policy(cfg.model)
+    train_top_layers(model, cfg.train_layers)
     s, e = cfg.grpo, cfg.engine
     rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
     train_records, heldout_records = load_prompt_sets(cfg.data)

@@ -43,7 +43,7 @@ def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_m
     return (logp * mask).sum(-1), mask.sum(-1)
 
 
-def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, batch: dict, trunk=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion log-prob sums and lengths of every row of a left-padded batch
     ({"input_ids", "attention_mask", "completion_mask"}); only the tail that holds completions
     goes through the LM head.
@@ -52,10 +52,21 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     (DDP arms its gradient all-reduce there), and the policy and the reference must take the same
     arithmetic so that their log-ratios are exactly zero at step 0. (A faster route that sent only
     the completion-predicting states through the head had to call the decoder directly, which
-    skipped DDP's gradient averaging; it was removed.)"""
+    skipped DDP's gradient averaging; it was removed.)
+
+    A batch that carries "hidden" (the frozen lower blocks' cached output, see frozen_trunk.py)
+    enters the same forward as `inputs_embeds` while `trunk` makes the lower blocks pass it through."""
     keep = int(batch["completion_width"]) + 1
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], logits_to_keep=keep, use_cache=False)
+    common = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], logits_to_keep=keep,
+                  use_cache=False)
+    if "hidden" in batch:
+        if trunk is None:
+            raise ValueError("the batch carries cached trunk states ('hidden') but no FrozenTrunk was given to skip "
+                             "the lower blocks with; pass the run's trunk")
+        with trunk.skipping():
+            out = model(inputs_embeds=batch["hidden"], **common)
+    else:
+        out = model(input_ids=batch["input_ids"], **common)
     return completion_logps(out.logits, batch["input_ids"], batch["completion_mask"])
 
 

@@ -1,5 +1,6 @@
 """The demo's task and its command, on a tiny model (the real run is documented in apps/chat_rlhf/README.md)."""
 import json
+import re
 
 from apps.chat_rlhf.rewards import numeric_first
 from apps.chat_rlhf.tasks import train_and_heldout
@@ -21,10 +22,33 @@ def test_task_is_seeded_disjoint_and_verifiable():
 def test_demo_command_runs_and_reports_intervals(tiny_chat_model, tmp_path):
     from apps.chat_rlhf.demo import main
     summary = main([f"model={tiny_chat_model}", "train.max_steps=2", "data.num_train=8", "data.num_heldout=6",
-                    "grpo.num_generations=2", "grpo.max_new_tokens=4", "train.micro_batch_size=2",
+                    "grpo.num_generations=2", "grpo.max_new_tokens=4", "train.micro_batch_size=2", "train_layers=1",
                     f"train.output_dir={tmp_path}", "train.progress_bar=false"])
     saved = json.loads((tmp_path / "demo_result.json").read_text())
     assert saved["n"] == 6 and saved["steps"] == 2
     lo, hi = saved["after_ci95"]
     assert 0.0 <= lo <= saved["after"] <= hi <= 1.0
     assert (tmp_path / "rl_curves.png").exists() and summary["before"] == saved["before"]
+    assert 0.0 <= saved["before_number_first"] <= 1.0 and 0.0 <= saved["after_number_first"] <= 1.0
+
+
+def test_comparison_task_is_seeded_disjoint_and_checked_by_hand():
+    train, heldout = train_and_heldout(300, 200, seed=0, max_operand=99, task="compare")
+    assert (train, heldout) == train_and_heldout(300, 200, seed=0, max_operand=99, task="compare")
+    questions = [r["prompt"][0]["content"] for r in train + heldout]
+    assert len(set(questions)) == 500  # distinct, and none shared between train and held-out
+    first_larger = 0
+    for r in train + heldout:
+        a, b = (int(x) for x in re.fullmatch(r"Which number is larger, (\d+) or (\d+)\? Reply with the number only\.",
+                                                r["prompt"][0]["content"]).groups())
+        assert a != b and 1 <= min(a, b) and max(a, b) <= 99
+        assert r["ground_truth"] == str(max(a, b))
+        first_larger += a > b
+    assert 200 < first_larger < 300  # the larger number comes first about half the time (no positional shortcut)
+    assert numeric_first(completions=["63 is larger", "22", "The larger is 63"], ground_truth=["63"] * 3) == [1.0, 0.0, 1.0]
+
+
+def test_unknown_task_names_the_choices():
+    import pytest
+    with pytest.raises(ValueError, match="compare, arithmetic"):
+        train_and_heldout(10, 10, task="countdown")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 
-def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int) -> dict:
+def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int, *extra: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -14,7 +14,8 @@ def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int) -> dict:
     from tests.apps.chat_rlhf.conftest import tiny_overrides
 
     cfg = load_dpo_config(None, tiny_overrides(model_dir, out_dir, "train.max_steps=1",
-                                               f"train.micro_batch_size={micro_batch_size}", "loss.beta=0.5"))
+                                               f"train.micro_batch_size={micro_batch_size}", "loss.beta=0.5",
+                                               *extra))
     result, before = train_preference(cfg, log=lambda *a: None)
     dist.barrier()
     from transformers import AutoModelForCausalLM
@@ -25,11 +26,14 @@ def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int) -> dict:
 
 
 @pytest.mark.slow  # three process groups: ~1-2 min on quiet cores (8.7 min measured under load 20)
-def test_two_ranks_equal_one_process(tiny_chat_model, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("train_layers=1",)], ids=["full", "cached-trunk"])
+def test_two_ranks_equal_one_process(tiny_chat_model, tmp_path, extra):
+    """With train_layers=1 the frozen trunk's states are captured on each rank's share of the
+    reference pass and gathered; the loss still goes through DDP's forward (its gradient average)."""
     from phalanx.testing import spawn
 
-    (one,) = spawn(_dpo_one_step, 1, str(tiny_chat_model), str(tmp_path / "one"), 4)
-    two = spawn(_dpo_one_step, 2, str(tiny_chat_model), str(tmp_path / "two"), 2)
+    (one,) = spawn(_dpo_one_step, 1, str(tiny_chat_model), str(tmp_path / "one"), 4, *extra)
+    two = spawn(_dpo_one_step, 2, str(tiny_chat_model), str(tmp_path / "two"), 2, *extra)
     assert two[0]["before"] == pytest.approx(one["before"])  # reference log-probs gathered from both ranks
     assert two[0]["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert two[0]["eval"]["accuracy"] == pytest.approx(one["eval"]["accuracy"])
