@@ -81,3 +81,16 @@ def test_train_with_dap_on_two_ranks_equals_one_process(tmp_path):
         assert len(losses) == 3
         assert losses == pytest.approx(one_losses, rel=1e-4)
         assert last_eval["train_lddt_ca"] == pytest.approx(one_eval["train_lddt_ca"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_dap_composes_with_data_parallelism(tmp_path):
+    """4 ranks as 2 data replicas x DAP 2 train exactly like 2 plain data-parallel ranks: the same
+    samples per replica, the same per-replica random streams, the gradient mean over replicas."""
+    steps = [*TINY, "train.micro_batch_size=1", "train.max_steps=2", "train.save_every=0", "train.eval_every=2"]
+    ddp = spawn(_train, 2, [*steps, f"train.output_dir={tmp_path / 'ddp'}"], timeout=400)
+    dap = spawn(_train, 4, [*steps, "dap_size=2", f"train.output_dir={tmp_path / 'dap'}"], timeout=600)
+    want_losses, want_eval = ddp[0]
+    for losses, last_eval in dap:
+        assert losses == pytest.approx(want_losses, rel=1e-4)
+        assert last_eval["train_lddt_ca"] == pytest.approx(want_eval["train_lddt_ca"], rel=1e-3)
