@@ -180,24 +180,13 @@ class CheckpointWriter:
         if self.rank == 0:
             snap.model = unwrap_model(model)
             snap.tokenizer = tokenizer
+        shared_error = snap.error  # the same on every rank (broadcast above): collectives follow it
         if copy:
             # Asynchronous: rank 0 keeps a copy of the whole model until the background write.
             state = self.booster.plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
             if self.rank == 0:
                 snap.model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
             del state
-        else:
-            # Synchronous: rank 0 writes each tensor as it is gathered (one file of max_shard_size
-            # held at a time); a failure becomes this rank's error, reported like any other.
-            from phalanx.booster.booster import write_streamed_model
-
-            try:
-                with quiet_hf_progress():
-                    write_streamed_model(self.booster.plugin, model, snap.tmp / MODEL_DIR,
-                                         self.rank == 0 and not snap.error, tokenizer=tokenizer)
-                snap.model_written = True
-            except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
-                snap.error = snap.error or _describe(exc)
         if optimizer is not None:
             frags = self.booster._optimizer_fragments(optimizer)
             snap.optim_file, snap.optim_tensors, local = fragment_tensors(frags, self.rank, copy=copy)
@@ -210,12 +199,26 @@ class CheckpointWriter:
                 state_copy.lr_scheduler = _copy.deepcopy(_scheduler_state(lr_scheduler))
             snap.train_state = state_copy
         if hooks_writer is not None:
-            # Hooks write synchronously (they may gather); a failure here is reported like any other.
+            # Hooks write synchronously (they may gather, so every rank calls them or none: the
+            # decision follows the shared error only); a failure is reported like any other.
             try:
-                if not snap.error:
+                if not shared_error:
                     hooks_writer(snap.tmp)
             except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
-                snap.error = _describe(exc)
+                snap.error = snap.error or _describe(exc)
+        if not copy:
+            # Synchronous: rank 0 writes each tensor as it is gathered (one file of max_shard_size
+            # held at a time); every rank walks the gather to the end even when rank 0 cannot
+            # write, and a failure becomes that rank's error, reported like any other.
+            from phalanx.booster.booster import write_streamed_model
+
+            try:
+                with quiet_hf_progress():
+                    write_streamed_model(self.booster.plugin, model, snap.tmp / MODEL_DIR,
+                                         self.rank == 0 and not snap.error, tokenizer=tokenizer)
+                snap.model_written = True
+            except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
+                snap.error = snap.error or _describe(exc)
         return snap
 
     # ------------------------------------------------------------------ the writer (maybe a thread)
