@@ -30,7 +30,6 @@ from phalanx.train import TrainConfig, fit
 from . import rl_losses as L
 from .rewards import RewardSet
 from .rollout import LogProbGap, Rollout, RolloutEngine, completion_batch, completion_logprobs, padded
-from .stats import wilson_interval  # noqa: F401  (re-exported: demo and tests use grpo.wilson_interval)
 
 ROLLOUT_METRICS = "rollouts.jsonl"
 _NUMBER_FIRST = re.compile(r"\s*-?\d")

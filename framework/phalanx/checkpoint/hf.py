@@ -56,19 +56,15 @@ class ExportStats:
 
 
 def parse_shard_size(size: str | int) -> int:
-    """"2GB" / "500MB" / "10KiB" / an int (bytes) -> bytes (decimal units as transformers reads them)."""
-    if isinstance(size, int):
-        return size
-    text = str(size).strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[:-len(unit)]) * factor)
-            except ValueError:
-                break
-    raise ValueError(f"max_shard_size={size!r}: use bytes (an int) or a size such as '2GB', '500MB', '64MiB'")
+    """"2GB" / "500MB" / "64MiB" / an int (bytes) -> bytes, as `save_pretrained` reads them
+    (transformers' own parser: GB decimal, GiB binary)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        return convert_file_size_to_int(size)
+    except ValueError:
+        raise ValueError(f"max_shard_size={size!r}: use bytes (an int) or a size such as '2GB', '500MB', "
+                         "'64MiB'") from None
 
 
 class ShardedSafetensorsWriter:

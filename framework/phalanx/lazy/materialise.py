@@ -45,12 +45,25 @@ def buffers_first(model: nn.Module, source) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers()}
 
 
+def local_rows(p: torch.Tensor) -> tuple[int, int]:
+    """Rows `[start, stop)` of dimension 0 that this rank holds of `p`: its `Shard(0)` piece for
+    an FSDP2 DTensor, every row for a plain tensor (a 0-d tensor counts as one row)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if p.dim() == 0:
+        return 0, 1
+    if not isinstance(p, DTensor):
+        return 0, p.shape[0]
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0], offset[0] + shape[0]
+
+
 def materialise_fsdp_shards(model: nn.Module, source, device: torch.device | str,
                             buffers: dict[str, torch.Tensor]) -> None:
     """After `fully_shard` on the meta model: allocate this rank's shard of every parameter
     (`to_empty`), fill it with its rows from `source`, and put the buffers back."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=torch.device(device))
     with torch.no_grad():
@@ -59,13 +72,7 @@ def materialise_fsdp_shards(model: nn.Module, source, device: torch.device | str
                 b.copy_(buffers[name])
         for name, p in model.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
-            if p.dim() == 0:
-                start, stop = 0, 1
-            elif isinstance(p, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-                start, stop = offset[0], offset[0] + shape[0]
-            else:
-                start, stop = 0, p.shape[0]
+            start, stop = local_rows(p)
             local.copy_(source.rows(name, p, start, stop, local.dtype).reshape(local.shape))
 
 

@@ -69,6 +69,24 @@ def broadcast_async(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | N
         return dist.broadcast(tensor, src=global_src, group=group, async_op=True)
 
 
+def assemble_from_owners(full: torch.Tensor, ranges: Sequence[tuple[int, int]], mine: torch.Tensor | None,
+                         rank: int, group: dist.ProcessGroup | None, name: str) -> torch.Tensor:
+    """Fill `full` (flat along dim 0) on every rank of `group`: rank r owns rows `ranges[r]` and
+    broadcasts them straight into their place (`mine` is this rank's part). The gather of one
+    sharded tensor without a padded staging buffer; on gloo broadcasts are the cheap collective."""
+    works = []
+    for r, (a, b) in enumerate(ranges):
+        if a == b:
+            continue
+        if r == rank:
+            full[a:b].copy_(mine)
+        if len(ranges) > 1:
+            works.append(broadcast_async(full[a:b], r, group, name))
+    for work in works:
+        wait(work, name)
+    return full
+
+
 def wait(work, name: str) -> None:
     """Wait for a work handle (None means nothing was launched: a one-rank group)."""
     if work is None:

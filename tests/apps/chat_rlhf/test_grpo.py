@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from apps.chat_rlhf.grpo import build_run, load_grpo_config, overlong_shaping, sample_seed, wilson_interval
+from apps.chat_rlhf.grpo import build_run, load_grpo_config, overlong_shaping, sample_seed
+from apps.chat_rlhf.stats import wilson_interval
 from apps.chat_rlhf.rollout import PromptTooLongError, StaleWeightsError, completion_batch
 
 

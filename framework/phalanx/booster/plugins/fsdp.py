@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator
 
 import torch
@@ -20,13 +21,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.plugins.fsdp_comms import use_gloo_collectives
+from phalanx.lazy.materialise import local_rows
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError
@@ -55,17 +56,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _flat_range(p: torch.Tensor) -> tuple[int, int]:
     """The range of the flattened full parameter that this rank's Shard(0) piece covers."""
-    if not isinstance(p, DTensor):
-        return 0, p.numel()
-    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    row = 1
-    for s in p.shape[1:]:
-        row *= s
-    start = offset[0] * row if p.dim() else 0
-    numel = 1
-    for s in local_shape:
-        numel *= s
-    return start, start + numel
+    if p.dim() == 0:
+        return 0, 1
+    start, stop = local_rows(p)
+    row = math.prod(p.shape[1:])
+    return start * row, stop * row
 
 
 def _gather_rows(p: DTensor) -> torch.Tensor:
@@ -74,27 +69,17 @@ def _gather_rows(p: DTensor) -> torch.Tensor:
     `full_tensor` makes), and on gloo broadcasts are the cheap collective (`phalanx.zero.comm`)."""
     from phalanx.zero import comm
 
-    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     group = p.device_mesh.get_group() if p.device_mesh.ndim == 1 else None
     rows = p.shape[0] if p.dim() else 0
     world = dist.get_world_size(group) if group is not None else 0
     chunk = -(-rows // world) if world else 0
     rank = dist.get_rank(group) if group is not None else -1
     mine = (min(rank * chunk, rows), min(rank * chunk + chunk, rows)) if world else None
-    if group is None or not rows or mine != (offset[0], offset[0] + local_shape[0]):
+    if group is None or not rows or mine != local_rows(p):
         return p.full_tensor()  # another layout than FSDP2's row chunks
+    ranges = [(min(r * chunk, rows), min(r * chunk + chunk, rows)) for r in range(world)]
     full = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
-    works = []
-    for r in range(world):
-        a, b = min(r * chunk, rows), min(r * chunk + chunk, rows)
-        if a == b:
-            continue
-        if r == rank:
-            full[a:b].copy_(p.to_local())
-        works.append(comm.broadcast_async(full[a:b], r, group, "fsdp.gather_param"))
-    for work in works:
-        comm.wait(work, "fsdp.gather_param")
-    return full
+    return comm.assemble_from_owners(full, ranges, p.to_local(), rank, group, "fsdp.gather_param")
 
 
 class FSDPOptimizer(OptimizerWrapper):

@@ -143,27 +143,18 @@ class ZeroPlugin(Plugin):
 def _gather_master_slot(group, slot) -> torch.Tensor:
     """The full fp32 master of one parameter of a `FlatParamGroup` (flat, on the CPU): each rank
     that owns part of it broadcasts that part. A collective over the group's ranks."""
-    full = torch.empty(slot.numel, dtype=torch.float32, device=group.device)
     own_lo, _ = group.shard_range
-    works = []
-    for r, (a, b) in enumerate(group.layout.split_by_rank(slot.offset, slot.end)):
-        if a == b:
-            continue
-        piece = full[a - slot.offset:b - slot.offset]
-        if r == group.rank:
-            piece.copy_(group.master.detach()[a - own_lo:b - own_lo])
-        if group.layout.world_size > 1:
-            works.append(comm.broadcast_async(piece, r, group.group, "zero.gather_master_param"))
-    for work in works:
-        comm.wait(work, "zero.gather_master_param")
-    return full.cpu()
+    ranges = [(a - slot.offset, b - slot.offset) for a, b in group.layout.split_by_rank(slot.offset, slot.end)]
+    a, b = ranges[group.rank]
+    mine = group.master.detach()[a + slot.offset - own_lo:b + slot.offset - own_lo] if a < b else None
+    full = torch.empty(slot.numel, dtype=torch.float32, device=group.device)
+    return comm.assemble_from_owners(full, ranges, mine, group.rank, group.group, "zero.gather_master_param").cpu()
 
 
 def _read_fp32_masters(optimizer: ZeroOptimizer, source) -> None:
     """Set this rank's fp32 master shard from the checkpoint `source` in fp32 (only its range)."""
-    from phalanx.lazy import flat_reader
+    from phalanx.lazy import flat_range
 
-    read = flat_reader(source, torch.float32)
     with torch.no_grad():
         for g in optimizer.flat_groups:
             if g is None:
@@ -171,4 +162,4 @@ def _read_fp32_masters(optimizer: ZeroOptimizer, source) -> None:
             for slot, a, b in g.layout.owned_slots(g.rank):
                 p = g.params[slot.index]
                 start = g.layout.to_shard(g.rank, slot.offset + a)
-                g.master[start:start + (b - a)].copy_(read(optimizer.names[id(p)], p, a, b))
+                g.master[start:start + (b - a)].copy_(flat_range(source, optimizer.names[id(p)], p, a, b, torch.float32))
