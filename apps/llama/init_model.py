@@ -12,7 +12,8 @@ The split is computed with the old tokenizer's BPE model on the token's own stri
 tokenizer's internal alphabet: `▁` for spaces in SentencePiece, byte symbols in byte-level BPE),
 which avoids any decode/re-encode whitespace quirks.
 
-Big models: when `train.plugin` shards parameters (fsdp, zero*, gemini, hybrid: `builds_lazily`)
+Big models: when `train.plugin` shards parameters (fsdp, zero1/2, gemini, hybrid:
+`phalanx.booster.plugins.builds_lazily`)
 and `model.base` is a checkpoint, the base is never loaded whole: its tensors are copied file by
 file into the new checkpoint (`phalanx.checkpoint.hf.ShardedSafetensorsWriter`), and only the
 embedding and LM head are read whole to get their new rows (`stream_resized_checkpoint`); the
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from phalanx.booster.plugins import builds_lazily
 from phalanx.checkpoint import atomic_directory
 
 from .config import RecipeConfig, parse_args
@@ -97,15 +99,6 @@ def load_base_model(path: str | Path):
     p = resolve_path(path)
     check_base_dir(p)
     return AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
-
-
-SHARDING_PLUGINS = ("fsdp", "zero1", "zero2", "zero3", "gemini", "hybrid")
-
-
-def builds_lazily(plugin: str | None) -> bool:
-    """Whether a recipe with this `train.plugin` builds its model on the meta device (the plugin
-    materialises only each rank's part); DDP and single-process runs build it eagerly."""
-    return plugin in SHARDING_PLUGINS
 
 
 def resized_rows(old: torch.Tensor, pieces: dict[int, list[int]], rows: int, std: float,

@@ -36,10 +36,10 @@ def bpc_eval_fn(tokenizer, chunks: list[Chunk], ecfg: EvalConfig) -> Callable:
 
 def load_model(model_dir: Path, plugin: str | None = None):
     """The model in `model_dir`, in fp32; on the meta device when `plugin` shards parameters (the
-    plugin then reads only each rank's part: init_model.builds_lazily, phalanx.lazy)."""
+    plugin then reads only each rank's part: phalanx.booster.plugins.builds_lazily, phalanx.lazy)."""
     from transformers import AutoModelForCausalLM
 
-    from .init_model import builds_lazily
+    from phalanx.booster.plugins import builds_lazily
 
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir}: run `python -m apps.llama.init_model` with the same config first")

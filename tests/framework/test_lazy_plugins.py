@@ -162,27 +162,3 @@ def test_shard_size_parsing():
 
 
 # ---------------------------------------------------------------------- the llama recipe's init, streamed
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_streamed_recipe_init_equals_eager_resize(tmp_path, tied):
-    """apps/llama/init_model for a sharding plugin copies the base tensor by tensor and grows only
-    the embedding / LM head: the same weights as loading the base whole and resizing it."""
-    from transformers import AutoModelForCausalLM
-
-    from apps.llama.init_model import builds_lazily, resize_with_piece_means, stream_resized_checkpoint
-    from phalanx.testing import tiny_llama
-
-    base = tiny_llama(seed=2, tie_word_embeddings=tied)
-    base.save_pretrained(tmp_path / "base")
-    pieces = {128: [3, 5, 7], 129: [10], 130: [11, 12]}
-    numel = stream_resized_checkpoint(tmp_path / "base", tmp_path / "new", pieces, 131,
-                                      {"vocab_size": 131, "eos_token_id": 2, "pad_token_id": 0},
-                                      max_shard_size=20_000)
-    resize_with_piece_means(base, pieces, 131)
-    new = AutoModelForCausalLM.from_pretrained(tmp_path / "new")
-    assert new.config.vocab_size == 131 and new.generation_config.eos_token_id == 2
-    assert numel == sum(p.numel() for p in base.parameters())
-    _equal(new.state_dict(), base.state_dict(), f"streamed init (tied={tied})")
-    assert len(list((tmp_path / "new").glob("*.safetensors"))) >= 2
-    assert builds_lazily("fsdp") and builds_lazily("zero2") and not builds_lazily("ddp")

@@ -24,6 +24,14 @@ def __getattr__(name: str) -> Any:
 
 
 PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
+# Plugins that split parameters or optimizer state over ranks: a recipe builds its model on the meta
+# device for them (`phalanx.lazy`) and the plugin materialises each rank's part; DDP gets it eagerly.
+LAZY_BUILD_PLUGINS = ("fsdp", "zero1", "zero2", "gemini", "hybrid")
+
+
+def builds_lazily(name: str | None) -> bool:
+    """Whether a recipe with `train.plugin` = `name` should build its model on the meta device."""
+    return (name or "").lower() in LAZY_BUILD_PLUGINS
 
 
 def make_plugin(name: str, precision: str = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
