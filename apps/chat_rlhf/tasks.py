@@ -27,7 +27,6 @@ import random
 from typing import Callable
 
 INSTRUCTION = "Reply with the number only."
-TASKS = ("compare", "arithmetic")
 
 
 def arithmetic_problem(rng: random.Random, max_operand: int = 20) -> tuple[str, int]:
@@ -46,18 +45,17 @@ def comparison_problem(rng: random.Random, max_operand: int = 99) -> tuple[str, 
     return f"Which number is larger, {a} or {b}?", max(a, b)
 
 
-def _problem_fn(task: str) -> Callable[[random.Random, int], tuple[str, int]]:
-    if task == "arithmetic":
-        return arithmetic_problem
-    if task == "compare":
-        return comparison_problem
-    raise ValueError(f"task {task!r} is not generated here: choose one of {', '.join(TASKS)}")
+# task name -> problem generator (rng, max_operand) -> (question, answer)
+TASKS: dict[str, Callable[[random.Random, int], tuple[str, int]]] = {"compare": comparison_problem,
+                                                                     "arithmetic": arithmetic_problem}
 
 
 def task_records(n: int, seed: int, *, task: str = "arithmetic", max_operand: int = 20,
                  exclude: set[str] | None = None) -> list[dict]:
     """n distinct problems (no question of `exclude`), as prompt records with a ground truth."""
-    make = _problem_fn(task)
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} is not generated here: choose one of {', '.join(TASKS)}")
+    make = TASKS[task]
     if task == "compare" and max_operand < 2:
         raise ValueError(f"max_operand={max_operand}: comparison needs two distinct numbers, so at least 2")
     rng = random.Random(seed)
