@@ -23,7 +23,9 @@ Part 2 -- one process: `phalanx.train.fit` on a Llama of hidden 512, 8 layers, s
     python bench/train_throughput.py --part plugins --steps 5 --rounds 3
 
 Part 3 (`--model medium|large`, or both: `--model medium,large`) -- the plugins on a real-sized
-  Llama, 2 gloo ranks x 1 thread, 4 x 64 tokens per rank, AdamW, clipping at 1.0, fp32:
+  Llama, 2 gloo ranks x 1 thread, 4 x 64 tokens per rank, AdamW, clipping at 1.0, fp32 (or
+  `--precision-sized bf16`: the plugins' precision="bf16", i.e. bf16 compute with fp32 masters; raw
+  DDP under `torch.autocast`, raw FSDP2 with `MixedPrecisionPolicy(bf16, reduce fp32)`):
   medium = hidden 512, 4 layers, vocab 8192 (~21M parameters); large = hidden 1024, 8 layers
   (~118M). Our DDPPlugin, ZeroPlugin stage 1/2 and FSDPPlugin against raw torch DDP and raw
   `fully_shard` (and DDPPlugin with the user's AdamW(fused=True), the kernel ZeRO and FSDPPlugin
@@ -305,7 +307,7 @@ def _state_bytes(optimizer) -> int:
     return total
 
 
-def build_sized_variant(name: str, size: str, batch: int, seq: int):
+def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: str = "fp32"):
     """(step, state_optimizer) where `step()` runs one training step and returns its phases in
     seconds (forward, backward, reduce, norm, optimizer, gather; None where the phase is not
     separate: DDP reduces inside backward, FSDP gathers inside forward and backward)."""
@@ -316,6 +318,7 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int):
     model = LlamaForCausalLM(sized_config(size))
     x = _batch(dist.get_rank(), batch, seq, 8192)
     clock = time.perf_counter
+    bf16 = precision == "bf16"
 
     if name.startswith("raw_"):
         if name == "raw_ddp":
@@ -326,15 +329,20 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int):
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            module = fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **mp)
+            module = fully_shard(model, mesh=mesh, **mp)
         opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01)
+
+        autocast = bf16 and name == "raw_ddp"  # raw FSDP2 casts through its policy
 
         def raw_step():
             t0 = clock()
-            loss = module(input_ids=x, labels=x).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = module(input_ids=x, labels=x).loss
             t1 = clock()
             loss.backward()
             t2 = clock()
@@ -350,7 +358,7 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int):
     if name.startswith("ds_"):
         import deepspeed
         config = {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
-                  "zero_optimization": {"stage": int(name[-1])}}
+                  "zero_optimization": {"stage": int(name[-1])}, "bf16": {"enabled": bf16}}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         engine, ds_opt, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
@@ -373,7 +381,7 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int):
     # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
     # with the next forward.
     options = {"overlap_param_gather": True} if name.endswith("_prefetch") else {}
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch"), precision="fp32", max_norm=1.0,
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch"), precision=precision, max_norm=1.0,
                          **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None)
@@ -398,7 +406,7 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int):
     return plugin_step, wrapped.optim
 
 
-def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int) -> dict:
+def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int, precision: str = "fp32") -> dict:
     """Per rank: each variant alone (built, `steps` steps, freed); per-step wall time (barrier to
     barrier: the slower rank sets the pace) and this rank's phases."""
     import gc
@@ -408,7 +416,7 @@ def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int)
     out = {}
     for name in variants:
         try:
-            step, state_opt = build_sized_variant(name, size, batch, seq)
+            step, state_opt = build_sized_variant(name, size, batch, seq, precision)
         except Exception as err:  # an optional peer (DeepSpeed) that cannot run here
             if not name.startswith("ds_"):
                 raise
@@ -443,7 +451,7 @@ def run_sized(args, size: str) -> dict:
         raise SystemExit(f"--variants {','.join(unknown)}: choose from {','.join(SIZED_VARIANTS)}")
     variants = [v for v in SIZED_VARIANTS if v in chosen and (not v.startswith("ds_") or deepspeed_available())]
     print(f"\n== plugins on the {size} Llama (hidden {MODEL_SIZES[size][0]}, {MODEL_SIZES[size][1]} layers, vocab 8192): "
-          f"2 gloo ranks x 1 thread, {args.batch_sized} x {args.seq_sized} tokens/rank, AdamW fp32, clip 1.0, "
+          f"2 gloo ranks x 1 thread, {args.batch_sized} x {args.seq_sized} tokens/rank, AdamW {args.precision_sized}, clip 1.0, "
           f"median of steps 2..{args.steps_sized}, {args.launches} launch(es) ==", flush=True)
     if not deepspeed_available():
         print("   DeepSpeed not installed: its ZeRO-1/2 columns are left out (optional peer)", flush=True)
@@ -453,7 +461,7 @@ def run_sized(args, size: str) -> dict:
         load0 = _loadavg()
         t0 = time.perf_counter()
         per_rank = spawn(rank_sized, 2, order, size, args.batch_sized, args.seq_sized, args.steps_sized,
-                         timeout=3600, threads=1)
+                         args.precision_sized, timeout=3600, threads=1)
         print(f"   launch {i + 1}: {time.perf_counter() - t0:.0f} s, load average {load0} -> {_loadavg()}", flush=True)
         launches.append(per_rank)
     rows = {}
@@ -490,7 +498,7 @@ def run_sized(args, size: str) -> dict:
     if busy:
         print(f"   measured under load ({busy}): other processes shared the cores; compare ratios, and re-measure "
               "on a quiet machine before quoting times", flush=True)
-    return {"size": size, "rows": rows, "busy": busy, "steps": args.steps_sized, "launches": args.launches,
+    return {"size": size, "precision": args.precision_sized, "rows": rows, "busy": busy, "steps": args.steps_sized, "launches": args.launches,
             "batch_per_rank": args.batch_sized, "seq": args.seq_sized}
 
 
@@ -673,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=None,
                         help=f"models part: comma-separated subset of {','.join(SIZED_VARIANTS)}")
     parser.add_argument("--batch-sized", type=int, default=4, help="models part: sequences per rank")
+    parser.add_argument("--precision-sized", choices=("fp32", "bf16"), default="fp32",
+                        help="models part: fp32, or bf16 compute with fp32 masters (meant for a CPU with native bf16)")
     parser.add_argument("--seq-sized", type=int, default=64, help="models part: tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="plugins: micro-batch per rank")
     parser.add_argument("--seq", type=int, default=128, help="plugins: sequence length")

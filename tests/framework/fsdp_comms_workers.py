@@ -17,7 +17,9 @@ def compare_with_torch_collectives() -> dict[str, float]:
     want = torch.empty(37 * world)
     dist.all_gather_into_tensor(want, shard, group=group)
     got = torch.full((37 * world,), float("nan"))
-    assert BroadcastAllGather()(got, shard, group) is None
+    work = BroadcastAllGather()(got, shard, group)
+    assert isinstance(work, dist.Work)  # FSDP2 waits on a Work before it reads the output
+    work.wait()
     out["all_gather"] = (got - want).abs().max().item()
     for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
         full = torch.randn(world * 41, generator=gen)

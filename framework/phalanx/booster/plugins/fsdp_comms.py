@@ -7,8 +7,12 @@ against one broadcast per rank 2 × 24. The ZeRO plugin already reduces and publ
 these classes give FSDP2 the same through its public hooks (`set_custom_reduce_scatter`,
 `set_custom_all_gather`). NCCL keeps FSDP2's own collectives: there the real ones are the fast ones.
 
-Both run synchronously (they return no work handle), which FSDP2 treats as a finished
-collective; on CPU FSDP2 has no side streams to overlap with anyway.
+The reduce-scatter runs synchronously (FSDP2 reads its output right away on CPU). The all-gather
+returns a work handle (`_Works`, the broadcasts still in flight), which FSDP2 waits on only when it
+copies the result out: with each block set to prefetch the next one's parameters
+(`prefetch_next_blocks`), block i+1's all-gather runs in gloo's thread while block i computes, the
+overlap FSDP2 gets from side streams on a GPU. On CPU without it, every block waited for its own
+gather on the compute thread (the large bench model's forward: 1,321 ms against DDP's 750).
 """
 from __future__ import annotations
 
@@ -38,20 +42,33 @@ class AllReduceScatter(DefaultReduceScatter):
         return None
 
 
+class _Works(dist.Work):
+    """Several collectives' handles as one: FSDP2 waits on a `dist.Work` before it reads an
+    all-gather's output (`foreach_all_gather_copy_out`)."""
+
+    def __init__(self, works: list[dist.Work]):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
 class BroadcastAllGather(DefaultAllGather):
     """All-gather as one broadcast per rank of its shard into its slot of the output (the output
-    is the ranks' shards back to back, as `all_gather_single` lays them out)."""
+    is the ranks' shards back to back, as `all_gather_single` lays them out). Returns the
+    broadcasts' handles unwaited, whatever `async_op` says: FSDP2 waits on them before it reads
+    the output, so a prefetched block's gather overlaps the current block's compute."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         slots = output_tensor.view(world, -1)
         slots[rank].copy_(input_tensor.view(-1))
-        works = [dist.broadcast(slots[i], src=dist.get_global_rank(group, i), group=group, async_op=True)
-                 for i in range(world)]
-        for work in works:
-            work.wait()
-        return None
+        return _Works([dist.broadcast(slots[i], src=dist.get_global_rank(group, i), group=group, async_op=True)
+                       for i in range(world)])
 
 
 def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup) -> bool:
@@ -61,4 +78,17 @@ def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup) ->
     for module in modules:
         module.set_custom_reduce_scatter(AllReduceScatter())
         module.set_custom_all_gather(BroadcastAllGather())
+    return True
+
+
+def prefetch_next_blocks(blocks: list[FSDPModule]) -> bool:
+    """Each block prefetches the next one's parameters in forward (FSDP2's explicit prefetch; its
+    backward already prefetches in reverse forward order). Only for flat blocks, run in list order
+    (a decoder's layers): for nested blocks (a UNet's) the list order is not the run order, and a
+    wrong prefetch would only gather early. True if set."""
+    nested = {id(m) for block in blocks for m in block.modules() if m is not block}
+    if len(blocks) < 2 or any(id(block) in nested for block in blocks):
+        return False
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
     return True
