@@ -14,7 +14,7 @@ import train_helpers as th
 from phalanx.checkpoint import list_checkpoints, load_hf_state_dict, verify_manifest
 from phalanx.checkpoint.writer import CheckpointWriter
 from phalanx.observe import read_metrics
-from phalanx.testing import tiny_llama
+from phalanx.testing import spawn, tiny_llama
 from phalanx.train import fit
 
 
@@ -99,3 +99,30 @@ def test_failed_background_write_leaves_the_previous_checkpoint(tmp_path, monkey
     assert "step-00000002 was NOT saved" in warning and "No space left on device" in warning
     assert "step-00000001 is intact" in warning
     assert len(read_metrics(result.metrics_path)) >= 3
+
+
+def test_async_save_on_two_ranks_spreads_the_model_copy_and_writes_the_same_model(tmp_path):
+    """DDP, ZeRO-2, FSDP and Gemini hand every rank every gathered tensor, so an asynchronous save
+    keeps its copy of the model spread: each rank about half of it (at most half plus one tensor),
+    written as one file each of a sharded export that equals the synchronous save's model and
+    opens with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    plugins = ("ddp", "zero2", "fsdp", "gemini")
+    per_rank = spawn(th.rank_async_spread, 2, str(tmp_path), plugins, timeout=600)
+    for name in plugins:
+        runs = per_rank[0][name]
+        assert runs["async"]["losses"] == runs["sync"]["losses"], name
+        assert runs["sync"]["held"] == []  # synchronous saves stream; nothing is kept
+        for rank_runs in (per_rank[0][name], per_rank[1][name]):
+            for record in rank_runs["async"]["held"]:  # one per checkpoint
+                assert 0 < record["kept"] <= record["total"] / 2 + record["biggest"], (name, record)
+                assert record["files"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+        for step in (2, 4):
+            a, b = (Path(runs[mode]["root"]) / "checkpoints" / f"step-{step:08d}" for mode in ("async", "sync"))
+            verify_manifest(a)
+            ta, tb = _tensors(a), _tensors(b)
+            assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), (name, step)
+        opened = AutoModelForCausalLM.from_pretrained(str(a / "model"))
+        saved = load_hf_state_dict(b / "model")
+        assert all(torch.equal(opened.state_dict()[k], v) for k, v in saved.items()), name

@@ -106,6 +106,45 @@ def rank_each_plugin(output_root: str, plugins: tuple[str, ...], steps: int = 4)
     return out
 
 
+def rank_async_spread(output_root: str, plugins: tuple[str, ...], steps: int = 4):
+    """Per plugin, the same run saved synchronously and asynchronously; records what each rank's
+    spread copy of the model held (`phalanx.checkpoint.hf.spread_model_copy`)."""
+    import phalanx.checkpoint.writer as writer
+    from phalanx.train import fit
+
+    real = writer.spread_model_copy
+    held: list[dict] = []
+
+    def recording(model, pairs, rank, world):
+        biggest = [0]
+
+        def measured():
+            for name, tensor in pairs:
+                biggest[0] = max(biggest[0], tensor.numel() * tensor.element_size())
+                yield name, tensor
+        spread = real(model, measured(), rank, world)
+        held.append({"kept": sum(t.numel() * t.element_size() for t in spread.tensors.values()),
+                     "total": spread.total_bytes, "biggest": biggest[0], "files": sorted(set(spread.files.values()))})
+        return spread
+
+    writer.spread_model_copy = recording
+    out = {}
+    try:
+        for name in plugins:
+            runs = {}
+            for mode in ("sync", "async"):
+                held.clear()
+                cfg = config(Path(output_root) / name / mode, max_steps=steps, micro_batch_size=2, plugin=name,
+                             save_every=2, async_save=mode == "async")
+                result = fit(cfg, tiny_llama(seed=0), ArithmeticSequences())
+                runs[mode] = {"losses": result.losses, "root": str(Path(output_root) / name / mode),
+                              "held": list(held)}
+            out[name] = runs
+    finally:
+        writer.spread_model_copy = real
+    return out
+
+
 HYBRID_LAYOUTS = {  # name: (plugin options, padded data?)
     "tp2": (dict(tp_size=2), True),
     "pp2": (dict(pp_size=2, num_microbatches=2, pp_schedule="1f1b"), True),

@@ -178,7 +178,15 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor] | Iterab
         writer.add(name, tensor)
         del tensor
     stats = writer.finish()
-    if is_hf:
+    _write_metadata(model, directory, written_dtype, tokenizer)
+    return stats
+
+
+def _write_metadata(model: nn.Module, directory: Path, written_dtype: torch.dtype | None, tokenizer) -> None:
+    """config.json (and generation_config.json) of a transformers model, and the tokenizer."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
         config = copy.deepcopy(model.config)
         config.dtype = str(written_dtype or model.dtype).split(".")[1]
         config.architectures = [type(model).__name__.removeprefix("FSDP")]
@@ -187,7 +195,83 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor] | Iterab
             model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return stats
+
+
+@dataclass
+class SpreadModelCopy:
+    """A copy of the full model held across the ranks for a background write: every rank keeps
+    the tensors it will write (about 1/N of the model) and knows which file each tensor goes to.
+    `write_spread_model` writes them as one Hugging Face sharded export, a file per owning rank."""
+
+    files: dict[str, str]                 # tensor name -> file name, the same on every rank
+    tensors: dict[str, torch.Tensor]      # this rank's tensors (copies)
+    total_bytes: int
+    numel: int
+    dtype: torch.dtype | None             # the first floating tensor's, as config.json records it
+
+
+def spreads(model: nn.Module) -> bool:
+    """Whether a model's export can be spread over the ranks (not when transformers renames or
+    fuses its weights on save: that writer needs the whole state dict)."""
+    from transformers import PreTrainedModel
+    return not (isinstance(model, PreTrainedModel) and _needs_transformers_writer(model))
+
+
+def spread_model_copy(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], rank: int,
+                      world: int) -> SpreadModelCopy:
+    """Walk `(name, full tensor)` pairs that EVERY rank receives (a plugin's
+    `iter_full_model_state` where `full_state_on_every_rank`): each tensor goes to the rank that
+    holds the fewest bytes so far (every rank makes the same choice), which keeps a copy. Tied
+    aliases and ignored keys are dropped as `save_hf_model` drops them."""
+    from transformers import PreTrainedModel
+
+    aliases = _alias_names(model)
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or []) if isinstance(model, PreTrainedModel) else set()
+    held = [0] * world
+    owner_of: dict[str, int] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    numel, dtype = 0, None
+    for name, tensor in pairs:
+        if name in aliases or name in ignored:
+            continue
+        size = tensor.numel() * tensor.element_size()
+        owner = min(range(world), key=lambda r: (held[r], r))
+        held[owner] += size
+        owner_of[name] = owner
+        numel += tensor.numel()
+        if dtype is None and tensor.is_floating_point():
+            dtype = tensor.dtype
+        if owner == rank:
+            tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        del tensor
+    owners = sorted(set(owner_of.values()))
+    if len(owners) <= 1:
+        files = {name: SINGLE for name in owner_of}
+    else:
+        file_of = {r: f"model-{i:05d}-of-{len(owners):05d}.safetensors" for i, r in enumerate(owners, start=1)}
+        files = {name: file_of[r] for name, r in owner_of.items()}
+    return SpreadModelCopy(files=files, tensors=tensors, total_bytes=sum(held), numel=numel, dtype=dtype)
+
+
+def write_spread_model(model: nn.Module | None, spread: SpreadModelCopy, directory: str | Path, rank: int,
+                       tokenizer=None) -> None:
+    """This rank's file of a `SpreadModelCopy` (no collectives: safe in a background thread); rank
+    0 (which passes the unwrapped `model`) also writes the index, config.json and the tokenizer.
+    The directory is complete once every rank has written, which the checkpoint commit checks."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if spread.tensors:
+        mine = {spread.files[name] for name in spread.tensors}
+        (file,) = mine
+        save_file(spread.tensors, str(directory / file), metadata={"format": "pt"})
+    if rank == 0:
+        if len(set(spread.files.values())) > 1:
+            index = {"metadata": {"total_size": spread.total_bytes, "total_parameters": spread.numel},
+                     "weight_map": dict(sorted(spread.files.items()))}
+            (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        _write_metadata(model, directory, spread.dtype, tokenizer)
 
 
 def _save_with_transformers(model, state_dict: dict[str, torch.Tensor], directory: Path, size: int,

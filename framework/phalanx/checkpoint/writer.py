@@ -7,8 +7,11 @@ A save has two halves:
    state into host memory (copies when the write is asynchronous, so training may change the live
    tensors), and let hooks (EMA) write their part. A synchronous save streams the model instead:
    the plugin gathers one tensor at a time and rank 0 writes the safetensors files as they fill
-   (`phalanx.checkpoint.hf`), so no rank ever holds the whole model; an asynchronous one keeps a
-   copy of the whole model on rank 0 until its background write;
+   (`phalanx.checkpoint.hf`), so no rank ever holds the whole model. An asynchronous one keeps a
+   copy until its background write, spread over the ranks where every rank receives the gathered
+   tensors (DDP, ZeRO, FSDP, Gemini: `Plugin.full_state_on_every_rank`): each rank keeps about
+   1/N of the model and writes it as one file of the sharded export (`hf.spread_model_copy`);
+   otherwise (HybridParallelPlugin, models transformers renames on save) rank 0 keeps all of it;
 2. **write and commit** (no collectives): each rank writes its files into the temporary directory
    and reports "ok" or its error through the process group's key-value store; rank 0 waits for
    every report, then writes the manifest and renames the directory into place (or deletes it if
@@ -39,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.checkpoint.atomic import CheckpointError, commit_directory
-from phalanx.checkpoint.hf import quiet_hf_progress, save_hf_model
+from phalanx.checkpoint.hf import (SpreadModelCopy, quiet_hf_progress, save_hf_model, spread_model_copy, spreads,
+                                   write_spread_model)
 from phalanx.checkpoint.optimizer import INDEX as OPTIM_INDEX
 from phalanx.checkpoint.optimizer import fragment_index, fragment_tensors
 from phalanx.checkpoint.train_state import TrainState, list_checkpoints, rng_state, write_rng_state
@@ -69,7 +73,8 @@ class _Snapshot:
     tmp: Path
     token: str
     model: Any = None            # rank 0: the unwrapped model (its config is saved with the weights)
-    model_state: dict[str, torch.Tensor] | None = None  # rank 0, asynchronous saves
+    model_state: dict[str, torch.Tensor] | None = None  # rank 0, asynchronous saves that cannot spread
+    model_spread: SpreadModelCopy | None = None          # every rank, other asynchronous saves
     model_written: bool = False  # synchronous saves: the model was streamed into tmp already
     tokenizer: Any = None
     optim_file: str = ""
@@ -182,11 +187,17 @@ class CheckpointWriter:
             snap.tokenizer = tokenizer
         shared_error = snap.error  # the same on every rank (broadcast above): collectives follow it
         if copy:
-            # Asynchronous: rank 0 keeps a copy of the whole model until the background write.
-            state = self.booster.plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
-            if self.rank == 0:
-                snap.model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-            del state
+            # Asynchronous: a copy of the model until the background write, spread over the ranks
+            # where the plugin hands every rank every tensor, else whole on rank 0.
+            plugin = self.booster.plugin
+            if plugin.full_state_on_every_rank and spreads(unwrap_model(model)):
+                snap.model_spread = spread_model_copy(unwrap_model(model), plugin.iter_full_model_state(model),
+                                                      self.rank, self.world)  # collective
+            else:
+                state = plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
+                if self.rank == 0:
+                    snap.model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+                del state
         if optimizer is not None:
             frags = self.booster._optimizer_fragments(optimizer)
             snap.optim_file, snap.optim_tensors, local = fragment_tensors(frags, self.rank, copy=copy)
@@ -224,7 +235,10 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ the writer (maybe a thread)
     def _write_files(self, snap: _Snapshot) -> None:
         """This rank's files, no collectives."""
-        if self.rank == 0 and not snap.model_written:
+        if snap.model_spread is not None:
+            with quiet_hf_progress():
+                write_spread_model(snap.model, snap.model_spread, snap.tmp / MODEL_DIR, self.rank, tokenizer=snap.tokenizer)
+        elif self.rank == 0 and not snap.model_written:
             with quiet_hf_progress():
                 save_hf_model(snap.model, snap.model_state, snap.tmp / MODEL_DIR, tokenizer=snap.tokenizer)
         optim_dir = snap.tmp / OPTIM_DIR
@@ -267,7 +281,7 @@ class CheckpointWriter:
                                                       else "") + (" in the background" if self.async_write else ""))
             else:
                 self.log.warning(self.failure_message(self._outcome))
-        snap.model_state = None
+        snap.model_state = snap.model_spread = None
         snap.optim_tensors = {}
 
     def _commit(self, snap: _Snapshot, store: dist.Store, prefix: str) -> dict[str, Any]:

@@ -41,6 +41,10 @@ class Plugin(ABC):
     # True when the boosted model's forward computes the causal-LM loss from `labels` itself
     # (vocabulary-parallel, sequence-aware): phalanx.train then uses it, not its fused-head wrapper.
     model_computes_causal_lm_loss: bool = False
+    # True when `iter_full_model_state` hands every rank every full tensor (not only rank 0): an
+    # asynchronous checkpoint then keeps its copy of the model spread over the ranks (1/N each,
+    # `phalanx.checkpoint.hf.spread_model_copy`) instead of whole on rank 0.
+    full_state_on_every_rank: bool = False
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None):
         self.precision = check_precision(precision)

@@ -36,6 +36,7 @@ class DDPPlugin(Plugin):
     world is the data-parallel mean over replicas."""
 
     name = "ddp"
+    full_state_on_every_rank = True
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, static_graph: bool = False, ranks_per_replica: int = 1):

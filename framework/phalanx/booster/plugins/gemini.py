@@ -55,6 +55,7 @@ class GeminiPlugin(Plugin):
     optimizer step reads `disk_prefetch` chunks ahead and writes each back after its update."""
 
     name = "gemini"
+    full_state_on_every_rank = True
 
     def __init__(self, placement_policy: str = "auto", device_memory_budget: str | int | None = None,
                  shard_param_frac: float = 1.0, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,

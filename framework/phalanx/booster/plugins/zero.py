@@ -32,6 +32,8 @@ class ZeroPlugin(Plugin):
     """ZeroPlugin(stage=2, precision="bf16", reduce_bucket_mb=25, overlap_communication=True,
     cpu_offload=False, max_norm=1.0, overlap_param_gather=False, grad_collective="auto")."""
 
+    full_state_on_every_rank = True
+
     def __init__(self, stage: int = 2, precision: str = "fp32", reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
                  overlap_param_gather: bool = False, grad_collective: str = "auto"):
