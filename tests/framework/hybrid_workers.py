@@ -389,3 +389,200 @@ def precision_suite(families=("llama", "gpt2"), layout: dict | None = None, laye
                 "saved_dtype": str(state[next(iter(ref["start"]))].dtype),
             }
     return out
+
+
+# ---------------------------------------------------------------------- the streamed save
+
+
+def legacy_full_state_dict(booster, model) -> dict[str, torch.Tensor]:
+    """The hybrid save before it streamed, kept as the reference the streamed export must equal bit
+    for bit: the whole state gathered over tp on every rank (fp32 masters where the optimizer keeps
+    them), with pp each stage's dict pickled to pipeline rank 0 (`gather_object`)."""
+    from phalanx.booster.plugins.hybrid.boost import hybrid_state
+    from phalanx.shard.optim import HybridZeroOptimizer
+    from phalanx.shard.state import full_state_dict
+
+    plugin = booster.plugin
+    boosted = hybrid_state(model)
+    hf = model.unwrapped
+    optimizer = boosted.optimizer
+    by_id = {}
+    if isinstance(optimizer, HybridZeroOptimizer):
+        by_id = optimizer.full_master_weights()
+    elif optimizer is not None:
+        by_id = {pid: m.detach() for pid, m in optimizer.master_of.items()}
+    masters = {n: by_id[id(p)] for n, p in hf.named_parameters(remove_duplicate=False) if id(p) in by_id}
+    state = full_state_dict(hf, boosted.plan, masters)
+    if plugin.pp_size == 1:
+        return state
+    state = {boosted.tied_aliases.get(n, n): t for n, t in state.items()}
+    if plugin.dp_rank or plugin.sp_rank or plugin.tp_rank:
+        return state
+    parts = [None] * plugin.pp_size if plugin.pp_rank == 0 else None
+    dist.gather_object(state, parts, dst=dist.get_global_rank(plugin.pp_group, 0), group=plugin.pp_group)
+    return {k: v for part in parts for k, v in part.items()} if parts else state
+
+
+class ObjectCollectivesRefused(RuntimeError):
+    pass
+
+
+def _refuse_object_collectives():
+    """Patch every torch.distributed call that pickles (the *_object* collectives and the helper
+    they share) to raise; returns the undo function."""
+    import torch.distributed.distributed_c10d as c10d
+
+    names = ("gather_object", "all_gather_object", "broadcast_object_list", "scatter_object_list",
+             "send_object_list", "recv_object_list")
+    saved = [(mod, n, getattr(mod, n)) for mod in (dist, c10d) for n in names + ("_object_to_tensor",)
+             if hasattr(mod, n)]
+
+    def refuse(*args, **kwargs):
+        raise ObjectCollectivesRefused("a pickled object crossed ranks during the model save")
+
+    for mod, n, _ in saved:
+        setattr(mod, n, refuse)
+
+    def undo():
+        for mod, n, original in saved:
+            setattr(mod, n, original)
+    return undo
+
+
+def _bytes_in_files(pattern) -> int:
+    """Tensor bytes in the writer's finished files (named *.safetensors.part until the end)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for part in pattern() for t in load_file(part).values())
+
+
+def watched_stream(stream, seen: dict, parts=None):
+    """Walk the plugin's stream with object collectives refused while it computes each tensor, and
+    count how many of the tensors it yielded earlier are still alive when it yields the next (the
+    writer keeps only its own detached copies, so a stream that holds one tensor at a time leaves
+    none alive; one that built a dict first leaves them all). With `parts` (the writer's finished
+    files), also what the writer holds, counted from outside: bytes handed over minus bytes in
+    its files."""
+    import weakref
+
+    refs = []
+    handed = 0
+    while True:
+        undo = _refuse_object_collectives()
+        try:
+            item = next(stream)
+        except StopIteration:
+            return
+        finally:
+            undo()
+        seen["alive_max"] = max(seen.get("alive_max", 0), sum(r() is not None for r in refs))
+        seen["count"] = seen.get("count", 0) + 1
+        seen.setdefault("names", []).append(item[0])
+        seen["largest"] = max(seen.get("largest", 0), item[1].numel() * item[1].element_size())
+        refs.append(weakref.ref(item[1]))
+        if parts is not None:
+            seen["held_max"] = max(seen.get("held_max", 0), handed - _bytes_in_files(parts))
+            handed += item[1].numel() * item[1].element_size()
+        yield item
+        del item
+
+
+def _differences(got: dict, want: dict, keys) -> list[str]:
+    """Names whose tensors are not bit-identical (value and dtype), or missing."""
+    return [k for k in keys if k not in got or k not in want or got[k].dtype != want[k].dtype
+            or not torch.equal(got[k], want[k])]
+
+
+SAVE_SHARD_BYTES = 4000  # the streamed-save tests' max_shard_size: many files for the tiny models
+
+
+def stream_save_suite(directory: str, layouts: dict, families=("llama", "gpt2")) -> dict:
+    """For each save layout and family: one AdamW step, the legacy gathered state dict, then
+    `Booster.save_model` streamed with no pickle allowed while the model is gathered and the
+    stream watched on the writer; the export against the legacy dict (bit for bit), the new
+    `full_model_state_dict` against it on every rank, `from_pretrained` of the export, and the
+    export loaded into another layout (`layouts[name]["load_into"]`) and gathered back; models of
+    `layouts[name].get("layers", 2)` decoder layers."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.checkpoint.hf import _alias_names, load_hf_state_dict
+
+    rank = dist.get_rank()
+    out: dict = {}
+    for name, spec in layouts.items():
+        save_layout, load_layout = dict(spec["save"]), dict(spec["load_into"])
+        layers = spec.get("layers", 2)
+        for family in families:
+            booster, model, optimizer = boost(family, save_layout, kind="adamw", layers=layers)
+            train_steps(booster, model, optimizer, hm.tokens(family, steps=1))
+            legacy = legacy_full_state_dict(booster, model)
+            new = booster.plugin.full_model_state_dict(model)
+            plugin = booster.plugin
+            seen: dict = {}
+            original = plugin.iter_full_model_state
+            # every rank: no pickle while the stream computes a tensor; the writer also watches it
+            parent = Path(directory) / name
+            parts = (lambda: parent.glob(f"{family}.tmp-*/*.safetensors.part")) if rank == 0 else None
+            plugin.iter_full_model_state = lambda m: watched_stream(original(m), seen, parts)
+            path = f"{directory}/{name}/{family}"
+            booster.save_model(model, path, max_shard_size=SAVE_SHARD_BYTES)
+            plugin.iter_full_model_state = original
+            r = {"new_vs_legacy": _differences(new, legacy, set(new) | set(legacy))}
+            if rank == 0:
+                export = load_hf_state_dict(path)
+                reference = hm.build(family, layers=layers)
+                aliases = _alias_names(reference)
+                want_keys = set(reference.state_dict()) - aliases
+                r["tensors"] = len(want_keys)
+                r["in_model_order"] = seen["names"] == [k for k in reference.state_dict() if k not in aliases]
+                r["export_keys_missing"] = sorted(want_keys - set(export))
+                r["export_keys_extra"] = sorted(set(export) - want_keys)
+                r["export_vs_legacy"] = _differences(export, legacy, sorted(export))
+                r["stream"] = seen
+                r["files"] = len(list(Path(path).glob("*.safetensors")))
+                loaded = AutoModelForCausalLM.from_pretrained(path)
+                loaded_state = loaded.state_dict()
+                r["from_pretrained_vs_export"] = _differences(loaded_state, export, sorted(export))
+                tied = getattr(reference.config, "tie_word_embeddings", False)
+                r["tied_on_load"] = (not tied) or loaded.get_output_embeddings().weight is \
+                    loaded.get_input_embeddings().weight
+            # any layout loads any other: the export into another layout, gathered back
+            booster2, model2, _ = boost(family, load_layout, kind="adamw", seed=99, layers=layers)
+            booster2.load_model(model2, path)
+            back = booster2.plugin.full_model_state_dict(model2)
+            if rank == 0:
+                r["reloaded_vs_export"] = _differences(back, export, sorted(export))
+            out.setdefault(name, {})[family] = r
+            dist.barrier()
+    return out
+
+
+def save_peak_suite(directory: str, layout: dict, hidden: int = 256, layers: int = 8, vocab: int = 1024,
+                    shard_bytes: int = 2**20) -> dict:
+    """The resident memory the hybrid save adds at its peak on each rank (`peak_memory`: the
+    kernel's high-water mark, so no transient is missed), for a Llama of many mid-sized tensors
+    (8 layers of hidden 256: 6.3M parameters, 24.1 MiB in fp32, the largest tensors 1 MiB):
+    `Booster.save_model` streamed with 1 MiB files, and the gather the old save began with
+    (`legacy_full_state_dict`, before any file was written). None where it cannot be measured."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import peak_memory
+
+    if not peak_memory.available():
+        return None
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=688, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    booster, model, _ = boost("llama", layout, model=model, kind="adamw")
+    out = {"model": sum(sizes), "largest": max(sizes), "shard": shard_bytes}
+    dist.barrier()
+    out["streamed"] = peak_memory.peak_added(
+        lambda: booster.save_model(model, f"{directory}/streamed", max_shard_size=shard_bytes))
+    dist.barrier()
+    out["legacy_gather"] = peak_memory.peak_added(lambda: legacy_full_state_dict(booster, model))
+    return out

@@ -2,7 +2,8 @@
 
 - `full_state_dict`: the Hugging Face state dict (full shapes, original names; fused GPT-2 QKV
   put back in [q | k | v] order, vocabulary padding removed), gathered over the tensor-parallel
-  group. `local_state_dict`: the inverse, this rank's pieces of a full state dict.
+  group; `full_tensor` does it for one tensor (the streamed save gathers one at a time).
+  `local_state_dict`: the inverse, this rank's pieces of a full state dict.
 - `to_full_fragments`: optimizer-state fragments written in this rank's local coordinates (by
   `phalanx.zero.checkpoint.zero_fragments` or `fragments_from_full_state`) turned into ranges of the
   flattened *full* parameter, the format every plugin reads. The tensor-parallel ranks send their
@@ -32,22 +33,25 @@ def _gather_pieces(local: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
     return parts
 
 
+def full_tensor(name: str, local: torch.Tensor, plan: TPPlan) -> torch.Tensor:
+    """The full tensor `name` (on the CPU, not sharing memory with `local`) from this rank's piece
+    `local`: gathered over the tensor-parallel group when the plan splits it (a collective over
+    that group: every rank calls it for the same name), else a copy. Holds one tensor's pieces."""
+    spec = plan.spec(name)
+    if spec.is_sharded and plan.size > 1:
+        full = spec.unshard(_gather_pieces(local, plan), plan.params[name].full_shape).detach().cpu()
+        # a vocabulary cut of the padded gather is a view of it: keep only its own elements
+        return full.clone() if full.untyped_storage().nbytes() > full.numel() * full.element_size() else full
+    return local.detach().cpu().clone()
+
+
 def full_state_dict(model: torch.nn.Module, plan: TPPlan, values: dict[str, torch.Tensor] | None = None,
                     ) -> dict[str, torch.Tensor]:
     """Full tensors (on the CPU) for every key of `model.state_dict()`; `values` overrides the
     local value of a parameter (e.g. the fp32 master of a bf16 model). A collective over the
     tensor-parallel group; every rank gets the whole dict."""
     values = values or {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        local = values.get(name, tensor)
-        spec = plan.spec(name)
-        if spec.is_sharded and plan.size > 1:
-            full = spec.unshard(_gather_pieces(local, plan), plan.params[name].full_shape)
-        else:
-            full = local
-        out[name] = full.detach().cpu().clone()
-    return out
+    return {name: full_tensor(name, values.get(name, tensor), plan) for name, tensor in model.state_dict().items()}
 
 
 def local_state_dict(plan: TPPlan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

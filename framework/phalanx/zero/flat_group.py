@@ -23,7 +23,7 @@ from torch import nn
 
 from phalanx.zero import comm
 from phalanx.zero.offload import HostStore
-from phalanx.zero.partition import FlatLayout
+from phalanx.zero.partition import FlatLayout, Slot
 
 
 class FlatParamGroup:
@@ -45,18 +45,29 @@ class FlatParamGroup:
         self.store = store
         self.host = torch.device("cpu") if store is not None else self.device
 
-        self.flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for slot, p in zip(self.layout.slots, params):
-                view = self.flat[slot.offset:slot.end]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
+        self.flat = self._flatten(params)
         lo, hi = self.shard_range
         master = self._fp32_shard()
         master.copy_(self.flat[lo:hi])
         self.master = nn.Parameter(master)
         self._written: set[int] = set()  # starts of the ranges of master.grad written since the step
         self._grad_storage: torch.Tensor | None = None  # master.grad's memory, kept between steps
+
+    def _flatten(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The flat buffer, filled parameter by parameter, each parameter's own memory released as
+        soon as it is copied (its `.data` becomes the view). The buffer is allocated uninitialised
+        (only the padding is zeroed): on the CPU its pages become resident as they are written, so
+        the build peaks at the model plus one parameter, not twice the model (a zeroed buffer is
+        resident at once, while every original still is). On a GPU the allocation is resident at
+        once either way."""
+        flat = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        flat[self.layout.numel:].zero_()
+        with torch.no_grad():
+            for slot, p in zip(self.layout.slots, params):
+                view = flat[slot.offset:slot.end]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)
+        return flat
 
     def _fp32_shard(self) -> torch.Tensor:
         if self.store is not None:
@@ -167,6 +178,17 @@ class FlatParamGroup:
         else:
             comm.wait(comm.all_gather_into(full, shard, self.group, "zero.gather_master"), "zero.gather_master")
         return full[:self.layout.numel].cpu()
+
+    def gather_master_slot(self, slot: Slot) -> torch.Tensor:
+        """The full fp32 master of one parameter (flat, on the CPU): each rank that owns part of it
+        broadcasts that part. A collective over the group (every rank calls it for the same slot);
+        a streamed save gathers one parameter at a time with it."""
+        own_lo, _ = self.shard_range
+        ranges = [(a - slot.offset, b - slot.offset) for a, b in self.layout.split_by_rank(slot.offset, slot.end)]
+        a, b = ranges[self.rank]
+        mine = self.master.detach()[a + slot.offset - own_lo:b + slot.offset - own_lo] if a < b else None
+        full = torch.empty(slot.numel, dtype=torch.float32, device=self.device)
+        return comm.assemble_from_owners(full, ranges, mine, self.rank, self.group, "zero.gather_master_param").cpu()
 
     def load_master(self, full_values: dict[int, torch.Tensor]) -> None:
         """Set this rank's master slice from full parameter values keyed by position in the group

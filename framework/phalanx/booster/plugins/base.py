@@ -12,7 +12,7 @@ A plugin decides how the model, optimizer and data are spread over ranks. It imp
     must be complete);
   * `iter_full_model_state(model)`: the same, one `(name, full tensor)` at a time, so that a save
     holds one tensor (not the model) on each rank (a collective: every rank consumes all of it;
-    only rank 0's values must be complete). The DDP, ZeRO, FSDP and Gemini plugins stream (their
+    only rank 0's values must be complete). The DDP, ZeRO, FSDP, Gemini and hybrid plugins stream (their
     `full_model_state_dict` is `dict(iter_full_model_state(model))`); the default walks
     `full_model_state_dict`;
   * `load_full_model_state_dict(model, state_dict)`: every rank passes the full state dict;

@@ -119,7 +119,8 @@ class ZeroPlugin(Plugin):
             if place is None:
                 yield name, value.detach().cpu().clone()
             else:
-                yield name, _gather_master_slot(*place).view(value.shape)
+                group, slot = place
+                yield name, group.gather_master_slot(slot).view(value.shape)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return dict(self.iter_full_model_state(model))
@@ -140,17 +141,6 @@ class ZeroPlugin(Plugin):
 
     def load_optimizer_fragments(self, optimizer: ZeroOptimizer, reader: FragmentReader) -> None:
         load_zero_fragments(optimizer, reader)
-
-
-def _gather_master_slot(group, slot) -> torch.Tensor:
-    """The full fp32 master of one parameter of a `FlatParamGroup` (flat, on the CPU): each rank
-    that owns part of it broadcasts that part. A collective over the group's ranks."""
-    own_lo, _ = group.shard_range
-    ranges = [(a - slot.offset, b - slot.offset) for a, b in group.layout.split_by_rank(slot.offset, slot.end)]
-    a, b = ranges[group.rank]
-    mine = group.master.detach()[a + slot.offset - own_lo:b + slot.offset - own_lo] if a < b else None
-    full = torch.empty(slot.numel, dtype=torch.float32, device=group.device)
-    return comm.assemble_from_owners(full, ranges, mine, group.rank, group.group, "zero.gather_master_param").cpu()
 
 
 def _read_fp32_masters(optimizer: ZeroOptimizer, source) -> None:

@@ -1,7 +1,21 @@
 """HybridParallelPlugin's checkpoint hooks: the full model in Hugging Face layout (gathered over
 tp, and over pp from each stage's rank) and optimizer fragments keyed by full-parameter ranges,
-so any plugin and layout loads them (`phalanx.shard.state`)."""
+so any plugin and layout loads them (`phalanx.shard.state`).
+
+The full model streams (`iter_full_model_state`), one tensor at a time, in an order every rank
+computes alike (the model's parameter order, `_Entry.order`). For each tensor, the ranks of the
+pipeline stage that holds it gather its fp32 master over the data × sequence ranks (ZeRO) and its
+tensor-parallel pieces: that tensor only. A tensor of another stage is sent by that stage's
+(dp0, sp0, tp0) rank to the writer (global rank 0) with a point-to-point send of the tensor; the
+writer knows its name, full shape and dtype from a manifest that rank sent once per save (JSON
+text in a uint8 tensor). A tied embedding is written once, from the first stage. No pickle on the
+way; the writer holds one tensor at a time (plus what `save_hf_model` buffers for its file).
+"""
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,40 +27,156 @@ from phalanx.booster.state import BoostedState
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
 from phalanx.launch import collective
+from phalanx.pipeline import tie_aliases
 from phalanx.pipeline.params import with_tied_aliases
 from phalanx.shard.optim import HybridZeroOptimizer
-from phalanx.shard.state import LocalFragmentReader, full_state_dict, local_state_dict, to_full_fragments
+from phalanx.shard.state import LocalFragmentReader, full_tensor, local_state_dict, to_full_fragments
 from phalanx.zero.checkpoint import load_zero_fragments, zero_fragments
+
+WRITER = 0  # the global rank that writes the export (`phalanx.booster.booster.write_streamed_model`)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the full state dict, as every rank that takes part in its save knows it."""
+
+    name: str                       # a tied parameter's first name
+    shape: tuple[int, ...]          # full (unsharded) shape
+    dtype: torch.dtype              # of the saved value (a parameter's fp32 master when there is one)
+    order: tuple[int, int, int]     # (position in the model's parameters, pipeline rank, position there)
+
+    def to_json(self) -> list:
+        return [self.name, list(self.shape), str(self.dtype).removeprefix("torch."), list(self.order)]
+
+    @classmethod
+    def from_json(cls, item: list) -> "_Entry":
+        name, shape, dtype, order = item
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"save manifest: {name} has unknown dtype {dtype!r}")
+        return cls(name, tuple(shape), getattr(torch, dtype), tuple(order))
+
+
+class _Masters:
+    """The fp32 master value of a parameter, when the optimizer keeps one: under ZeRO gathered
+    over the data × sequence group for that parameter only (a collective), else the stage-0
+    optimizer's master copy."""
+
+    def __init__(self, optimizer, hf: nn.Module, device: torch.device):
+        self.device = device
+        self.slots: dict[str, tuple] = {}
+        self.copies: dict[str, torch.Tensor] = {}
+        if optimizer is None:
+            return
+        params = dict(hf.named_parameters(remove_duplicate=False))
+        if isinstance(optimizer, HybridZeroOptimizer):
+            optimizer.wait_for_params()
+            where = {id(p): (g, slot) for g in optimizer.flat_groups if g is not None
+                     for slot, p in zip(g.layout.slots, g.params)}
+            self.slots = {n: where[id(p)] for n, p in params.items() if id(p) in where}
+        else:
+            self.copies = {n: optimizer.master_of[id(p)].detach() for n, p in params.items()
+                           if id(p) in optimizer.master_of}
+
+    def dtype(self, name: str, tensor: torch.Tensor) -> torch.dtype:
+        if name in self.slots:
+            return torch.float32
+        return self.copies[name].dtype if name in self.copies else tensor.dtype
+
+    def value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.slots:
+            group, slot = self.slots[name]
+            return group.gather_master_slot(slot).view(tensor.shape).to(self.device)
+        return self.copies.get(name, tensor)
+
+
+def _send_bytes(data: bytes, dst: int, device: torch.device) -> None:
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
+    dist.send(payload, dst)
+
+
+def _recv_bytes(src: int, device: torch.device) -> bytes:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, src)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src)
+    return payload.cpu().numpy().tobytes()
 
 
 class HybridCheckpointIO:
     """The checkpoint hooks of HybridParallelPlugin (plugin.py), whose ranks and groups they read."""
 
-    def _masters(self, state: BoostedState, model: nn.Module) -> dict[str, torch.Tensor]:
-        """fp32 master values of this rank's pieces, by parameter name (all aliases)."""
-        optimizer = state.optimizer
+    # ------------------------------------------------------------------ the full model, streamed
+    def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, full CPU tensor)`, one at a time (see the module docstring). A collective: every
+        rank walks it to the end. The writer (global rank 0) gets every tensor of the model; the
+        other ranks get those of their own stages."""
+        boosted = hybrid_state(model)
         hf = unwrap_model(model)
-        if optimizer is None:
-            return {}
-        if isinstance(optimizer, HybridZeroOptimizer):
-            by_id = optimizer.full_master_weights()
-        else:
-            by_id = {pid: m.detach() for pid, m in optimizer.master_of.items()}
-        return {n: by_id[id(p)] for n, p in hf.named_parameters(remove_duplicate=False) if id(p) in by_id}
+        masters = _Masters(boosted.optimizer, hf, self.device)
+        local = self._local_entries(boosted, hf, masters)
+        is_writer = dist.get_rank() == WRITER
+        stage_head = self.pp_rank > 0 and not (self.dp_rank or self.sp_rank or self.tp_rank)
+        remote: list[tuple[_Entry, int]] = []  # the writer: tensors other stages send, and from where
+        if self.pp_size > 1:
+            with collective("pp.save_manifest"):
+                if is_writer:
+                    remote = self._receive_manifests()
+                elif stage_head:
+                    sent = [e.to_json() for e, _, _, send in local if send]
+                    _send_bytes(json.dumps(sent).encode(), WRITER, self.device)
+        work = [(e, (name, tensor, send)) for e, name, tensor, send in local] + [(e, src) for e, src in remote]
+        for entry, source in sorted(work, key=lambda item: item[0].order):
+            if isinstance(source, int):  # the writer, a tensor of another stage
+                value = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                with collective("pp.recv_state"):
+                    dist.recv(value, source)
+                value = value.cpu()
+            else:
+                name, tensor, send = source
+                value = full_tensor(name, masters.value(name, tensor), boosted.plan)
+                if send and stage_head:
+                    with collective("pp.send_state"):
+                        dist.send(value.to(self.device).contiguous(), WRITER)
+            yield entry.name, value
+            del value
+
+    def _local_entries(self, boosted: BoostedState, hf: nn.Module, masters: _Masters
+                       ) -> list[tuple[_Entry, str, torch.Tensor, bool]]:
+        """This rank's tensors (its stages'), each under its first name once: its entry, its name
+        and value here (the last stage holds a tied embedding under its second name), and whether
+        its stage sends it to the writer (not the last stage's copy of a tied embedding: the first
+        stage's is written)."""
+        aliases = {**tie_aliases(hf), **boosted.tied_aliases}
+        position = {name: i for i, name in enumerate(boosted.plan.params)}
+        holds_first = boosted.pipeline is None or any(s.is_first for s in boosted.pipeline.stages)
+        out, seen, last = [], set(), -1
+        for i, (name, tensor) in enumerate(hf.state_dict().items()):
+            first = aliases.get(name, name)
+            if first in seen:
+                continue
+            seen.add(first)
+            last = position.get(first, last)  # a buffer goes after the parameter before it
+            entry = _Entry(first, tuple(boosted.plan.full_shape(name, tensor)), masters.dtype(name, tensor),
+                           (last, self.pp_rank, i))
+            out.append((entry, name, tensor, holds_first or first not in boosted.tied))
+        return out
+
+    def _receive_manifests(self) -> list[tuple[_Entry, int]]:
+        """The writer: every other stage's list of the tensors it will send, with its global rank."""
+        remote = []
+        for r in range(1, self.pp_size):
+            src = dist.get_global_rank(self.pp_group, r)
+            remote += [(_Entry.from_json(item), src) for item in json.loads(_recv_bytes(src, self.device))]
+        return remote
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        boosted = hybrid_state(model)
-        state = full_state_dict(unwrap_model(model), boosted.plan, self._masters(boosted, model))
+        """`iter_full_model_state` as a dict (complete on the writer). Without pp, a tied
+        parameter also appears under its second name, as in the model's own state dict."""
+        state = dict(self.iter_full_model_state(model))
         if self.pp_size == 1:
-            return state
-        aliases = boosted.tied_aliases
-        state = {aliases.get(n, n): t for n, t in state.items()}
-        if self.dp_rank or self.sp_rank or self.tp_rank:
-            return state
-        parts = [None] * self.pp_size if self.pp_rank == 0 else None
-        with collective("pp.gather_state"):
-            dist.gather_object(state, parts, dst=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()} if parts else state
+            state = with_tied_aliases(tie_aliases(unwrap_model(model)), state)
+        return state
 
     def check_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         from phalanx.checkpoint.hf import check_state_dict_matches
