@@ -2,6 +2,7 @@
 
     python -m apps.chat_rlhf.grpo --config apps/chat_rlhf/configs/grpo_arithmetic.yaml train.max_steps=20
     phalanx run -n 2 -m apps.chat_rlhf.grpo --config ... train.plugin=fsdp
+    phalanx run -n 4 -m apps.chat_rlhf.grpo --config ... train.plugin=hybrid "train.plugin_options={tp_size: 2}"
 
 One optimizer step (inside `phalanx.train.fit`, which brings the layout, checkpoints, resume and
 logging): each rank takes its micro-batch of prompts, samples `n` completions per prompt on its
@@ -9,6 +10,10 @@ colocated engine, scores them, turns rewards into advantages, recomputes the sam
 log-probs with the trainer (the stale-weight guard compares them with the engine's), and takes
 the clipped policy-gradient loss against the engine's log-probs; after the step `RLHook` copies
 the new weights into the engine. The variants are options of `grpo:` (see `GRPOSettings`).
+
+Under `train.plugin=hybrid` (tensor parallelism, pp_size=1) the engine runs tensor-parallel over
+the trainer's tp group, the ranks of one tp group are one data replica (same prompts, same seeds,
+the same rollout), and every count is summed once per replica (`DataReplicas`).
 """
 from __future__ import annotations
 
@@ -189,14 +194,45 @@ def global_sum(values: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
-def gather_rewards(rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """All ranks' [P, n] rewards stacked (equal P on every rank: fit's sampler drops the remainder),
-    and where this rank's rows start; batch-level baselines and scales need the global batch."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return rewards, 0
-    parts = [torch.empty_like(rewards) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, rewards.contiguous())
-    return torch.cat(parts), dist.get_rank() * rewards.shape[0]
+@dataclass(frozen=True)
+class DataReplicas:
+    """The run's data replicas: every rank alone (DDP, ZeRO, FSDP, Gemini), or under tensor
+    parallelism each group of `tp` consecutive ranks (tp is the innermost mesh dimension), whose
+    ranks are given the same prompts and hold the same rollout. Sums count each replica once."""
+
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def count(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def rank(self) -> int:
+        return (dist.get_rank() if dist.is_initialized() else 0) // self.tp
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return [v / self.tp for v in global_sum(values)]
+
+    def gather(self, rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """All replicas' [P, n] rewards stacked (equal P on every rank: fit's sampler drops the
+        remainder), and where this replica's rows start; batch-level baselines need the global batch."""
+        if self.world == 1:
+            return rewards, 0
+        parts = [torch.empty_like(rewards) for _ in range(self.world)]
+        dist.all_gather(parts, rewards.contiguous())
+        return torch.cat(parts[::self.tp]), self.rank * rewards.shape[0]
+
+    def check_layout(self, model: torch.nn.Module) -> None:
+        """The boosted layout is the one these replicas assume (fit shards prompts by its dp rank)."""
+        from phalanx.train import data_replica
+        if data_replica(model) != (self.rank, self.count):
+            raise RuntimeError(f"the training layout puts this rank in data replica {data_replica(model)} (rank, "
+                               f"count) but the rollouts assume {(self.rank, self.count)} (tp_size={self.tp}, tp "
+                               "innermost); GRPO supports tensor parallelism with pp_size=1 and sp_size=1 only")
 
 
 def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_new: int, penalty: float, buffer: int
@@ -223,6 +259,7 @@ class GRPOLoss:
         self.guard = LogProbGap(settings.max_logprob_gap, settings.gap_jump)
         self.stats = StepStats()
         self.step = 0  # the last completed optimizer step (RLHook keeps it)
+        self.replicas = DataReplicas()  # build_run sets the tensor-parallel size of the layout
 
     def rollout_and_score(self, batch: dict):
         """Sample `n` completions per prompt of the batch on the engine and score them:
@@ -247,7 +284,8 @@ class GRPOLoss:
         truncated = torch.tensor(rollout.truncated)
         scores = scores + overlong_shaping(lengths, truncated, s.max_new_tokens, s.overlong_penalty, s.overlong_buffer)
         grouped = scores.view(len(indices), n)
-        everyone, start = gather_rewards(grouped)
+        replicas = self.replicas
+        everyone, start = replicas.gather(grouped)
         adv = L.group_advantages(everyone, baseline=s.baseline, scale=s.scale)[start:start + len(indices)].reshape(-1)
         zero = L.zero_spread_groups(grouped)
         keep_seq = (~zero).repeat_interleave(n) if s.dynamic_sampling else torch.ones(len(scores), dtype=torch.bool)
@@ -262,8 +300,8 @@ class GRPOLoss:
         engine_lp = padded(rollout.engine_logprobs, logp.shape[1]).to(dev)
         raw_mask = tb["completion_mask"].float()
         local_gap = float(((logp.detach() - engine_lp).abs() * raw_mask).sum())
-        tokens, kept_tokens, kept_seqs, gap_sum = global_sum([raw_mask.sum().item(), mask.sum().item(),
-                                                              float(keep_seq.sum()), local_gap])
+        tokens, kept_tokens, kept_seqs, gap_sum = replicas.sum([raw_mask.sum().item(), mask.sum().item(),
+                                                                float(keep_seq.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
         loss, clip = L.policy_loss(logp, engine_lp, adv.to(dev).float(), mask, clip_low=s.clip_low,
@@ -277,15 +315,14 @@ class GRPOLoss:
             loss = loss + self.kl.value * L.aggregate(kl, mask, s.aggregation, token_total=max(kept_tokens, 1.0),
                                                        seq_total=max(kept_seqs, 1.0))
             kl_sum = float((kl.detach() * raw_mask).sum())
-        # fit averages gradients over data-parallel ranks; the totals above are global, so scale back up.
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        # fit averages gradients over data-parallel replicas; the totals above are global, so scale back up.
         st.add(samples=len(scores), reward_sum=float(scores.sum()), reward_sq_sum=float((scores ** 2).sum()),
                groups=len(indices), zero_spread_groups=float(zero.sum()), completion_tokens=float(lengths.sum()),
                truncated=float(truncated.sum()), entropy_sum=float(entropy.sum()), kl_sum=kl_sum,
                tokens=float(raw_mask.sum()), clipped_low=float(clip["clipped_low"]),
                clipped_high=float(clip["clipped_high"]), gap_sum=local_gap,
                generate_s=rollout.generate_s, score_s=score_s)
-        return loss * world
+        return loss * replicas.count
 
 
 class RLHook:
@@ -303,6 +340,7 @@ class RLHook:
 
     def bind(self, model) -> None:
         self.model = model
+        self.loss.replicas.check_layout(model)
         if self.engine is not None:
             self.engine.sync(model)
 
@@ -318,8 +356,9 @@ class RLHook:
         elapsed = time.perf_counter() - (st.started or time.perf_counter())
         train_s = elapsed - st.values["generate_s"] - st.values["score_s"]
         sync_s = self.engine.sync(self.model) if self.engine is not None else 0.0
-        v = dict(zip(StepStats.KEYS, global_sum([st.values[k] for k in StepStats.KEYS])))
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        replicas = self.loss.replicas
+        v = dict(zip(StepStats.KEYS, replicas.sum([st.values[k] for k in StepStats.KEYS])))
+        world = replicas.count
         samples, tokens = max(v["samples"], 1.0), max(v["tokens"], 1.0)
         mean = v["reward_sum"] / samples
         record = {
@@ -366,11 +405,13 @@ class RLHook:
 def heldout_eval(engine: RolloutEngine, records: Sequence[dict], prompt_ids: Sequence[list[int]], rewards: RewardSet
                  ) -> Callable[[Any, int], dict]:
     """eval_fn: greedy answers from the engine (which holds the latest weights), scored by the rewards;
-    each rank scores its share, counts are summed. `heldout_number_first` is the share of replies that
-    open with a number (the answer format the demo teaches), whatever the number."""
+    each data replica (a rank, or a tensor-parallel group) scores its share, counts are summed.
+    `heldout_number_first` is the share of replies that open with a number (the answer format the
+    demo teaches), whatever the number."""
+    replicas = DataReplicas(engine.tp_size)
+
     def run(model=None, step: int = 0) -> dict:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mine = list(range(rank, len(records), world))
+        mine = list(range(replicas.rank, len(records), replicas.count))
         correct = total = number_first = 0.0
         if mine:
             out = engine.generate([prompt_ids[i] for i in mine], 1, greedy=True)
@@ -378,7 +419,7 @@ def heldout_eval(engine: RolloutEngine, records: Sequence[dict], prompt_ids: Seq
                                 [records[i].get("ground_truth") for i in mine])
             correct, total = float(scores.sum()), float(len(mine))
             number_first = float(sum(bool(_NUMBER_FIRST.match(t)) for t in out.texts))
-        correct, total, number_first = global_sum([correct, total, number_first])
+        correct, total, number_first = replicas.sum([correct, total, number_first])
         return {"heldout_reward": correct / max(total, 1.0), "heldout_n": total,
                 "heldout_number_first": number_first / max(total, 1.0)}
     return run
@@ -441,13 +482,30 @@ class GRPORun:
             self.hook.close()
 
 
+def rollout_tp_size(train: TrainConfig) -> int:
+    """The engine's tensor-parallel size: the policy's under `plugin=hybrid`, else 1. Refuses the
+    hybrid layouts a colocated engine cannot follow, before any work."""
+    if train.plugin != "hybrid":
+        return 1
+    opts = train.plugin_options
+    tp, pp, sp = (int(opts.get(k, 1)) for k in ("tp_size", "pp_size", "sp_size"))
+    if pp > 1:
+        raise ConfigError(f"train.plugin_options.pp_size={pp}: online RL rolls out on an engine colocated with the "
+                          "policy, which needs every layer on each rank of its tensor-parallel group, while a pipeline "
+                          "rank holds only its stages (and the rollout loss calls the model directly, not through "
+                          "execute_pipeline); use pp_size=1 with tp_size and data parallelism")
+    if sp > 1 or opts.get("sequence_parallelism"):
+        raise ConfigError(f"train.plugin_options sp_size={sp}, sequence_parallelism="
+                          f"{opts.get('sequence_parallelism')!r}: GRPO's completion batches are short and of any "
+                          "length; sequence parallelism is not wired for online RL: use tp_size (and dp) only")
+    return tp
+
+
 def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     from .models import load_policy, load_tokenizer, train_top_layers
     from phalanx.launch import context
     context()
-    if cfg.train.plugin == "hybrid":
-        raise ConfigError("train.plugin=hybrid: online RL here trains with data-parallel layouts (ddp, zero1, zero2, "
-                          "fsdp, gemini); tensor/pipeline-parallel training of the policy is not wired yet")
+    tp_size = rollout_tp_size(cfg.train)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     model = model if model is not None else load_policy(cfg.model)
     train_top_layers(model, cfg.train_layers)
@@ -460,7 +518,7 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     engine = RolloutEngine.build(model, tokenizer, max_new_tokens=s.max_new_tokens, max_model_len=e.max_model_len,
                                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=cfg.train.seed,
                                  max_num_seqs=e.max_num_seqs, block_size=e.block_size,
-                                 kv_cache_memory_gib=e.kv_cache_memory_gib)
+                                 kv_cache_memory_gib=e.kv_cache_memory_gib, tp_size=tp_size)
     engine.check_prompts(train_ids, "training prompt")
     engine.check_prompts(heldout_ids, "held-out prompt")
     reference = None
@@ -474,6 +532,7 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loss = GRPOLoss(s, train_records, train_ids, rewards, rollout_fn, pad, reference=reference, seed=cfg.train.seed)
+    loss.replicas = DataReplicas(tp_size)
     hook = RLHook(loss, engine, cfg.train.output_dir)
     return GRPORun(cfg, model, tokenizer, engine, loss, hook, train_records, heldout_records, heldout_ids, rewards)
 

@@ -3,9 +3,12 @@
 Each training process owns an `LLM.from_model` engine over its policy. After every optimizer step
 `WeightSync` copies the new weights into the engine in memory (never through disk), from whatever
 layout trains them: a DDP/ZeRO replica, FSDP2's DTensors (gathered with `full_tensor()`, a
-collective every rank joins) or a tensor-parallel model (the engine takes full tensors and slices
-its shard). The `n` samples of a prompt are queued together, so with prefix caching they share
-the prompt's full KV blocks.
+collective every rank joins) or a tensor-parallel model. Under HybridParallelPlugin (tp_size > 1)
+the engine itself runs tensor-parallel over the training layout's own tp group (`TPGroup.adopt`),
+and each rank copies its training shards straight into its engine shards
+(`phalanx.inference.weights.tp_shard_source`): only the token embedding, which the engine keeps
+whole and the trainer splits by vocabulary, is gathered, one tensor at a time. The `n` samples
+of a prompt are queued together, so with prefix caching they share the prompt's full KV blocks.
 
 The engine returns each sampled token's log-probability under the model's *raw* distribution
 (before temperature / top-k / top-p): that is what the importance ratio compares with the
@@ -14,6 +17,7 @@ engine generated with stale or wrong weights, and the run stops with a message.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -61,15 +65,24 @@ class RolloutEngine:
     top_k: int = 0
     seed: int = 0
     sync_s: float = field(default=0.0)
+    gathered: list[str] = field(default_factory=list)  # weights the last tensor-parallel sync gathered
 
     @classmethod
     def build(cls, model: torch.nn.Module, tokenizer, *, max_new_tokens: int, max_model_len: int,
               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-              max_num_seqs: int = 64, block_size: int = 16, kv_cache_memory_gib: float = 0.5) -> "RolloutEngine":
+              max_num_seqs: int = 64, block_size: int = 16, kv_cache_memory_gib: float = 0.5,
+              tp_size: int = 1) -> "RolloutEngine":
+        """`model`: the full (not yet boosted) policy. `tp_size` > 1: the engine is split over groups of
+        tp_size consecutive ranks, as the training mesh's tp dimension is; the first `sync` after
+        boosting moves it onto the trainer's own tp group."""
         llm = LLM.from_model(model, tokenizer, max_num_seqs=max_num_seqs, block_size=block_size,
                              max_model_len=max_model_len, kv_cache_memory_gib=kv_cache_memory_gib,
-                             dtype="float32", enable_prefix_caching=True, seed=seed)
+                             dtype="float32", enable_prefix_caching=True, seed=seed, tp_size=tp_size)
         return cls(llm, max_new_tokens, temperature, top_p, top_k, seed)
+
+    @property
+    def tp_size(self) -> int:
+        return self.llm.tp.size
 
     def check_prompts(self, prompts: Sequence[list[int]], what: str = "prompt") -> None:
         """Refuse, before any work, a prompt that cannot get max_new_tokens within max_model_len."""
@@ -85,6 +98,8 @@ class RolloutEngine:
                  greedy: bool = False, max_new_tokens: int | None = None) -> Rollout:
         """n samples per prompt; `seeds[i * n + j]` seeds sample j of prompt i (exact replay on resume)."""
         self.check_prompts(prompts)
+        if self.tp_size > 1:
+            self._check_same_requests(prompts, n, seeds, greedy, max_new_tokens)
         t0 = time.perf_counter()
         flat = [list(p) for p in prompts for _ in range(n)]
         params = [SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens,
@@ -98,13 +113,72 @@ class RolloutEngine:
                        truncated=[o.finish_reason == "length" for o in outs], n=n,
                        generate_s=time.perf_counter() - t0)
 
+    def _check_same_requests(self, prompts, n, seeds, greedy, max_new_tokens) -> None:
+        """The ranks of a tensor-parallel engine are one data replica: the driver samples for all of
+        them, so they must ask for the same prompts, seeds and lengths (else a rank would silently
+        train on another rank's rollouts). One 32-byte all-gather per call."""
+        digest = hashlib.sha256(repr((list(map(list, prompts)), n, None if seeds is None else list(map(int, seeds)),
+                                      greedy, max_new_tokens)).encode()).digest()
+        mine = torch.tensor(list(digest), dtype=torch.int32, device=self.llm.device)
+        parts = [torch.empty_like(mine) for _ in range(self.tp_size)]
+        torch.distributed.all_gather(parts, mine, group=self.llm.tp.group)
+        if any(not torch.equal(p, parts[0]) for p in parts):
+            raise RuntimeError("the tensor-parallel ranks of one rollout engine asked for different rollouts (prompts, "
+                               "seeds or lengths): under tensor parallelism every rank of a tp group must be given "
+                               "the same prompts (one data replica) and the same sampling seeds")
+
     def sync(self, model: torch.nn.Module) -> float:
-        """Copy the trained weights into the engine (in memory); returns the seconds it took."""
+        """Copy the trained weights into the engine (in memory); returns the seconds it took.
+
+        Under HybridParallelPlugin each rank moves its own training shards into its engine shards
+        over the trainer's tp group (the first sync adopts that group); otherwise the state dict
+        is read whole (DDP/ZeRO replicas; FSDP2 DTensors gathered one at a time)."""
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.llm.load_weights(model.state_dict(), strict=True)
+            plan = tensor_parallel_plan(model)
+            if plan is not None:
+                self.load_tp_shards(model, plan)
+            else:
+                if self.tp_size > 1:
+                    raise ValueError(f"this engine runs tensor-parallel (tp_size={self.tp_size}) but the model was not "
+                                     "boosted by HybridParallelPlugin with that tp_size")
+                self.llm.load_weights(_weights_of(model), strict=True)
         self.sync_s = time.perf_counter() - t0
         return self.sync_s
+
+    def load_tp_shards(self, model: torch.nn.Module, plan) -> list[str]:
+        """Shard-to-shard copy from a tensor-parallel trainer; returns the names it had to gather."""
+        from phalanx.booster.plugins.base import unwrap_model
+        from phalanx.inference.weights import tp_shard_source
+        if plan.size != self.tp_size:
+            raise ValueError(f"the policy trains with tp_size={plan.size} but the engine runs tp_size={self.tp_size}; "
+                             "build the engine with the training layout's tp_size")
+        if self.llm.tp.group is not plan.group:
+            self.llm.tp.adopt(plan.group)
+        source = tp_shard_source(unwrap_model(model), plan, self.llm.runner.model)
+        self.llm.load_weights(source, strict=True)
+        self.gathered = source.gathered
+        return source.gathered
+
+
+def _weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict to read whole: the user's model under HybridParallelPlugin(tp_size=1) (its
+    wrapper's names carry the plugin's module path), the boosted model's otherwise."""
+    from phalanx.booster.plugins.base import unwrap_model
+    from phalanx.booster.state import boosted_state
+    state = boosted_state(model)
+    return unwrap_model(model).state_dict() if getattr(state, "plan", None) is not None else model.state_dict()
+
+
+def tensor_parallel_plan(model: torch.nn.Module):
+    """The `TPPlan` of a model boosted by HybridParallelPlugin with tp_size > 1 (None otherwise)."""
+    from phalanx.booster.state import boosted_state
+    state = boosted_state(model)
+    if state is not None and state.pipeline is not None:
+        raise ValueError("a pipeline-parallel policy (pp_size > 1) holds only its stages on each rank; the colocated "
+                         "engine needs every layer: train with pp_size=1")
+    plan = state.plan if state is not None else None
+    return plan if plan is not None and plan.size > 1 else None
 
 
 def completion_batch(prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], pad_id: int

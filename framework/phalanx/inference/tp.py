@@ -5,6 +5,10 @@ TP=1 needs no process group at all. For TP>1 the engine joins the group `phalanx
 `phalanx.mesh.build_mesh`, so several TP replicas can run side by side. Rank 0 of the group is the
 *driver*: it owns the scheduler, the sampler and the draft model, and broadcasts each step's
 inputs to the other ranks, which only run the model (see `model_runner`).
+
+A trainer that already holds a tensor-parallel group (HybridParallelPlugin's, for RLHF rollouts
+colocated with training) hands it to its engine with `TPGroup.adopt`, so the engine's collectives
+run on the very group the training shards live on.
 """
 from __future__ import annotations
 
@@ -39,6 +43,21 @@ class TPGroup:
                              f"{tp_size} processes")
         self.rank = dist.get_rank(self.group)
         self.driver = dist.get_global_rank(self.group, 0)
+
+    def adopt(self, group) -> None:
+        """Run over `group` from now on: an existing process group with the same ranks as this
+        one (e.g. the tp group of the training layout). Call it on every rank of the group, with
+        no request in flight."""
+        if self.size == 1:
+            raise ValueError("a tp_size=1 engine has no tensor-parallel group to replace")
+        ranks = dist.get_process_group_ranks(group)
+        mine = dist.get_process_group_ranks(self.group)
+        if ranks != mine:  # same ranks in the same order: each keeps the shard it holds
+            raise ValueError(f"the engine's tensor-parallel ranks {mine} differ from the group it is given {ranks}: "
+                             "build the engine with the training layout's tp_size")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.driver = dist.get_global_rank(group, 0)
 
     @property
     def is_driver(self) -> bool:

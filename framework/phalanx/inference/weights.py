@@ -6,6 +6,11 @@ with a dim, only that slice of it: safetensors files are read slice by slice (a 
 only its shard), in-memory tensors are narrowed views. Names are normalised so a state dict from
 `LlamaForCausalLM` (or any supported family's model), its inner base model, a DDP/`torch.compile` wrapper or an FSDP2 model
 (DTensors are gathered with `full_tensor()`) all load.
+
+`tp_shard_source` feeds an engine from a tensor-parallel *trainer* (HybridParallelPlugin) over the
+same group: each rank copies its own training shard straight into its engine shard wherever the
+two layouts cut a weight the same way, and gathers, one tensor at a time, only the weights they
+cut differently (see its docstring).
 """
 from __future__ import annotations
 
@@ -37,8 +42,22 @@ def _narrow(tensor: torch.Tensor) -> Reader:
     return read
 
 
-def state_dict_source(state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+class ReaderSource:
+    """Weights already given as `(name, Reader)` pairs: `state_dict_source` (and so
+    `LLM.load_weights`) passes them through unchanged. Iterate it once."""
+
+    def __init__(self, pairs: Iterable[tuple[str, Reader]]) -> None:
+        self.pairs = pairs
+
+    def __iter__(self) -> Iterator[tuple[str, Reader]]:
+        return iter(self.pairs)
+
+
+def state_dict_source(state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | ReaderSource
                       ) -> Iterator[tuple[str, Reader]]:
+    if isinstance(state_dict, ReaderSource):
+        yield from state_dict
+        return
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
@@ -123,3 +142,96 @@ def load_weights(model, source: Iterable[tuple[str, Reader]], *, strict: bool) -
         if missing:
             raise ValueError(f"{len(missing)} weight(s) missing from the checkpoint, e.g. {missing[:4]}")
     return loaded
+
+
+# -- from a tensor-parallel trainer -----------------------------------------------------------------
+def _local_offset(spec, full_shape, rank: int, tp: int, dim: int | None, start: int, length: int) -> int | None:
+    """Where the full-tensor range [start, start + length) along `dim` lies in this rank's training
+    piece (its sections side by side, each padded to its chunk), or None when the piece does not
+    hold all of it."""
+    if dim is None or dim != spec.dim:
+        return None
+    at = 0
+    for lo, hi, pad in spec.slices(full_shape, rank, tp):
+        if lo <= start and start + length <= hi:
+            return at + start - lo
+        at += hi - lo + pad
+    return None
+
+
+class TPShardSource(ReaderSource):
+    """`tp_shard_source`'s readers; `gathered` names the weights that had to be gathered."""
+
+    def __init__(self, pairs: Iterable[tuple[str, Reader]], gathered: list[str]) -> None:
+        super().__init__(pairs)
+        self.gathered = gathered
+
+
+def tp_shard_source(model: torch.nn.Module, plan, engine_model) -> TPShardSource:
+    """The weights of `model`, split by a tensor-parallel trainer as `plan` (a
+    `phalanx.shard.TPPlan`) records, for an engine model (`DecoderModel`) whose tensor-parallel
+    rank and size are the plan's. A collective over `plan.group`: every rank of it calls this and
+    iterates the result in full.
+
+    For each weight the engine's targets (`weight_targets`) say which ranges of the full tensor
+    this rank needs. Where the training piece on this rank holds them (attention heads and MLP
+    features are cut into the same contiguous blocks by both, the vocabulary of the LM head into
+    the same padded blocks), the reader is a view of the training piece: no communication, no
+    copy. Otherwise (the engine keeps the token embedding whole, the trainer splits it by
+    vocabulary; or any layout the two do not share) that one weight is all-gathered over the
+    group, unsharded, copied, and dropped before the next: the extra memory is one full tensor at
+    a time. The choice is made once per call from every rank's view (one small all-reduce), so
+    the ranks always join the same gathers.
+    """
+    import torch.distributed as dist
+
+    if (plan.rank, plan.size) != (engine_model.tp_rank, engine_model.tp_size):
+        raise ValueError(f"the trainer's tensor-parallel rank {plan.rank} of {plan.size} is not the engine's "
+                         f"{engine_model.tp_rank} of {engine_model.tp_size}: build the engine over the same group")
+    state = model.state_dict()
+    sharded = [name for name, t in state.items() if plan.size > 1 and plan.spec(name).is_sharded]
+    local_ok = []
+    for name in sharded:
+        spec, full_shape = plan.spec(name), plan.params[name].full_shape
+        try:
+            targets = [] if normalize_name(name).endswith(_IGNORED_SUFFIXES) else \
+                engine_model.weight_targets(normalize_name(name))
+        except KeyError:
+            targets = []  # load_weights names it as unknown
+        local_ok.append(all(_local_offset(spec, full_shape, plan.rank, plan.size, t[1], t[2], t[3]) is not None
+                            for t in targets))
+    if sharded:  # the same decision on every rank, or the gathers below would not pair up
+        flags = torch.tensor(local_ok, dtype=torch.int32)
+        device = next((t.device for t in state.values()), torch.device("cpu"))
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=plan.group)
+        local_ok = [bool(f) for f in flags.tolist()]
+    gather = {name for name, ok in zip(sharded, local_ok) if not ok}
+
+    def shard_reader(name: str, piece: torch.Tensor) -> Reader:
+        spec, full_shape = plan.spec(name), plan.params[name].full_shape
+
+        def read(dim: int | None, start: int, length: int) -> torch.Tensor:
+            offset = _local_offset(spec, full_shape, plan.rank, plan.size, dim, start, length)
+            if offset is None:
+                raise RuntimeError(f"{name}: the engine asked for {length} rows at {start} of dim {dim}, which this "
+                                   "rank's training shard does not hold")
+            return piece.narrow(dim, offset, length)
+        return read
+
+    def pairs() -> Iterator[tuple[str, Reader]]:
+        for name, tensor in state.items():
+            tensor = tensor.detach()
+            if name in gather:
+                parts = [torch.empty_like(tensor) for _ in range(plan.size)]
+                dist.all_gather(parts, tensor.contiguous(), group=plan.group)
+                full = plan.spec(name).unshard(parts, plan.params[name].full_shape)
+                del parts
+                yield name, _narrow(full)
+                del full  # one gathered tensor alive at a time
+            elif plan.size > 1 and plan.spec(name).is_sharded:
+                yield name, shard_reader(name, tensor)
+            else:
+                yield name, _narrow(tensor)
+
+    return TPShardSource(pairs(), sorted(gather))
