@@ -131,7 +131,7 @@ def _measured(config: dict, steps: int = 3) -> dict:
            "params": sum(p.numel() for p in model.unwrapped.parameters()),
            "accounted_host": m.tiers.peak_host, "disk_bytes": m.tiers.bytes["disk"],
            "on_disk": sum(c.optim_tier == "disk" for c in m.chunks), "chunks": len(m.chunks),
-           "host_tensors": 5 * len(m.chunks)}
+           "host_tensors": 4 * len(m.chunks)}  # at most: shard (= master), gradient, moments
     if m.disk is not None:
         out["disk_stats"] = dict(m.disk.store.stats)
     del booster, plugin, model, opt, loss

@@ -252,19 +252,19 @@ def test_resident_device_memory_stays_within_the_budget(measured):
 
     On a CPU-only machine Gemini's host tier is a pool of shared pages (`phalanx.hostmem`), so the
     kernel's RssAnon is the "device": gathered chunks, gradient buffers, activations, every
-    temporary. A 7.3M-parameter model (146 MB of weights, fp32 masters, Adam moments, gradients)
+    temporary. A 7.3M-parameter model (116 MB of weights that are their own fp32 masters, Adam moments, gradients)
     trains under a 32 MiB budget; without a budget the same run holds all of it."""
     if "skip" in measured:
         pytest.skip(measured["skip"])
     bounded, unbounded = measured["budget"], measured["unbounded"]
     numels = bounded["numels"]
-    model_data = 20 * sum(numels)  # fp32: weight, master, exp_avg, exp_avg_sq, gradient
+    model_data = 16 * sum(numels)  # fp32: weight (its own master), exp_avg, exp_avg_sq, gradient
     largest_chunk = 4 * max(int(gw.MEASURED_CHUNK_MB * MiB) // 4, max(numels))
     # What the budget does not cover: autograd's .grad of one parameter until Gemini's hook adds
     # it into the chunk's gradient buffer, and Adam's one temporary over a chunk (each at most a
     # chunk); a float64 block of the gradient norm; 2 MiB for the interpreter and the allocator.
     overhead = 2 * largest_chunk + 8 * NORM_BLOCK + 2 * MiB
-    assert model_data > 4 * bounded["budget"] and bounded["evictions"] > 0
+    assert model_data > 3 * bounded["budget"] and bounded["evictions"] > 0
     assert bounded["device"] <= bounded["budget"] + overhead, (bounded["device"] / MiB, bounded["budget"] / MiB)
     assert unbounded["device"] >= model_data  # the same measurement sees the model when it is on the device
     assert bounded["host"] >= model_data - bounded["budget"]  # with the budget, the rest is in the host pool

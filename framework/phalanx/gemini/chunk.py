@@ -8,10 +8,18 @@ it needs. `search_chunk_size` picks the size that wastes the least padding over 
 Each chunk is cut into `world` equal shards (`phalanx.zero.partition.FlatLayout`, with the
 padding as a last slot): rank r keeps shard r in the compute dtype (`shard`) and its fp32
 master copy with the Adam moments and the fp32 gradient (`master`, `exp_avg`, `exp_avg_sq`,
-`master_grad`; on the disk tier the first three are None between optimizer steps). A chunk that is not sharded (`shard_param_frac` < 1) has world 1 and every rank
-keeps all of it. While a module computes, the shards are all-gathered into `full` and the
-module's parameters are views of it; afterwards they point at a one-element placeholder that
-keeps their shape and dtype but no memory.
+`master_grad`; on the disk tier the first three are None between optimizer steps). A chunk that
+is not sharded (`shard_param_frac` < 1) has world 1 and every rank keeps all of it. While a
+module computes, the shards are all-gathered into `full` and the module's parameters are views
+of it; afterwards they point at a one-element placeholder that keeps their shape and dtype but
+no memory.
+
+In fp32 a separate master would be a bit-for-bit duplicate of the shard, so when the shard and
+the optimizer state live on the same memory tier the master IS the shard (one tensor,
+`master_is_shard`; `master_shares_shard` says when that holds). Moving one of them to another
+tier makes the master a real copy again; bringing them back together drops the copy (the
+values are equal: every write to a master is published to its shard at once). `SHARE_FP32_MASTER`
+turns this off (tests compare against the separate copies).
 
 State machine (`ChunkState`): FREE (only the shard exists) -> COMPUTE (gathered, a module is
 running) -> HOLD (gathered, nobody computing; forward is over) / HOLD_AFTER_BWD (some of its
@@ -25,8 +33,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from phalanx.gemini.tiers import HOST
+from phalanx.gemini.tiers import DISK, HOST
 from phalanx.zero.partition import FlatLayout
+
+
+SHARE_FP32_MASTER = True  # an fp32 chunk's master is its shard where both live on one tier
 
 
 class ChunkState(enum.Enum):
@@ -149,6 +160,19 @@ class Chunk:
 
     def optim_bytes(self) -> int:
         return 4 * 4 * self.shard_numel  # fp32 master, exp_avg, exp_avg_sq, gradient
+
+    def master_shares_shard(self, shard_tier: str, optim_tier: str) -> bool:
+        """Whether, with the shard on `shard_tier` and the optimizer state on `optim_tier`, the
+        fp32 master is the shard itself (fp32 compute, one tier, not the disk)."""
+        return SHARE_FP32_MASTER and self.dtype == torch.float32 and shard_tier == optim_tier != DISK
+
+    def shared_bytes(self, shard_tier: str, optim_tier: str) -> int:
+        """Bytes that `shard_bytes() + optim_bytes()` counts twice for this placement."""
+        return self.shard_bytes() if self.master_shares_shard(shard_tier, optim_tier) else 0
+
+    @property
+    def master_is_shard(self) -> bool:
+        return self.master is not None and self.master is self.shard
 
     def attach(self) -> None:
         """Point the parameters at their slices of the gathered buffer."""

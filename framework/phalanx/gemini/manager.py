@@ -98,7 +98,8 @@ class ChunkManager:
     # ------------------------------------------------------------------ storage
     def materialise(self, shard_tiers: Sequence[str], optim_tiers: Sequence[str], read=None) -> None:
         """Copy the parameters into their chunks' shards and create the fp32 masters and Adam
-        moments, each on its tier; the parameters become placeholders. A "disk" chunk's master
+        moments, each on its tier (an fp32 chunk whose shard and optimizer state share a tier:
+        the master is the shard); the parameters become placeholders. A "disk" chunk's master
         and moments are written to its file (`self.disk` must be set), its gradient is on the host.
 
         `read(name, param, a, b)` (a lazy model, whose parameters are on the meta device): elements
@@ -127,8 +128,11 @@ class ChunkManager:
                         chunk.exp_avg.zero_()
                         chunk.exp_avg_sq.zero_()
                 else:
-                    chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
-                    chunk.master.copy_(values)
+                    if chunk.master_shares_shard(st, ot):  # fp32: the shard holds the values already
+                        chunk.master = chunk.shard
+                    else:
+                        chunk.master = self.tiers.empty(ot, chunk.shard_numel, torch.float32)
+                        chunk.master.copy_(values)
                     chunk.exp_avg = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
                     chunk.exp_avg_sq = self.tiers.empty(ot, chunk.shard_numel, torch.float32, zero=True)
                 chunk.master_grad = self.tiers.empty(HOST if ot == DISK else ot, chunk.shard_numel, torch.float32,
@@ -165,18 +169,41 @@ class ChunkManager:
             yield chunk
 
     def move_shard(self, chunk: Chunk, tier: str) -> None:
-        if chunk.shard_tier != tier:
+        """Put the chunk's shard on `tier`. A shard that is its fp32 master leaves the master
+        where it is (the shard becomes a copy); one that joins its master there becomes the
+        master again (the copy is dropped: the two are equal, `publish` keeps them so)."""
+        if chunk.shard_tier == tier:
+            return
+        if chunk.master_is_shard:
+            chunk.shard = self.tiers.copy(chunk.shard, tier)
+        elif chunk.master is not None and chunk.master_shares_shard(tier, chunk.optim_tier):
+            self.tiers.drop(chunk.shard_tier, chunk.shard)
+            chunk.shard = chunk.master
+        else:
             chunk.shard = self.tiers.move(chunk.shard, chunk.shard_tier, tier)
-            chunk.shard_tier = tier
+        chunk.shard_tier = tier
 
     def move_optim(self, chunk: Chunk, tier: str) -> None:
+        """Put the chunk's optimizer state (master, moments, gradient) on `tier`; a master that is
+        the shard is copied (the shard stays), one that joins its shard there becomes it."""
         if chunk.optim_tier == tier:
             return
         if DISK in (chunk.optim_tier, tier):
             raise ValueError("disk-tier optimizer chunks stay on disk (the plugin decides that once, up front)")
-        for name in ("master", "exp_avg", "exp_avg_sq", "master_grad"):
+        for name in ("exp_avg", "exp_avg_sq", "master_grad"):
             setattr(chunk, name, self.tiers.move(getattr(chunk, name), chunk.optim_tier, tier))
+        if chunk.master_is_shard:
+            chunk.master = self.tiers.copy(chunk.master, tier)
+        elif chunk.master_shares_shard(chunk.shard_tier, tier):
+            self.tiers.drop(chunk.optim_tier, chunk.master)
+            chunk.master = chunk.shard
+        else:
+            chunk.master = self.tiers.move(chunk.master, chunk.optim_tier, tier)
         chunk.optim_tier = tier
+
+    def optim_move_bytes(self, chunk: Chunk, tier: str) -> int:
+        """Bytes `move_optim(chunk, tier)` adds to `tier` (less when the master becomes the shard)."""
+        return chunk.optim_bytes() - chunk.shared_bytes(chunk.shard_tier, tier)
 
     def gathered(self, chunk: Chunk) -> bool:
         return chunk.full is not None or chunk.pending is not None
@@ -185,7 +212,9 @@ class ChunkManager:
         """Device bytes `fetch` must add for this chunk."""
         if self.gathered(chunk):
             return 0
-        need = chunk.shard_bytes() if chunk.shard_tier == HOST else 0
+        brought = chunk.shard_tier == HOST and not (chunk.master is not None
+                                                    and chunk.master_shares_shard(DEVICE, chunk.optim_tier))
+        need = chunk.shard_bytes() if brought else 0  # an fp32 master on the device becomes the shard
         return need if chunk.full_is_shard else need + chunk.full_bytes()
 
     # ------------------------------------------------------------------ compute
@@ -436,10 +465,13 @@ class ChunkManager:
                         start = chunk.layout.to_shard(chunk.rank, chunk.layout.slots[k].offset + a)
                         piece = values[id(chunk.params[k])].detach().reshape(-1)[a:b].float()
                         chunk.master[start:start + (b - a)].copy_(piece)
-                        chunk.shard[start:start + (b - a)].copy_(piece.to(chunk.dtype))
+                        if not chunk.master_is_shard:
+                            chunk.shard[start:start + (b - a)].copy_(piece.to(chunk.dtype))
 
     def publish(self, chunk: Chunk) -> None:
         """Copy the updated fp32 master into the compute-dtype shard (the master must be in
-        memory: inside `optim_state` for a disk chunk)."""
+        memory: inside `optim_state` for a disk chunk). Nothing to do where the master is the shard."""
+        if chunk.master_is_shard:
+            return
         with torch.no_grad():
             chunk.shard.copy_(chunk.master.to(chunk.shard.device))

@@ -159,8 +159,9 @@ class StaticPlacement(_Policy):
         def persistent(pf: float, of: float) -> int:
             shards = self._split(len(chunks), pf)
             optim = self._split(len(chunks), of)
-            return (sum(c.shard_bytes() for c, t in zip(chunks, shards) if t == DEVICE)
-                    + sum(c.optim_bytes() for c, t in zip(chunks, optim) if t == DEVICE))
+            return sum((c.shard_bytes() if st == DEVICE else 0)
+                       + (c.optim_bytes() - c.shared_bytes(st, ot) if ot == DEVICE else 0)
+                       for c, st, ot in zip(chunks, shards, optim))
 
         need = persistent(self.offload_param_frac, self.offload_optim_frac) + work
         if need <= budget:
@@ -210,7 +211,8 @@ class AutoPlacement(_Policy):
     def _victims(self, manager, pos, protect):
         keep = {id(c) for c in protect}
         idle = [c for c in manager.chunks if id(c) not in keep and c.shard_tier == DEVICE
-                and c.state == ChunkState.FREE and not manager.gathered(c)]
+                and c.state == ChunkState.FREE and not manager.gathered(c)
+                and not c.master_is_shard]  # that shard is the master, which stays: nothing freed
         if manager.tracing:  # warm-up: no future known yet, least recently used first
             return sorted(idle, key=lambda c: self._last_use.get(c.index, -1))
         return sorted(idle, key=lambda c: -manager.next_use(c, pos))
@@ -225,8 +227,11 @@ class AutoPlacement(_Policy):
                              self.suggest(manager, peak))
         room = manager.tiers.budget - peak
         for chunk in manager.chunks:
+            # An fp32 chunk's master on the device is its shard there, which then stays for good
+            # (evicting it would free nothing): its lasting cost is optim_bytes() either way, of
+            # which only optim_move_bytes() is new now when the shard is already on the device.
             if chunk.optim_tier == HOST and chunk.optim_bytes() <= room:
-                self.make_room(manager, chunk.optim_bytes(), 0, [])
+                self.make_room(manager, manager.optim_move_bytes(chunk, DEVICE), 0, [chunk])
                 manager.move_optim(chunk, DEVICE)
                 room -= chunk.optim_bytes()
 
@@ -236,13 +241,14 @@ def host_need(chunks: Sequence[Chunk], shard_tiers: Sequence[str], optim_tiers: 
               disk_depth: int) -> dict[str, int]:
     """Host bytes by kind for this placement: parameter shards that live there, fp32 gradients
     of optimizer chunks not on the device, optimizer state kept there (fp32 master and two
-    moments), and the disk tier's `disk_depth + 1` read-ahead buffers (of the largest disk chunk)."""
+    moments; an fp32 master that is its host shard is counted once, as a shard), and the disk
+    tier's `disk_depth + 1` read-ahead buffers (of the largest disk chunk)."""
     out = {"shards": 0, "gradients": 0, "optimizer state": 0, "disk buffers": 0}
     largest_disk = 0
     for c, st, ot in zip(chunks, shard_tiers, optim_tiers, strict=True):
         out["shards"] += c.shard_bytes() if st == HOST else 0
         out["gradients"] += 4 * c.shard_numel if ot != DEVICE else 0
-        out["optimizer state"] += 12 * c.shard_numel if ot == HOST else 0
+        out["optimizer state"] += 12 * c.shard_numel - c.shared_bytes(st, ot) if ot == HOST else 0
         largest_disk = max(largest_disk, c.shard_numel if ot == DISK else 0)
     out["disk buffers"] = (disk_depth + 1) * 12 * largest_disk
     return out

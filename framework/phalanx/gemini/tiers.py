@@ -5,7 +5,8 @@ records the bytes per tier and the device and host peaks, and refuses (with `Bud
 an allocation that would take the device tier over its budget, or the host tier over its own
 (`host_budget`, when one is set); the placement policies plan with these numbers. The disk
 tier (`phalanx.gemini.disk`) holds no tensors: its bytes are the chunk files' contents, counted
-here so that the three tiers add up. The tiers are real places, on a CPU-only machine too: the host tier is
+here so that the three tiers add up. A tensor with two roles (an fp32 chunk's shard that is also
+its master) is counted once. The tiers are real places, on a CPU-only machine too: the host tier is
 `phalanx.hostmem`'s pool (pinned memory on a GPU machine; shared anonymous pages, which the
 kernel counts apart from torch's allocations, on a CPU-only one), and a move is a real copy. So
 the budget can be checked against what the kernel reports (docs/gemini.md, "Memory, measured").
@@ -100,6 +101,12 @@ class MemoryTiers:
     def drop(self, tier: str, t: torch.Tensor | None) -> None:
         if t is not None:
             self.bytes[tier] -= nbytes(t)
+
+    def copy(self, t: torch.Tensor, dst: str) -> torch.Tensor:
+        """A copy of `t` on `dst` that leaves `t` (and its bytes) where it is: an fp32 master
+        and its shard parting (phalanx.gemini.chunk). A tensor two roles share is counted once."""
+        self._add(dst, nbytes(t))
+        return self._copy_to(t, dst)
 
     def move(self, t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
         if src == dst:

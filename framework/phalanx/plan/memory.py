@@ -205,8 +205,8 @@ def _fsdp(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
 
 
 def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) -> _Parts:
-    """Gemini (static placement): compute-dtype shards, fp32 master/moments/gradient per chunk,
-    all with the chunks' padding."""
+    """Gemini (static placement): compute-dtype shards, fp32 master (the shard itself in fp32 when
+    both share a tier)/moments/gradient per chunk, all with the chunks' padding."""
     from phalanx.plan.chunks import gemini_chunks
 
     p = work.p
@@ -215,7 +215,10 @@ def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) 
     out = _Parts()
     (out.host if layout.offload_param else out.device)["parameters"] = p * shard
     side = out.host if layout.offload_optim else out.device
-    side["optimizer"] = (1 + ADAM_STATES) * FP32 * shard
+    # fp32 chunks whose shard and optimizer state share a tier: the master IS the shard
+    # (phalanx.gemini.chunk.SHARE_FP32_MASTER), so only the two moments are extra
+    shares_master = p == FP32 and bool(layout.offload_param) == bool(layout.offload_optim)
+    side["optimizer"] = (ADAM_STATES if shares_master else 1 + ADAM_STATES) * FP32 * shard
     side["gradients"] = FP32 * shard  # fp32 gradient shards, allocated at boost
     # at the start of backward: the LM head's chunks (held by the root from the first forward until
     # their gradient is reduced) and their gradient buffer, and one chunk gathered ahead
