@@ -3,7 +3,6 @@ FSDP2 (log-probs equal the trainer's within 1e-4 after five syncs), and one poli
 fixed rollouts on 2 and 4 ranks equals the one-process update."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -70,7 +69,7 @@ def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, sca
     from apps.chat_rlhf.grpo import GRPOLoss, PromptIndices, RLHook, encode_prompts, load_prompt_sets
     from apps.chat_rlhf.models import load_policy, load_tokenizer
     from apps.chat_rlhf.rewards import RewardSet
-    from apps.chat_rlhf.rollout import Rollout, completion_batch, completion_logprobs
+    from fixed_rollouts import seeded_rollout_fn
     from phalanx.launch import context
     from phalanx.train import fit
 
@@ -83,19 +82,7 @@ def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, sca
     reference = load_policy(model_dir).eval()
     records, _ = load_prompt_sets(cfg.data)
     ids = encode_prompts(tokenizer, records)
-    n = cfg.grpo.num_generations
-
-    def rollout_fn(indices, step):
-        prompts, comps = [], []
-        for i in indices:
-            for j in range(n):
-                rng = random.Random(1000 * i + j)
-                prompts.append(ids[i])
-                comps.append([rng.randrange(3, len(tokenizer) - 1) for _ in range(rng.randint(1, 6))])
-        with torch.no_grad():
-            lp, _ = completion_logprobs(reference, completion_batch(prompts, comps, tokenizer.pad_token_id))
-        engine_lp = [lp[k, :len(c)].tolist() for k, c in enumerate(comps)]
-        return Rollout(prompts, comps, engine_lp, tokenizer.batch_decode(comps), [len(c) == 6 for c in comps], n)
+    rollout_fn = seeded_rollout_fn(reference, tokenizer, ids, cfg.grpo.num_generations)
 
     loss = GRPOLoss(cfg.grpo, records, ids, RewardSet.from_specs(cfg.grpo.rewards), rollout_fn, tokenizer.pad_token_id)
     fit(cfg.train, model, PromptIndices(len(records)), loss_fn=loss, hooks=[RLHook(loss, None, out_dir)])

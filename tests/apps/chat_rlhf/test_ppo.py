@@ -5,7 +5,6 @@ exactly, 2 ranks take the same updates as one process, and the actor/critic spli
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -179,7 +178,7 @@ def fixed_rollout_updates(model_dir: str, out_dir: str, world: int) -> list[floa
     from apps.chat_rlhf.grpo import PromptIndices, encode_prompts, load_prompt_sets
     from apps.chat_rlhf.models import load_policy, load_tokenizer
     from apps.chat_rlhf.rewards import RewardSet
-    from apps.chat_rlhf.rollout import Rollout, completion_batch, completion_logprobs
+    from fixed_rollouts import seeded_rollout_fn
     from phalanx.train import fit
 
     def in_order(seed, step, epoch, size, m):
@@ -202,19 +201,7 @@ def fixed_rollout_updates(model_dir: str, out_dir: str, world: int) -> list[floa
     reference = load_policy(model_dir).eval()
     records, _ = load_prompt_sets(cfg.data)
     ids = encode_prompts(tokenizer, records)
-    n = cfg.ppo.num_generations
-
-    def rollout_fn(indices, step):
-        prompts, comps = [], []
-        for i in indices:
-            for j in range(n):
-                rng = random.Random(1000 * i + j)
-                prompts.append(ids[i])
-                comps.append([rng.randrange(3, len(tokenizer) - 1) for _ in range(rng.randint(1, 6))])
-        with torch.no_grad():
-            lp, _ = completion_logprobs(reference, completion_batch(prompts, comps, tokenizer.pad_token_id))
-        return Rollout(prompts, comps, [lp[k, :len(c)].tolist() for k, c in enumerate(comps)],
-                       tokenizer.batch_decode(comps), [len(c) == 6 for c in comps], n)
+    rollout_fn = seeded_rollout_fn(reference, tokenizer, ids, cfg.ppo.num_generations)
 
     loss = ppo.PPOLoss(cfg.ppo, records, ids, RewardSet.from_specs(cfg.ppo.rewards), rollout_fn,
                        tokenizer.pad_token_id, reference=reference, seed=cfg.train.seed)
