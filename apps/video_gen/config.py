@@ -61,6 +61,17 @@ class ModelConfig:
     # Concatenate (frame, row, column) planes to the input: absolute positions, which Wan's relative 3D RoPE
     # cannot give from noise (issue 16; on its own it has not yet made the direction word learned, see README).
     position_channels: bool = False
+    # With position_channels: also frame x row and frame x column planes, the coordinates in which a straight
+    # motion's direction shows (issue 16; see `model.position_planes`).
+    motion_channels: bool = False
+    # Add the pooled prompt to Wan's time embedding (global AdaLN conditioning, as SD3/Flux do with pooled
+    # text; `model.PooledTextConditioning`): true / "mean": the mean of the text encoder's states; "flat": the
+    # states flattened (max_prompt_tokens x text_hidden_size: the mean dilutes a single word). false: the prompt
+    # reaches Wan through cross-attention only.
+    pooled_text: bool | str = False
+    # With pooled_text: also a prompt-dependent absolute position embedding added to the tokens, linear in the
+    # (frame, row, column[, frame x row, frame x column]) planes (`PooledTextConditioning.position_embedding`).
+    prompt_position: bool = False
     gradient_checkpointing: bool = False        # recompute each transformer block in backward (memory for time)
 
 
@@ -70,6 +81,11 @@ class FlowConfig:
     timesteps: str = "logit_normal"             # logit_normal | uniform
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    # A share of the samples drawn from a second, high-noise logit-normal instead (before the shift): the motion
+    # direction is decided at t near 1, which the distributions above rarely draw (issue 16). 0: off.
+    high_noise_share: float = 0.0
+    high_noise_logit_mean: float = 2.5
+    high_noise_logit_std: float = 0.5
     # Resolution/length shift sqrt(tokens / shift_base_tokens) (Open-Sora, SD3); 0 turns it off.
     shift_base_tokens: int = 64
     max_shift: float = 3.0
@@ -150,6 +166,14 @@ class RecipeConfig:
         need(d.shapes_size >= 8, "data.shapes_size", d.shapes_size, "must be at least 8 pixels")
         need(f.timesteps in ("logit_normal", "uniform"), "flow.timesteps", f.timesteps, "choose logit_normal or uniform")
         need(f.logit_std > 0, "flow.logit_std", f.logit_std, "must be positive")
+        need(0.0 <= f.high_noise_share <= 1.0, "flow.high_noise_share", f.high_noise_share, "must be in [0, 1]")
+        need(f.high_noise_logit_std > 0, "flow.high_noise_logit_std", f.high_noise_logit_std, "must be positive")
+        need(m.position_channels or not m.motion_channels, "model.motion_channels", m.motion_channels,
+             "needs model.position_channels=true")
+        need(bool(m.pooled_text) or not m.prompt_position, "model.prompt_position", m.prompt_position,
+             "needs model.pooled_text")
+        need(m.pooled_text in (True, False, "mean", "flat"), "model.pooled_text", m.pooled_text,
+             "choose true (mean), false, 'mean' or 'flat'")
         need(m.text_hidden_size % m.text_heads == 0, "model.text_heads", m.text_heads,
              "must divide model.text_hidden_size")
         need(m.text_token_embedding_std > 0, "model.text_token_embedding_std", m.text_token_embedding_std,

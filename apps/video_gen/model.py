@@ -25,6 +25,9 @@ import math
 
 import torch
 import torch.distributed as dist
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.models.embeddings import PixArtAlphaTextProjection
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -39,6 +42,7 @@ TIME_SCALE = 1000.0  # Wan embeds timesteps on the 0..1000 scale
 
 
 POSITION_CHANNELS = 3  # (frame, row, column) planes: see `position_planes`
+MOTION_CHANNELS = 2    # (frame x row, frame x column) planes: see `position_planes`
 
 
 def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
@@ -46,11 +50,48 @@ def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
     outputs (the position planes, see `VideoFlowModel`)."""
     from diffusers import WanTransformer3DModel
 
-    extra = POSITION_CHANNELS if mcfg.position_channels else 0
+    extra = (POSITION_CHANNELS if mcfg.position_channels else 0) + (MOTION_CHANNELS if mcfg.motion_channels else 0)
     return WanTransformer3DModel(patch_size=tuple(mcfg.patch_size), num_attention_heads=mcfg.num_heads,
                                  attention_head_dim=mcfg.head_dim, in_channels=channels + extra, out_channels=channels,
                                  text_dim=text_dim, freq_dim=mcfg.freq_dim, ffn_dim=mcfg.ffn_dim,
                                  num_layers=mcfg.num_layers, rope_max_seq_len=256)
+
+
+class PooledTextConditioning(ModelMixin, ConfigMixin):
+    """The prompt, pooled, added to Wan's time embedding: global conditioning of every AdaLN
+    modulation (shift, scale and gate of each block and of the output), as SD3 and Flux add their
+    pooled text embedding to the timestep embedding. Wan itself hears the prompt only through
+    cross-attention; this module is what the library lacks (`model.pooled_text`).
+
+    The pool is the mean of the text encoder's states over all positions (the CLIP encoder is
+    causal, so the padding positions after the caption each summarise the whole caption), or with
+    `tokens` (`model.pooled_text: flat`) the states flattened: the mean dilutes a single word (the
+    direction word changed the mean by 0.85 on a norm-8 state, its own position by 9.0). With
+    `position_planes` it also gives a prompt-dependent position embedding (`model.prompt_position`)."""
+
+    @register_to_config
+    def __init__(self, text_dim: int, dim: int, tokens: int = 0, position_planes: int = 0):
+        super().__init__()
+        self.proj = PixArtAlphaTextProjection(text_dim * max(tokens, 1), dim, act_fn="silu")
+        self.position = nn.Linear(text_dim * max(tokens, 1), position_planes * dim) if position_planes else None
+
+    def pool(self, text_states: torch.Tensor) -> torch.Tensor:
+        return text_states.flatten(1) if self.config.tokens else text_states.mean(dim=1)
+
+    def forward(self, text_states: torch.Tensor) -> torch.Tensor:
+        """[B, L, text_dim] (the text encoder's states) -> [B, dim], added to the time embedding."""
+        return self.proj(self.pool(text_states))
+
+    def position_embedding(self, text_states: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
+        """A prompt-dependent absolute position embedding [B, tokens, dim]: sum_k plane_k(token) U_k(prompt),
+        U = a linear map of the pooled prompt, planes [B, tokens, k] (each token's mean plane values).
+
+        Why (issue 16): what a direction word changes in the clip is a fixed spatio-temporal pattern
+        (~ -frame x column for "left"); through cross-attention or AdaLN, Wan must learn it as a product
+        of two learned factors (word x position), which 600 steps did not find even when trained only at
+        high noise. Here it is linear in the weights: a regression the optimiser solves at once."""
+        u = self.position(self.pool(text_states)).unflatten(1, (planes.shape[-1], -1))   # [B, k, dim]
+        return torch.einsum("blk,bkd->bld", planes.to(u.dtype), u)
 
 
 def velocity_skip(t: torch.Tensor, data_std: float) -> torch.Tensor:
@@ -60,20 +101,28 @@ def velocity_skip(t: torch.Tensor, data_std: float) -> torch.Tensor:
     return (t - (1 - t) * s2) / ((1 - t) ** 2 * s2 + t ** 2)
 
 
-def position_planes(shape: tuple[int, ...], device=None, dtype=torch.float32) -> torch.Tensor:
+def position_planes(shape: tuple[int, ...], device=None, dtype=torch.float32, motion: bool = False) -> torch.Tensor:
     """[B, 3, F, H, W]: each pixel's frame, row and column, scaled to (-1, 1) at the pixel centres.
 
     Wan knows positions only through 3D RoPE in self-attention, which is relative: from pure noise
     (high t) a token cannot tell the first frame from the last or the left edge from the right, so
     what the prompt's motion implies there ("moving left": bright on the right early, on the left
     late) cannot be predicted from the word alone. These planes, concatenated to the input, give
-    every token its absolute place in the clip (`model.position_channels`)."""
+    every token its absolute place in the clip (`model.position_channels`).
+
+    With `motion`, [B, 5, F, H, W]: also frame x row and frame x column (`model.motion_channels`).
+    What a direction word changes in the clip is exactly such a product: the conditional mean of
+    "moving left" minus the mean over directions is ~ -frame x column (bright on the right early, on
+    the left late). The product planes alone did not make the word learned (issue 16's probe); with
+    `PooledTextConditioning.position_embedding` they make that pattern linear in the weights."""
     b, _, f, h, w = shape
 
     def axis(n: int) -> torch.Tensor:
         return (torch.arange(n, device=device, dtype=dtype) + 0.5) / n * 2 - 1
 
     grid = torch.stack(torch.meshgrid(axis(f), axis(h), axis(w), indexing="ij"))
+    if motion:
+        grid = torch.cat([grid, grid[:1] * grid[1:2], grid[:1] * grid[2:3]])
     return grid.unsqueeze(0).expand(b, -1, -1, -1, -1)
 
 
@@ -96,19 +145,22 @@ class VideoFlowModel(nn.Module):
     """Transformer + text encoder; `forward(video, prompt_ids, t?, noise?)` -> rectified-flow loss."""
 
     def __init__(self, transformer: nn.Module, text_encoder: nn.Module, empty_prompt_ids: torch.Tensor,
-                 pad_token_id: int, fcfg: FlowConfig, caption_dropout: float = 0.0):
+                 pad_token_id: int, fcfg: FlowConfig, caption_dropout: float = 0.0,
+                 pooled_text: PooledTextConditioning | None = None):
         super().__init__()
-        self.transformer, self.text_encoder = transformer, text_encoder
+        self.transformer, self.text_encoder, self.pooled_text = transformer, text_encoder, pooled_text
         self.fcfg, self.caption_dropout, self.pad_token_id = fcfg, caption_dropout, pad_token_id
         self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
         self._processors = sequence_parallel.install(transformer)
         self._sp_group = None
         extra = transformer.config.in_channels - transformer.config.out_channels
-        if extra not in (0, POSITION_CHANNELS):
+        if extra not in (0, POSITION_CHANNELS, POSITION_CHANNELS + MOTION_CHANNELS):
             raise ValueError(f"the transformer takes {transformer.config.in_channels} input channels and gives "
                              f"{transformer.config.out_channels}: expected equal counts, or {POSITION_CHANNELS} more "
-                             "inputs for the position planes (model.position_channels)")
+                             f"inputs for the position planes (model.position_channels), or "
+                             f"{POSITION_CHANNELS + MOTION_CHANNELS} with the motion planes (model.motion_channels)")
         self.position_channels = extra > 0
+        self.motion_channels = extra == POSITION_CHANNELS + MOTION_CHANNELS
 
     @property
     def sp_group(self):
@@ -141,6 +193,9 @@ class VideoFlowModel(nn.Module):
         f = self.fcfg
         t = logit_normal_timesteps(batch, f.logit_mean, f.logit_std, device=device) if f.timesteps == "logit_normal" \
             else uniform_timesteps(batch, device=device)
+        if f.high_noise_share > 0:
+            high = logit_normal_timesteps(batch, f.high_noise_logit_mean, f.high_noise_logit_std, device=device)
+            t = torch.where(torch.rand(batch, device=device) < f.high_noise_share, high, t)
         if f.shift_base_tokens:
             t = shift_timesteps(t, resolution_shift(self.tokens(shape), f.shift_base_tokens, f.max_shift))
         return t
@@ -148,11 +203,24 @@ class VideoFlowModel(nn.Module):
     def velocity_tokens(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, group=None) -> torch.Tensor:
         """v_theta(x_t, t) in token layout: all tokens, or this rank's shard when `group` is given."""
         tr = self.transformer
+        dtype = tr.patch_embedding.weight.dtype  # bf16/fp16 when the plugin computes in low precision
+        x, text = x.to(dtype), text.to(dtype)
         cos, sin = tr.rope(x)
         if self.position_channels:
-            x = torch.cat([x, position_planes(tuple(x.shape), x.device, x.dtype)], dim=1)
+            planes = position_planes(tuple(x.shape), x.device, x.dtype, self.motion_channels)
+            x = torch.cat([x, planes], dim=1)
         h = tr.patch_embedding(x).flatten(2).transpose(1, 2)
-        temb, tproj, text, _ = tr.condition_embedder(t * TIME_SCALE, text, None)
+        if self.pooled_text is not None and self.pooled_text.position is not None:
+            k = self.pooled_text.config.position_planes
+            planes = position_planes((x.shape[0], 0, *x.shape[2:]), x.device, x.dtype, motion=k > POSITION_CHANNELS)
+            per_token = patchify(planes, self.patch).unflatten(-1, (-1, k)).mean(2)          # [B, tokens, k]
+            h = h + self.pooled_text.position_embedding(text, per_token).to(h.dtype)
+        cond = tr.condition_embedder
+        temb, tproj, text_h, _ = cond(t * TIME_SCALE, text, None)
+        if self.pooled_text is not None:
+            temb = temb + self.pooled_text(text).to(temb.dtype)
+            tproj = cond.time_proj(cond.act_fn(temb))
+        text = text_h
         tproj = tproj.unflatten(1, (6, -1))
         if group is not None:
             part = token_shard(h.shape[1], group)

@@ -5,6 +5,7 @@
       video_gen.json     sample shape, latent scale, flow shift: what the sampler needs
       transformer/       WanTransformer3DModel (diffusers; from_pretrained opens it)
       text_encoder/      CLIPTextModel (transformers)
+      pooled_text/       PooledTextConditioning (this recipe; diffusers ModelMixin), when model.pooled_text
       tokenizer/         PreTrainedTokenizerFast
       scheduler/         FlowMatchEulerDiscreteScheduler config (the sampler below follows it)
       vae/               AutoencoderKLWan, when the model works in latent space
@@ -23,7 +24,7 @@ import torch
 from phalanx.diffusion import guided_prediction, resolution_shift, shift_timesteps
 
 from .config import FlowConfig
-from .model import VideoFlowModel
+from .model import PooledTextConditioning, VideoFlowModel
 from .text import load_tokenizer, tokenize
 
 META = "video_gen.json"
@@ -73,7 +74,10 @@ class VideoPipeline:
         transformer = WanTransformer3DModel.from_pretrained(str(directory / "transformer"))
         text_encoder = CLIPTextModel.from_pretrained(str(directory / "text_encoder"))
         empty = tokenize(tokenizer, [""])[0]
-        model = VideoFlowModel(transformer, text_encoder, empty, tokenizer.pad_token_id, FlowConfig(**meta["flow"]))
+        pooled = PooledTextConditioning.from_pretrained(str(directory / "pooled_text")) \
+            if (directory / "pooled_text").is_dir() else None
+        model = VideoFlowModel(transformer, text_encoder, empty, tokenizer.pad_token_id, FlowConfig(**meta["flow"]),
+                               pooled_text=pooled)
         vae = None
         if (directory / "vae").is_dir():
             from diffusers import AutoencoderKLWan
@@ -85,6 +89,8 @@ class VideoPipeline:
         directory.mkdir(parents=True, exist_ok=True)
         self.model.transformer.save_pretrained(str(directory / "transformer"))
         self.model.text_encoder.save_pretrained(str(directory / "text_encoder"))
+        if self.model.pooled_text is not None:
+            self.model.pooled_text.save_pretrained(str(directory / "pooled_text"))
         self.tokenizer.save_pretrained(str(directory / "tokenizer"))
         write_scheduler_config(directory / "scheduler", self.meta)
         if self.vae is not None:
@@ -93,6 +99,8 @@ class VideoPipeline:
         index = {"_class_name": "VideoGenPipeline (apps.video_gen.pipeline)",
                  "transformer": ["diffusers", "WanTransformer3DModel"], "text_encoder": ["transformers", "CLIPTextModel"],
                  "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+                 "pooled_text": (["apps.video_gen.model", "PooledTextConditioning"]
+                                 if self.model.pooled_text is not None else [None, None]),
                  "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
                  "vae": ["diffusers", "AutoencoderKLWan"] if self.vae is not None else [None, None]}
         (directory / "model_index.json").write_text(json.dumps(index, indent=2))

@@ -23,7 +23,7 @@ from phalanx.observe import get_logger, is_main_process
 
 from .config import RecipeConfig, parse_args
 from .data import BucketedClips, check_buckets_cover, load_all_clips, training_batches
-from .model import VideoFlowModel, build_transformer
+from .model import MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer
 from .motion import motion_prompts, motion_score
 from .pipeline import VideoPipeline, euler_sample, make_meta
 from .sensitivity import direction_gap
@@ -45,11 +45,22 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
         text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads,
                                           m.text_token_embedding_std)
         transformer = build_transformer(m, channels, m.text_hidden_size)
+        pooled = build_pooled_text(cfg, transformer.config.num_attention_heads * transformer.config.attention_head_dim)
         model = VideoFlowModel(transformer, text_encoder, tokenize(tokenizer, [""])[0], tokenizer.pad_token_id,
-                               cfg.flow, cfg.data.caption_dropout)
+                               cfg.flow, cfg.data.caption_dropout, pooled_text=pooled)
     if m.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     return model.train(), tokenizer
+
+
+def build_pooled_text(cfg: RecipeConfig, dim: int) -> PooledTextConditioning | None:
+    """The prompt's global conditioning (`model.pooled_text`, `model.prompt_position`), or None."""
+    m = cfg.model
+    if not m.pooled_text:
+        return None
+    planes = POSITION_CHANNELS + MOTION_CHANNELS * m.motion_channels if m.prompt_position else 0
+    return PooledTextConditioning(m.text_hidden_size, dim, tokens=cfg.data.max_prompt_tokens if m.pooled_text == "flat"
+                                  else 0, position_planes=planes)
 
 
 def prepare(cfg: RecipeConfig):

@@ -106,3 +106,30 @@ def test_direction_gap_pairs_each_clip_with_its_true_and_opposite_word():
     assert with_opposite_direction("a red square moving up", "up") == "a red square moving down"
     with pytest.raises(ValueError, match="does not end with its direction"):
         with_opposite_direction("a red square", "up")
+
+
+def test_training_batches_pair_each_caption_with_its_clips_motion(tmp_path):
+    """Issue 16's first suspect: the batches `fit` trains on (buckets, tokenized, grouped, stacked)
+    show, for every moving-shapes clip, the colour and the direction its caption names (centroid
+    tracking of the batch's video against the decoded prompt ids)."""
+    from video_tiny import tiny_config
+
+    from apps.video_gen.data import BucketedClips, load_all_clips, training_batches
+    from apps.video_gen.text import build_tokenizer
+
+    cfg = tiny_config(tmp_path, "data.clips_dir=null")
+    train, held = load_all_clips(cfg.data)
+    tok = build_tokenizer([c.caption for c in train + held], cfg.data.max_prompt_tokens)
+    batches = training_batches(BucketedClips(train, cfg.buckets, tok), seed=0)
+    checked = 0
+    for k in range(len(batches)):
+        batch = batches[k]
+        for video, caption in zip(batch["video"], tok.batch_decode(batch["prompt_ids"], skip_special_tokens=True)):
+            words = caption.split()           # "a <colour> <shape> [moving <direction>]"
+            colour, direction, travel = track(video)
+            assert colour == words[1], caption
+            if video.shape[1] > 1:
+                assert words[3] == "moving" and direction == words[4] and travel > 3, (caption, direction, travel)
+                checked += 1
+    videos = sum(1 for c in train if c.video.shape[1] > 1)
+    assert checked > 10 and 0 <= videos - checked < 4   # whole batches of 4: at most a remainder left out

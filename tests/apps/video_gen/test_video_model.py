@@ -12,6 +12,11 @@ from phalanx.diffusion import fixed_eval_timesteps
 from video_tiny import tiny_config
 
 
+# the options that make our forward differ from diffusers' plain Wan forward
+PLAIN_WAN = ("model.pooled_text=false", "model.prompt_position=false", "model.position_channels=false",
+             "model.motion_channels=false", "flow.skip_data_std=0", "flow.high_noise_share=0")
+
+
 def _model(tmp_path, *overrides):
     from apps.video_gen.train import build_model
 
@@ -26,7 +31,7 @@ def test_forward_matches_diffusers_and_loss_by_hand(tmp_path):
     from apps.video_gen.model import patchify, unpatchify
     from apps.video_gen.text import tokenize
 
-    model, tok = _model(tmp_path, "model.patch_size=[1,2,2]")
+    model, tok = _model(tmp_path, "model.patch_size=[1,2,2]", *PLAIN_WAN)
     model.eval()
     x, t = torch.randn(2, 3, 8, 16, 16), torch.tensor([0.3, 0.8])
     ids = tokenize(tok, ["a red square moving left", "a blue circle"])
@@ -47,7 +52,8 @@ def test_forward_matches_diffusers_and_loss_by_hand(tmp_path):
 
 
 def test_timesteps_shift_with_the_token_count(tmp_path):
-    model, _ = _model(tmp_path, "flow.shift_base_tokens=64", "flow.max_shift=10")
+    model, _ = _model(tmp_path, "flow.shift_base_tokens=64", "flow.max_shift=10", "flow.timesteps=logit_normal",
+                      "flow.high_noise_share=0")
     torch.manual_seed(0)
     small = model.sample_timesteps(4000, (1, 3, 1, 16, 16), "cpu")   # 16 tokens: shift 0.5
     large = model.sample_timesteps(4000, (1, 3, 8, 16, 16), "cpu")   # 128 tokens: shift 1.41
@@ -71,6 +77,7 @@ def test_training_lowers_the_heldout_loss_and_the_pipeline_reproduces(tmp_path):
     pipe_dir = cfg.final_path
     for part in ("transformer", "text_encoder", "tokenizer", "scheduler"):
         assert (pipe_dir / part).is_dir()
+    assert (pipe_dir / "pooled_text").is_dir() == bool(cfg.model.pooled_text)
     a = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=3, steps=4)
     b = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=3, steps=4)
     c = VideoPipeline.from_pretrained(pipe_dir)(["a red square moving left"], seed=4, steps=4)
@@ -125,7 +132,8 @@ def test_position_planes_feed_diffusers_wan_its_absolute_place(tmp_path):
     t = torch.tensor([0.9, 0.9])
     outputs = {}
     for on in (False, True):
-        model, tok = _model(tmp_path / str(on), "model.patch_size=[1,2,2]", f"model.position_channels={on}")
+        model, tok = _model(tmp_path / str(on), "model.patch_size=[1,2,2]", *PLAIN_WAN,
+                            f"model.position_channels={on}")
         model.eval()
         assert model.transformer.config.in_channels == 3 + 3 * on and model.transformer.config.out_channels == 3
         text = model.encode_prompts(tokenize(tok, ids_prompt))
@@ -173,7 +181,7 @@ def test_velocity_skip_is_the_least_squares_guess_and_is_added_to_the_network(tm
         slope = float((xt * v).mean() / (xt * xt).mean())
         assert abs(slope - float(velocity_skip(torch.tensor(t), s))) < 0.01, (t, s, slope)
 
-    plain, tok = _model(tmp_path / "a", "model.position_channels=true")
+    plain, tok = _model(tmp_path / "a", "model.position_channels=true", "flow.skip_data_std=0")
     skipped, _ = _model(tmp_path / "b", "model.position_channels=true", "flow.skip_data_std=0.5")
     skipped.load_state_dict(plain.state_dict())
     x, t = torch.randn(2, 3, 8, 16, 16), torch.tensor([0.2, 0.95])
@@ -181,3 +189,95 @@ def test_velocity_skip_is_the_least_squares_guess_and_is_added_to_the_network(tm
     with torch.no_grad():
         want = plain.velocity(x, t, text) + velocity_skip(t, 0.5).view(2, 1, 1, 1, 1) * x
         torch.testing.assert_close(skipped.velocity(x, t, text), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pooled_text_conditions_every_token_through_the_time_embedding(tmp_path):
+    """`model.pooled_text` (issue 16): the prompt (token states flattened, or their mean) is added to
+    Wan's time embedding, so it modulates every block (AdaLN) as SD3/Flux do with pooled text. With
+    the projection's last layer at zero the model equals the one without it (same transformer
+    weights); with it, the direction word alone changes the velocity of every token, even of a
+    featureless clip whose tokens cross-attention treats alike."""
+    from apps.video_gen.model import PooledTextConditioning
+    from apps.video_gen.text import tokenize
+
+    for pool in ("mean", "flat"):
+        plain, tok = _model(tmp_path / "a", "model.pooled_text=false", "model.prompt_position=false")
+        pooled, _ = _model(tmp_path / pool, f"model.pooled_text={pool}", "model.prompt_position=false")
+        assert isinstance(pooled.pooled_text, PooledTextConditioning) and plain.pooled_text is None
+        assert pooled.pooled_text.config.tokens == (12 if pool == "flat" else 0)
+        missing = pooled.load_state_dict(plain.state_dict(), strict=False).missing_keys
+        assert missing and all(k.startswith("pooled_text.") for k in missing)
+        x, t = torch.randn(2, 3, 8, 16, 16), torch.tensor([0.5, 0.97])
+        prompts = {d: tokenize(tok, [f"a red square moving {d}"] * 2) for d in ("left", "right")}
+        with torch.no_grad():
+            torch.nn.init.zeros_(pooled.pooled_text.proj.linear_2.weight)
+            torch.nn.init.zeros_(pooled.pooled_text.proj.linear_2.bias)
+            text = pooled.encode_prompts(prompts["left"])
+            torch.testing.assert_close(pooled.velocity(x, t, text), plain.velocity(x, t, text))
+            torch.nn.init.normal_(pooled.pooled_text.proj.linear_2.weight, std=0.5)
+            assert (pooled.velocity(x, t, text) - plain.velocity(x, t, text)).abs().amax(dim=(1, 2, 3, 4)).min() > 1e-3
+            flat = torch.zeros(2, 3, 8, 16, 16)
+            change = (pooled.velocity(flat, t, pooled.encode_prompts(prompts["right"]))
+                      - pooled.velocity(flat, t, pooled.encode_prompts(prompts["left"])))
+        assert change.abs().amax(dim=1).min() > 1e-4                # every pixel of every frame changes
+
+
+def test_motion_planes_and_the_prompt_position_embedding_by_hand(tmp_path):
+    """`model.motion_channels` adds frame x row and frame x column planes; `model.prompt_position` adds
+    sum_k plane_k(token) U_k(prompt) to the patch embeddings, U a linear map of the flattened prompt
+    states and plane_k(token) the plane's mean over the token's pixels (checked by hand), so what a
+    direction word does to the clip (a frame x column pattern) is linear in the weights (issue 16)."""
+    from apps.video_gen.model import patchify, position_planes
+    from apps.video_gen.text import tokenize
+
+    planes = position_planes((1, 3, 4, 2, 8), motion=True)
+    assert planes.shape == (1, 5, 4, 2, 8)
+    torch.testing.assert_close(planes[0, 3], planes[0, 0] * planes[0, 1])
+    torch.testing.assert_close(planes[0, 4], planes[0, 0] * planes[0, 2])
+
+    model, tok = _model(tmp_path, "model.pooled_text=flat", "model.prompt_position=true", "model.motion_channels=true")
+    model.eval()
+    assert model.transformer.config.in_channels == 3 + 5 and model.pooled_text.config.position_planes == 5
+    ids = tokenize(tok, ["a red square moving left", "a red square moving right"])
+    x = torch.randn(2, 3, 8, 16, 16)
+    with torch.no_grad():
+        text = model.encode_prompts(ids)
+        got = model.pooled_text.position_embedding(text, patchify(position_planes((2, 0, 8, 16, 16), motion=True),
+                                                                   model.patch).unflatten(-1, (-1, 5)).mean(2))
+        u = model.pooled_text.position(text.flatten(1)).view(2, 5, -1)               # [B, planes, dim]
+        token = 1 * 4 * 4 + 2 * 4 + 3     # frame 1, patch row 2, patch column 3 (4x4 patches of 16x16)
+        frame = 1.5 / 8 * 2 - 1
+        rows, cols = (torch.arange(8, 12) + 0.5) / 16 * 2 - 1, (torch.arange(12, 16) + 0.5) / 16 * 2 - 1
+        mean_planes = torch.tensor([frame, rows.mean(), cols.mean(), frame * rows.mean(), frame * cols.mean()])
+        torch.testing.assert_close(got[:, token], torch.einsum("k,bkd->bd", mean_planes, u), rtol=1e-5, atol=1e-5)
+        assert (got[0] - got[1]).abs().max() > 1e-3                                  # the word moves it
+        # and the model adds it to the patch embeddings: zeroing U equals leaving it out
+        with_it = model.velocity(x, torch.tensor([0.9, 0.9]), text)
+        torch.nn.init.zeros_(model.pooled_text.position.weight)
+        torch.nn.init.zeros_(model.pooled_text.position.bias)
+        without = model.velocity(x, torch.tensor([0.9, 0.9]), text)
+    assert (with_it - without).abs().max() > 1e-4
+
+
+def test_high_noise_share_draws_that_share_of_timesteps_near_1(tmp_path):
+    """`flow.high_noise_share` (issue 16): that share of the samples comes from logit-normal(2.5, 0.5),
+    the rest from the base distribution. Without the shift, P(t > 0.88) is 0.12 for uniform t and
+    P(N(2.5, 0.5) > logit 0.88 = 1.99) = 0.846 for the high-noise draw: 0.5 * 0.12 + 0.5 * 0.846 = 0.483."""
+    torch.manual_seed(0)
+    share = {}
+    for s in (0.0, 0.5):
+        model, _ = _model(tmp_path / str(s), "flow.timesteps=uniform", "flow.shift_base_tokens=0",
+                          f"flow.high_noise_share={s}")
+        t = model.sample_timesteps(40_000, (1, 3, 8, 16, 16), "cpu")
+        assert 0.0 <= float(t.min()) and float(t.max()) <= 1.0
+        share[s] = float((t > 0.88).float().mean())
+    assert abs(share[0.0] - 0.12) < 0.01 and abs(share[0.5] - 0.483) < 0.01, share
+
+
+def test_trains_in_bf16(tmp_path):
+    """precision=bf16 (what `auto` picks on a CPU with fast native bf16): the model casts its fp32
+    inputs to the compute dtype (it once stopped at the first conv: float input, bf16 bias)."""
+    from apps.video_gen.train import train
+
+    cfg = tiny_config(tmp_path / "run", "train.max_steps=2", "train.precision=bf16")
+    assert train(cfg).final_step == 2
