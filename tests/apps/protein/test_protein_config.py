@@ -9,7 +9,7 @@ from phalanx.config import ConfigError
 
 def test_shipped_configs_load():
     tiny = load_recipe("apps/protein/configs/tiny.yaml")
-    assert tiny.model.evoformer.c_m == tiny.model.c_m == 32 and tiny.train.precision == "auto"
+    assert tiny.model.evoformer.c_m == tiny.model.c_m == 32 and tiny.train.precision == "fp32"  # bf16 not supported by the model yet (README)
     full = load_recipe("apps/protein/configs/alphafold2.yaml")
     assert full.model.evoformer_blocks == 48 and full.model.structure.c_s == 384
 
