@@ -258,10 +258,9 @@ def print_plugin_table(rows: dict, missing: list[str]) -> None:
 # =============================================================================================
 # Part 3: the plugins on a real-sized model (--model medium|large)
 
-SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "fsdp_no_prefetch",
-                  "raw_fsdp2", "ds_zero1", "ds_zero2")
+SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "raw_fsdp2",
+                  "ds_zero1", "ds_zero2")
 SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
-                "fsdp_no_prefetch": "FSDPPlugin, no prefetch",
                 "ds_zero1": "DeepSpeed ZeRO-1", "ds_zero2": "DeepSpeed ZeRO-2"}
 PHASES = ("forward", "backward", "reduce", "norm", "optimizer", "gather")
 MODEL_SIZES = {"medium": (512, 4), "large": (1024, 8)}  # hidden, layers
@@ -381,20 +380,12 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     # now use by default: shows how much of their lead over DDP is the kernel alone.
     # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
     # with the next forward.
-    # fsdp_no_prefetch: FSDPPlugin without its next-block prefetch on gloo (the prefetch's share).
     options = {"overlap_param_gather": True} if name == "zero2_prefetch" else {}
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch").removesuffix("_no"), precision=precision,
-                         max_norm=1.0, **options)
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch"), precision=precision, max_norm=1.0,
+                         **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None)
-    import phalanx.booster.plugins.fsdp as fsdp_plugin
-    prefetch = fsdp_plugin.prefetch_next_blocks
-    if name == "fsdp_no_prefetch":
-        fsdp_plugin.prefetch_next_blocks = lambda blocks: False
-    try:
-        boosted, wrapped, *_ = booster.boost(model, opt)
-    finally:
-        fsdp_plugin.prefetch_next_blocks = prefetch
+    boosted, wrapped, *_ = booster.boost(model, opt)
     inner = _PhaseClock(wrapped.optim)
 
     def plugin_step():

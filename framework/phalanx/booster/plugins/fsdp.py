@@ -26,7 +26,7 @@ from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
-from phalanx.booster.plugins.fsdp_comms import prefetch_next_blocks, use_gloo_collectives
+from phalanx.booster.plugins.fsdp_comms import use_gloo_collectives
 from phalanx.lazy.materialise import local_rows
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
@@ -166,10 +166,8 @@ class FSDPPlugin(Plugin):
         root_reshard = None if self.reshard_after_forward and blocks else self.reshard_after_forward
         root_kwargs = {**kwargs, "reshard_after_forward": root_reshard}
         fully_shard(model, **root_kwargs)
-        # On gloo: all-reduce / broadcasts instead of gloo's slow reduce-scatter / all-gather, and
-        # the next block's gather in flight while this one computes (fsdp_comms).
-        if use_gloo_collectives([*blocks, model], self.dp_group):
-            prefetch_next_blocks(blocks)
+        # On gloo: all-reduce / broadcasts instead of gloo's slow reduce-scatter / all-gather (fsdp_comms).
+        use_gloo_collectives([*blocks, model], self.dp_group)
         if source is not None:
             lazy.materialise_fsdp_shards(hf_model, source, self.device, buffers)
         return self.boosted(ModelWrapper(model, model), param_names=old_names)

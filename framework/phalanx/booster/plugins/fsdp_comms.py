@@ -9,10 +9,12 @@ these classes give FSDP2 the same through its public hooks (`set_custom_reduce_s
 
 The reduce-scatter runs synchronously (FSDP2 reads its output right away on CPU). The all-gather
 returns a work handle (`_Works`, the broadcasts still in flight), which FSDP2 waits on only when it
-copies the result out: with each block set to prefetch the next one's parameters
-(`prefetch_next_blocks`), block i+1's all-gather runs in gloo's thread while block i computes, the
-overlap FSDP2 gets from side streams on a GPU. On CPU without it, every block waited for its own
-gather on the compute thread (the large bench model's forward: 1,321 ms against DDP's 750).
+copies the result out, so a gather FSDP2 prefetches (its backward prefetch of the next block in
+reverse order) runs in gloo's thread while the current block computes. An explicit forward
+prefetch of the next block (`set_modules_to_forward_prefetch`) was measured and left out: on the
+large bench model (2 ranks, 2 cores, AVX512-BF16 EPYC) it made the step slower, fp32 3,922 against
+3,663 ms and bf16 2,172 against 2,026 (its gathers compete with backward's for the two cores);
+docs/zero.md.
 """
 from __future__ import annotations
 
@@ -80,15 +82,3 @@ def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup) ->
         module.set_custom_all_gather(BroadcastAllGather())
     return True
 
-
-def prefetch_next_blocks(blocks: list[FSDPModule]) -> bool:
-    """Each block prefetches the next one's parameters in forward (FSDP2's explicit prefetch; its
-    backward already prefetches in reverse forward order). Only for flat blocks, run in list order
-    (a decoder's layers): for nested blocks (a UNet's) the list order is not the run order, and a
-    wrong prefetch would only gather early. True if set."""
-    nested = {id(m) for block in blocks for m in block.modules() if m is not block}
-    if len(blocks) < 2 or any(id(block) in nested for block in blocks):
-        return False
-    for block, following in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([following])
-    return True
