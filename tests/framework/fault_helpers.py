@@ -51,21 +51,11 @@ def run_faults(root: Path, faults: list[str], *, timeout: float, nproc: int = 2,
     return rc, log.read_text(errors="replace"), result, time.time() - start
 
 
-def assert_same_as_reference(result: dict, name: str, weight_atol: float = 0.0) -> None:
-    """Bit for bit in fp32 on gloo: the loss of every step, every evaluation, and the weights —
-    unless `weight_atol` allows rounding differences in the weights, in which case the losses and
-    evaluations that follow from them may differ by as much in relative terms (a weight off by
-    one rounding moves a later loss in its last bits)."""
+def assert_same_as_reference(result: dict, name: str) -> None:
+    """Bit for bit in fp32 on gloo: the loss of every step, every evaluation, and the weights."""
     ref, run = result["ref"], result[name]
-    if weight_atol == 0.0:
-        assert run["identical_weights"], f"{name}: final weights differ from the uninterrupted run by " \
-                                         f"{run['max_weight_diff']}"
-        assert run["losses"] == ref["losses"], f"{name}: losses {run['losses']} != {ref['losses']}"
-        assert run["evals"] == ref["evals"], f"{name}: evals {run['evals']} != {ref['evals']}"
-    else:
-        assert run["max_weight_diff"] <= weight_atol, f"{name}: weights differ by {run['max_weight_diff']}"
-        for what in ("losses", "evals"):
-            assert run[what].keys() == ref[what].keys(), f"{name}: {what} at steps {sorted(run[what])}"
-            worst = max((abs(run[what][k] - ref[what][k]) / abs(ref[what][k]) for k in ref[what]), default=0.0)
-            assert worst <= weight_atol, f"{name}: {what} {run[what]} != {ref[what]} (relative {worst:.1e})"
+    assert run["identical_weights"], f"{name}: final weights differ from the uninterrupted run by " \
+                                     f"{run['max_weight_diff']}"
+    assert run["losses"] == ref["losses"], f"{name}: losses {run['losses']} != {ref['losses']}"
+    assert run["evals"] == ref["evals"], f"{name}: evals {run['evals']} != {ref['evals']}"
     assert run["final_step"] == ref["final_step"]

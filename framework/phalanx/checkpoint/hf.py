@@ -37,6 +37,15 @@ def _alias_names(model: nn.Module) -> set[str]:
     return aliases
 
 
+def _names_not_saved(model: nn.Module) -> set[str]:
+    """A tied parameter's later names and a transformers model's `_keys_to_ignore_on_save`: the
+    state-dict keys an export leaves out."""
+    from transformers import PreTrainedModel
+
+    ignored = getattr(model, "_keys_to_ignore_on_save", None) if isinstance(model, PreTrainedModel) else None
+    return _alias_names(model) | set(ignored or [])
+
+
 def _drop_aliases(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tied parameters appear under several names; keep the first."""
     aliases = _alias_names(model)
@@ -164,12 +173,11 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor] | Iterab
     is_hf = isinstance(model, PreTrainedModel)
     if is_hf and _needs_transformers_writer(model):
         return _save_with_transformers(model, dict(pairs), directory, size, dtype, tokenizer)
-    aliases = _alias_names(model)
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or []) if is_hf else set()
+    skipped = _names_not_saved(model)
     writer = ShardedSafetensorsWriter(directory, size)
     written_dtype = None
     for name, tensor in pairs:
-        if name in aliases or name in ignored:
+        if name in skipped:
             continue
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -223,16 +231,13 @@ def spread_model_copy(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
     `iter_full_model_state` where `full_state_on_every_rank`): each tensor goes to the rank that
     holds the fewest bytes so far (every rank makes the same choice), which keeps a copy. Tied
     aliases and ignored keys are dropped as `save_hf_model` drops them."""
-    from transformers import PreTrainedModel
-
-    aliases = _alias_names(model)
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or []) if isinstance(model, PreTrainedModel) else set()
+    skipped = _names_not_saved(model)
     held = [0] * world
     owner_of: dict[str, int] = {}
     tensors: dict[str, torch.Tensor] = {}
     numel, dtype = 0, None
     for name, tensor in pairs:
-        if name in aliases or name in ignored:
+        if name in skipped:
             continue
         size = tensor.numel() * tensor.element_size()
         owner = min(range(world), key=lambda r: (held[r], r))

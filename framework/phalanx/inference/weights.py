@@ -185,6 +185,8 @@ def tp_shard_source(model: torch.nn.Module, plan, engine_model) -> TPShardSource
     """
     import torch.distributed as dist
 
+    from phalanx.shard.state import gather_full
+
     if (plan.rank, plan.size) != (engine_model.tp_rank, engine_model.tp_size):
         raise ValueError(f"the trainer's tensor-parallel rank {plan.rank} of {plan.size} is not the engine's "
                          f"{engine_model.tp_rank} of {engine_model.tp_size}: build the engine over the same group")
@@ -223,10 +225,7 @@ def tp_shard_source(model: torch.nn.Module, plan, engine_model) -> TPShardSource
         for name, tensor in state.items():
             tensor = tensor.detach()
             if name in gather:
-                parts = [torch.empty_like(tensor) for _ in range(plan.size)]
-                dist.all_gather(parts, tensor.contiguous(), group=plan.group)
-                full = plan.spec(name).unshard(parts, plan.params[name].full_shape)
-                del parts
+                full = gather_full(name, tensor, plan)
                 yield name, _narrow(full)
                 del full  # one gathered tensor alive at a time
             elif plan.size > 1 and plan.spec(name).is_sharded:

@@ -33,16 +33,25 @@ def _gather_pieces(local: torch.Tensor, plan: TPPlan) -> list[torch.Tensor]:
     return parts
 
 
+def gather_full(name: str, local: torch.Tensor, plan: TPPlan) -> torch.Tensor:
+    """The full tensor `name` on `local`'s device, gathered over the tensor-parallel group (a
+    collective over that group) when the plan splits it, else `local` itself."""
+    spec = plan.spec(name)
+    if spec.is_sharded and plan.size > 1:
+        return spec.unshard(_gather_pieces(local, plan), plan.params[name].full_shape)
+    return local
+
+
 def full_tensor(name: str, local: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     """The full tensor `name` (on the CPU, not sharing memory with `local`) from this rank's piece
     `local`: gathered over the tensor-parallel group when the plan splits it (a collective over
     that group: every rank calls it for the same name), else a copy. Holds one tensor's pieces."""
-    spec = plan.spec(name)
-    if spec.is_sharded and plan.size > 1:
-        full = spec.unshard(_gather_pieces(local, plan), plan.params[name].full_shape).detach().cpu()
-        # a vocabulary cut of the padded gather is a view of it: keep only its own elements
-        return full.clone() if full.untyped_storage().nbytes() > full.numel() * full.element_size() else full
-    return local.detach().cpu().clone()
+    full = gather_full(name, local, plan)
+    if full is local:
+        return local.detach().cpu().clone()
+    full = full.detach().cpu()
+    # a vocabulary cut of the padded gather is a view of it: keep only its own elements
+    return full.clone() if full.untyped_storage().nbytes() > full.numel() * full.element_size() else full
 
 
 def full_state_dict(model: torch.nn.Module, plan: TPPlan, values: dict[str, torch.Tensor] | None = None,

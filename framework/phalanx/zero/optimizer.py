@@ -163,6 +163,12 @@ class ZeroOptimizer(OptimizerWrapper):
     def model_params(self) -> list[nn.Parameter]:
         return [p for g in self.flat_groups if g is not None for p in g.params]
 
+    def master_slots(self) -> dict[int, tuple]:
+        """id(model parameter) -> (its FlatParamGroup, its Slot): where its fp32 master lives
+        (`FlatParamGroup.gather_master_slot` gathers it). Waits for a publication in flight."""
+        self.wait_for_params()
+        return {id(p): (g, slot) for g in self.flat_groups if g is not None for slot, p in zip(g.layout.slots, g.params)}
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside only accumulate locally."""

@@ -81,4 +81,3 @@ def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup) ->
         module.set_custom_reduce_scatter(AllReduceScatter())
         module.set_custom_all_gather(BroadcastAllGather())
     return True
-

@@ -108,11 +108,7 @@ class ZeroPlugin(Plugin):
         part). Every rank gets every tensor."""
         unwrapped = unwrap_model(model)
         optimizer = boosted_optimizer(model)
-        slots = {}
-        if optimizer is not None:
-            optimizer.wait_for_params()
-            slots = {id(p): (g, slot) for g in optimizer.flat_groups if g is not None
-                     for slot, p in zip(g.layout.slots, g.params)}
+        slots = optimizer.master_slots() if optimizer is not None else {}
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         for name, value in unwrapped.state_dict().items():
             place = slots.get(param_ids.get(name, -1))

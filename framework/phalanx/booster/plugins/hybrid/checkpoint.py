@@ -69,9 +69,7 @@ class _Masters:
             return
         params = dict(hf.named_parameters(remove_duplicate=False))
         if isinstance(optimizer, HybridZeroOptimizer):
-            optimizer.wait_for_params()
-            where = {id(p): (g, slot) for g in optimizer.flat_groups if g is not None
-                     for slot, p in zip(g.layout.slots, g.params)}
+            where = optimizer.master_slots()
             self.slots = {n: where[id(p)] for n, p in params.items() if id(p) in where}
         else:
             self.copies = {n: optimizer.master_of[id(p)].detach() for n, p in params.items()
