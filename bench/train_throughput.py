@@ -258,9 +258,10 @@ def print_plugin_table(rows: dict, missing: list[str]) -> None:
 # =============================================================================================
 # Part 3: the plugins on a real-sized model (--model medium|large)
 
-SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "raw_fsdp2",
-                  "ds_zero1", "ds_zero2")
+SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "fsdp_sync",
+                  "raw_fsdp2", "ds_zero1", "ds_zero2")
 SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
+                "fsdp_sync": "FSDPPlugin, sync reduce",
                 "ds_zero1": "DeepSpeed ZeRO-1", "ds_zero2": "DeepSpeed ZeRO-2"}
 PHASES = ("forward", "backward", "reduce", "norm", "optimizer", "gather")
 MODEL_SIZES = {"medium": (512, 4), "large": (1024, 8)}  # hidden, layers
@@ -379,10 +380,12 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     # ddp_fused: DDPPlugin with the user asking for AdamW(fused=True), which ZeRO and FSDPPlugin
     # now use by default: shows how much of their lead over DDP is the kernel alone.
     # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
-    # with the next forward.
-    options = {"overlap_param_gather": True} if name == "zero2_prefetch" else {}
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch"), precision=precision, max_norm=1.0,
-                         **options)
+    # with the next forward. fsdp_sync: FSDPPlugin(overlap_reduce=False), each block's gradient
+    # all-reduce waited for on the compute thread (the default leaves it running during backward).
+    options = ({"overlap_param_gather": True} if name == "zero2_prefetch" else
+               {"overlap_reduce": False} if name == "fsdp_sync" else {})
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch").removesuffix("_sync"),
+                         precision=precision, max_norm=1.0, **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None)
     boosted, wrapped, *_ = booster.boost(model, opt)

@@ -29,3 +29,44 @@ def compare_with_torch_collectives() -> dict[str, float]:
         AllReduceScatter()(got, full.clone(), group, op)
         out[f"reduce_scatter_{name}"] = (got - want).abs().max().item()
     return out
+
+
+def overlapped_reduce_gradients() -> dict:
+    """FSDPPlugin with and without the overlapped gradient reduce: the gradients right after
+    `backward` (before any optimizer call), also when a second backward accumulates into them
+    with no zero_grad in between, and how many reduces were deferred."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import FSDPPlugin
+    from phalanx.booster.plugins import fsdp_comms
+    from phalanx.testing import tiny_llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    deferred = {"n": 0}
+    add = fsdp_comms.PendingReduces.add
+
+    def counting_add(self, *args):
+        deferred["n"] += 1
+        return add(self, *args)
+
+    fsdp_comms.PendingReduces.add = counting_add
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 128, (2 * world, 16), generator=g).chunk(world)[rank] for _ in range(2)]
+    grads = {}
+    for overlap in (False, True):
+        model = tiny_llama(seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt, *_ = Booster(plugin=FSDPPlugin(overlap_reduce=overlap)).boost(model, opt)
+        before = deferred["n"]
+        model(input_ids=batches[0], labels=batches[0]).loss.backward()
+        one = {n: p.grad.full_tensor().clone() for n, p in model.module.named_parameters()}
+        model(input_ids=batches[1], labels=batches[1]).loss.backward()  # accumulates: no zero_grad
+        two = {n: p.grad.full_tensor().clone() for n, p in model.module.named_parameters()}
+        grads[overlap] = (one, two, deferred["n"] - before)
+    fsdp_comms.PendingReduces.add = add
+
+    def diff(a, b):
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    (one0, two0, _), (one1, two1, n) = grads[False], grads[True]
+    return {"deferred": n, "first": diff(one0, one1), "accumulated": diff(two0, two1),
+            "nonzero": max(t.abs().max().item() for t in one1.values())}

@@ -15,3 +15,15 @@ def test_gloo_replacements_equal_torch_collectives(world):
         # all-gather copies bits; the reductions add the same world-size terms, maybe in another order
         assert diffs["all_gather"] == 0.0, (rank, diffs)
         assert diffs["reduce_scatter_sum"] <= 1e-6 and diffs["reduce_scatter_avg"] <= 1e-6, (rank, diffs)
+
+
+def test_overlapped_gradient_reduce_is_exact_and_deferred():
+    """The gradient all-reduce left running during backward (fsdp_comms.PendingReduces) gives the
+    same gradients as the synchronous one when backward returns, and falls back to synchronous
+    where FSDP2 would read the output at once (a second backward accumulating, no zero_grad)."""
+    for rank, r in enumerate(spawn(workers.overlapped_reduce_gradients, 2)):
+        assert r["nonzero"] > 0, (rank, r)
+        assert r["first"] == 0.0 and r["accumulated"] == 0.0, (rank, r)
+        # the first backward defers every block's reduce (the root runs last, synchronously); the
+        # accumulating one defers none
+        assert r["deferred"] == 2, (rank, r)  # tiny_llama has 2 blocks

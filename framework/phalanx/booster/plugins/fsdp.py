@@ -26,7 +26,7 @@ from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
-from phalanx.booster.plugins.fsdp_comms import use_gloo_collectives
+from phalanx.booster.plugins.fsdp_comms import PendingReduces, use_gloo_collectives
 from phalanx.lazy.materialise import local_rows
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
@@ -86,15 +86,18 @@ class FSDPOptimizer(OptimizerWrapper):
     """The user's optimizer over FSDP2's sharded parameters, plus loss scaling and clipping."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], precision: str,
-                 max_norm: float | None, group: dist.ProcessGroup):
+                 max_norm: float | None, group: dist.ProcessGroup, pending: PendingReduces | None = None):
         super().__init__(optimizer, precision, max_norm)
         self.names = names
         self.group = group
+        self.pending = pending  # gradient all-reduces still in flight (fsdp_comms); finished before reading
 
     def params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
 
     def step(self, closure=None) -> None:
+        if self.pending:  # normally finished at the end of backward; a guard for unusual call orders
+            self.pending.finish()
         grads = [_local(p.grad) for p in self.params() if p.grad is not None]
         if not self.scaler.unscale_or_skip(grads, self.group):
             self.skipped, self.last_grad_norm = True, float("inf")
@@ -125,10 +128,11 @@ class FSDPPlugin(Plugin):
     full_state_on_every_rank = True
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False):
+                 cpu_offload: bool = False, overlap_reduce: bool = True):
         super().__init__(precision, max_norm)
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.overlap_reduce = overlap_reduce  # gloo: gradient all-reduces run while backward goes on (fsdp_comms)
 
     def setup(self) -> None:
         super().setup()
@@ -158,7 +162,10 @@ class FSDPPlugin(Plugin):
         # Innermost first: blocks can nest (a UNet's down block holds a ModuleList of resnets), and
         # FSDP2 must wrap a child before its parent. For flat transformer layers the order is moot.
         for block in reversed(blocks):
-            fully_shard(block, **kwargs)
+            # The last block's parameters are the first backward needs: resharding them after forward
+            # would only buy an all-gather straight back (one block's memory; torchtitan does the same).
+            last = block is blocks[-1] and len(blocks) > 1
+            fully_shard(block, **{**kwargs, "reshard_after_forward": False} if last else kwargs)
         # The root (embeddings, final norm, LM head: ~40% of a small Llama) is needed again as soon
         # as backward starts, so resharding it after forward only buys a second all-gather: keep
         # it unsharded between forward and backward, as raw `fully_shard` does by default (None).
@@ -167,14 +174,15 @@ class FSDPPlugin(Plugin):
         root_kwargs = {**kwargs, "reshard_after_forward": root_reshard}
         fully_shard(model, **root_kwargs)
         # On gloo: all-reduce / broadcasts instead of gloo's slow reduce-scatter / all-gather (fsdp_comms).
-        use_gloo_collectives([*blocks, model], self.dp_group)
+        self.pending_reduces = use_gloo_collectives([*blocks, model], self.dp_group, self.overlap_reduce)
         if source is not None:
             lazy.materialise_fsdp_shards(hf_model, source, self.device, buffers)
         return self.boosted(ModelWrapper(model, model), param_names=old_names)
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: ModelWrapper) -> FSDPOptimizer:
         names = rebind_optimizer_params(optimizer, unwrap_model(model), boosted_state(model).param_names)
-        return FSDPOptimizer(optimizer, names, self.precision, self.max_norm, self.dp_group)
+        return FSDPOptimizer(optimizer, names, self.precision, self.max_norm, self.dp_group,
+                             getattr(self, "pending_reduces", None))
 
     @contextlib.contextmanager
     def no_sync(self, model: ModelWrapper, optimizer) -> Iterator[None]:

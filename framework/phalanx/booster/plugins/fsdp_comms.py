@@ -1,4 +1,4 @@
-"""FSDP2's two collectives, replaced on gloo by the ones gloo runs fast.
+"""FSDP2's two collectives, replaced on gloo by the ones gloo runs fast, and overlapped with backward.
 
 FSDP2 all-gathers each block's parameters (`all_gather_single`) and reduce-scatters its gradients
 (`reduce_scatter_single`). On gloo both are slow next to their alternatives (2 ranks, 84 MB fp32,
@@ -7,14 +7,25 @@ against one broadcast per rank 2 × 24. The ZeRO plugin already reduces and publ
 these classes give FSDP2 the same through its public hooks (`set_custom_reduce_scatter`,
 `set_custom_all_gather`). NCCL keeps FSDP2's own collectives: there the real ones are the fast ones.
 
-The reduce-scatter runs synchronously (FSDP2 reads its output right away on CPU). The all-gather
-returns a work handle (`_Works`, the broadcasts still in flight), which FSDP2 waits on only when it
-copies the result out, so a gather FSDP2 prefetches (its backward prefetch of the next block in
-reverse order) runs in gloo's thread while the current block computes. An explicit forward
-prefetch of the next block (`set_modules_to_forward_prefetch`) was measured and left out: on the
-large bench model (2 ranks, 2 cores, AVX512-BF16 EPYC) it made the step slower, fp32 3,922 against
-3,663 ms and bf16 2,172 against 2,026 (its gathers compete with backward's for the two cores);
-docs/zero.md.
+**Gradient reduction runs in gloo's thread while backward goes on** (as DDP's bucketed all-reduce
+does). On CPU, FSDP2 has no streams: it calls the reduce-scatter and reads its output at once. But
+in fp32 and bf16 (reduce dtype fp32, op AVG, no post-division, no dtype cast) the sharded gradient
+it makes is a *view* of the reduce output, written nowhere else until the optimizer reads it. So
+`AllReduceScatter` starts the all-reduce asynchronously and defers copying this rank's slice into
+that output to `PendingReduces.finish`, which runs at the end of backward (an autograd final
+callback queued by the first deferred reduce, and the root module's reduce, which FSDP2 runs last,
+in its own final callback) and, as a guard, before the optimizer step. Where FSDP2 would read the
+output at once it runs synchronously: another op (fp16's SUM with its own division), gradients that
+accumulate into existing sharded gradients (no `zero_grad` / `set_to_none=False` between backwards),
+a reduce dtype other than the parameters' dtype.
+
+The all-gather returns a work handle (`_Works`, the broadcasts still in flight), which FSDP2 waits
+on only when it copies the result out, so a gather FSDP2 prefetches (its backward prefetch of the
+next block in reverse order) runs in gloo's thread while the current block computes. An explicit
+forward prefetch of the next block (`set_modules_to_forward_prefetch`) was measured and left out: on
+the large bench model (2 ranks, 2 cores, AVX512-BF16 EPYC) it made the step slower, fp32 3,922
+against 3,663 ms and bf16 2,172 against 2,026 (its gathers compete with backward's for the two
+cores); docs/zero.md.
 """
 from __future__ import annotations
 
@@ -30,18 +41,70 @@ from phalanx.zero.comm import is_gloo
 _PLAIN_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
+class PendingReduces:
+    """The all-reduces started during one backward whose slices are still to be copied out."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[dist.Work, torch.Tensor, torch.Tensor, int, int]] = []
+        self._callback_queued = False
+
+    def add(self, work: dist.Work, output: torch.Tensor, full: torch.Tensor, world: int, rank: int) -> None:
+        self._items.append((work, output, full, world, rank))
+        if not self._callback_queued and torch._C._current_graph_task_id() != -1:
+            # Inside backward: finish when the autograd engine does (after FSDP2's own final callback).
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._callback_queued = True
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def finish(self) -> None:
+        """Wait for every pending all-reduce and copy this rank's slice into FSDP2's output."""
+        items, self._items, self._callback_queued = self._items, [], False
+        for work, output, full, world, rank in items:
+            work.wait()
+            output.copy_(full.view(world, -1)[rank])
+
+
 class AllReduceScatter(DefaultReduceScatter):
     """Reduce-scatter as an in-place all-reduce of the (already full-size, temporary) input,
-    then this rank's slice copied out: the same result, the same memory, half gloo's time."""
+    then this rank's slice copied out: the same result, the same memory, half gloo's time.
+    With `pending` (and `module`, the FSDP module whose gradients it reduces) the all-reduce is
+    left running where that is safe (module docstring); `drain=True` (the root, reduced last)
+    finishes everything pending after its own reduce."""
+
+    def __init__(self, pending: PendingReduces | None = None, module: FSDPModule | None = None,
+                 drain: bool = False) -> None:
+        super().__init__()
+        self.pending, self.module, self.drain = pending, module, drain
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         if op not in _PLAIN_OPS:  # PREMUL_SUM and friends: gloo's own reduce-scatter knows them
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        dist.all_reduce(input_tensor, op=op, group=group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if self.pending is not None and not self.drain and self._can_defer(output_tensor, op):
+            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
+            self.pending.add(work, output_tensor, input_tensor, world, rank)
+            return None
+        dist.all_reduce(input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(world, -1)[rank])
+        if self.drain and self.pending:
+            self.pending.finish()
         return None
+
+    def _can_defer(self, output: torch.Tensor, op) -> bool:
+        """FSDP2 only views the output (no division, cast or accumulation) in this case."""
+        if op != dist.ReduceOp.AVG or self.module is None:
+            return False
+        params = [p for g in _param_groups(self.module) for p in g.fsdp_params]
+        return bool(params) and all(p.sharded_param.grad is None and p.sharded_param.dtype == output.dtype
+                                    for p in params)
+
+
+def _param_groups(module: FSDPModule) -> list:
+    state = module._get_fsdp_state()
+    return list(getattr(state, "_fsdp_param_groups", None) or [])
 
 
 class _Works(dist.Work):
@@ -73,11 +136,16 @@ class BroadcastAllGather(DefaultAllGather):
                        for i in range(world)])
 
 
-def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup) -> bool:
-    """Give every FSDP module the gloo-fast collectives when `group` runs on gloo; True if it did."""
+def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup,
+                         overlap_reduce: bool = True) -> PendingReduces | None:
+    """Give every FSDP module the gloo-fast collectives when `group` runs on gloo. `modules` ends
+    with the root. Returns the pending-reduce set the optimizer must finish before it reads
+    gradients (None when `group` is not gloo or has one rank)."""
     if not is_gloo(group) or dist.get_world_size(group) < 2:
-        return False
-    for module in modules:
-        module.set_custom_reduce_scatter(AllReduceScatter())
+        return None
+    pending = PendingReduces() if overlap_reduce else None
+    for i, module in enumerate(modules):
+        is_root = i == len(modules) - 1
+        module.set_custom_reduce_scatter(AllReduceScatter(pending, module, drain=is_root))
         module.set_custom_all_gather(BroadcastAllGather())
-    return True
+    return pending
