@@ -15,8 +15,10 @@ rank by design (their row shows by how much they exceed it).
     python bench/memory_sharded.py --plugins fsdp,gemini --hidden 1024 --layers 16 --vocab 32000
     python bench/memory_sharded.py --world 2 --quick                 # a smaller model
 
-"save" adds the writer's file (`--shard-mb`, default 1/32 of the fp32 model) to the target: rank
-0 holds one file's tensors while it writes (phalanx.checkpoint.hf). "start" is the resident memory
+"save" adds the writer's file (`--shard-mb`, default 1/32 of the fp32 model) and one tensor (the
+largest, fp32) to the target: rank 0 holds one file's tensors while it writes
+(phalanx.checkpoint.hf), and the tensor being gathered besides (a tensor larger than the file
+size is a file of its own: at 158M parameters the 125 MiB embedding against 19 MiB files). "start" is the resident memory
 above the baseline when the phase begins (what the previous phases left). Memory is what the
 process owns (RssAnon + RssShmem); "file" is the peak of clean file pages that the memory-mapped
 safetensors reads leave resident (page cache, shared between ranks and reclaimable), shown apart.
@@ -53,8 +55,9 @@ def model_config(hidden: int, layers: int, vocab: int):
                        max_position_embeddings=1024, tie_word_embeddings=False, attn_implementation="sdpa")
 
 
-def write_checkpoint(config, directory: Path, seed: int = 0) -> int:
-    """A random fp32 checkpoint, one tensor at a time (lazy init + the streamed writer)."""
+def write_checkpoint(config, directory: Path, seed: int = 0) -> tuple[int, int]:
+    """A random fp32 checkpoint, one tensor at a time (lazy init + the streamed writer); returns
+    (parameters, elements of the largest tensor)."""
     import torch
 
     from phalanx import lazy
@@ -63,15 +66,16 @@ def write_checkpoint(config, directory: Path, seed: int = 0) -> int:
     model = lazy.from_config(config)
     source = lazy.source_for(model, seed=seed)
     writer = ShardedSafetensorsWriter(directory, parse_shard_size("256MB"))
-    n = 0
+    n = largest = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             value = source.full(name, p)
             writer.add(name, value)
             n += value.numel()
+            largest = max(largest, value.numel())
     writer.finish()
     config.save_pretrained(directory)
-    return n
+    return n, largest
 
 
 def owned(resident: dict) -> int:
@@ -192,14 +196,15 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory_sharded-") as tmp:
         tmp = Path(tmp)
-        n = write_checkpoint(config, tmp / "ckpt")
+        n, largest = write_checkpoint(config, tmp / "ckpt")
         write_checkpoint(tiny_llama_config(), tmp / "tiny")
         state = 16 * n
         print(f"Llama {n / 1e6:.1f}M parameters: unsharded fp32 training state {state / MiB:.0f} MiB "
               f"(16 B/param); {args.world} gloo ranks, seq {args.seq} x micro-batch {args.micro_batch}, "
               f"{args.steps} AdamW steps; peak RSS per rank above baseline, worst rank", flush=True)
         shard_bytes = int(args.shard_mb * MiB) if args.shard_mb else max(MiB, 4 * n // 32)
-        print(f"save: max_shard_size {shard_bytes / MiB:.1f} MiB (1/32 of the fp32 model, as 2GB is of a 16B model)")
+        print(f"save: max_shard_size {shard_bytes / MiB:.1f} MiB (1/32 of the fp32 model, as 2GB is of a 16B model); "
+              f"largest tensor {4 * largest / MiB:.1f} MiB")
         print(f"{'plugin':<8} {'phase':<6} {'start':>7} {'peak MiB':>9} {'16P/N':>8} {'+other':>7} {'target':>8} "
               f"{'ratio':>6} {'file':>6} {'s':>6}  per-rank peak MiB")
         t0 = time.perf_counter()
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
                 per_rank = [r[plugin]["peak"][phase] for r in ranks]
                 peak = max(per_rank)
                 start = max(r[plugin]["start"][phase] for r in ranks)
-                extra = act if phase == "steps" else (shard_bytes if phase == "save" else 0.0)
+                extra = act if phase == "steps" else (shard_bytes + 4 * largest if phase == "save" else 0.0)
                 target = state / args.world + extra
                 secs = max(r[plugin]["seconds"][phase] for r in ranks)
                 file = max(r[plugin]["file"][phase] for r in ranks)

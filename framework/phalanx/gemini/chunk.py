@@ -129,7 +129,7 @@ class Chunk:
     used: set[int] = field(default_factory=set)  # params used by this forward
     arrived: set[int] = field(default_factory=set)  # params whose gradient arrived this backward
     reduced: bool = False
-    pending: object = None  # async all-gather of a prefetch: (work, full)
+    pending: object = None  # async gather of a prefetch: (work handles, full)
     device: torch.device = torch.device("cpu")  # the compute device (where placeholders live)
 
     @property

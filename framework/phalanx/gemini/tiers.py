@@ -93,6 +93,11 @@ class MemoryTiers:
         make = torch.zeros if zero else torch.empty
         return make(numel, dtype=dtype, device=self.device)
 
+    def adopt(self, tier: str, t: torch.Tensor) -> torch.Tensor:
+        """Count a tensor made elsewhere (autograd's gradient kept as a chunk's buffer) on `tier`."""
+        self._add(tier, nbytes(t))
+        return t
+
     def _copy_to(self, t: torch.Tensor, tier: str) -> torch.Tensor:
         if tier == HOST:
             return host_copy(t, pinned=True)

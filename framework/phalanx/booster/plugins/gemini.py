@@ -201,20 +201,16 @@ class GeminiPlugin(Plugin):
         return {id(p): n for n, p in unwrap_model(model).named_parameters()}
 
     def iter_full_model_state(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters from the fp32 masters, gathered one chunk at a time (the chunk in hand is
-        kept while its parameters are handed out); buffers as they are."""
+        """Parameters from the fp32 masters, gathered one parameter at a time (each rank broadcasts
+        its part straight into the tensor handed out: a save holds one tensor, not its chunk);
+        buffers as they are."""
         unwrapped = unwrap_model(model)
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         buffers = dict(unwrapped.named_buffers())
-        held: tuple = (None, None)  # (chunk, its gathered fp32 masters)
         for name in unwrapped.state_dict().keys():
             if name in param_ids:
                 chunk, k = self.manager.where[param_ids[name]]
-                if held[0] is not chunk:
-                    held = (None, None)  # drop the previous chunk before gathering the next
-                    held = (chunk, self.manager.gather_master(chunk))
-                slot, p = chunk.layout.slots[k], chunk.params[k]
-                yield name, held[1][slot.offset:slot.end].view(p.shape).clone()
+                yield name, self.manager.gather_master_param(chunk, k).view(chunk.params[k].shape)
             elif name in buffers:
                 yield name, buffers[name].detach().cpu().clone()
 
