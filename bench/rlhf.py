@@ -3,12 +3,17 @@
 
     python bench/rlhf.py                                   # SmolLM2-135M-Instruct, 4 prompts x 8 samples, 32 tokens
     python bench/rlhf.py --prompts 2 --n 4 --max-new-tokens 16 --steps 3
+    python bench/rlhf.py --shared-prompt-forward false --skip-trl  # Phalanx without the shared-prompt forward
+    python bench/rlhf.py --profile-update                # CPU time of one policy update, packed vs unshared
 
 Prints step time and its split (generate / score / train / weight sync), rollout tokens/s, the
 ratio of step throughputs, and one JSON line. The first step of each (warm-up) is not counted.
 TRL is a dev-only dependency. Both train in fp32 with the same learning rate, no KL (beta 0), one
 policy update per rollout, temperature 1, sampling to the full length (EOS ignored on neither:
 lengths may differ, so throughput is compared per completion token as well as per step).
+Phalanx's policy update runs the shared-prompt forward (`grpo.shared_prompt_forward`, on by default:
+each prompt's n samples packed into one row holding the prompt once; exact); `--shared-prompt-forward
+false` measures the unshared forward for comparison.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
                  f"data.num_train={len(records)}", f"train.micro_batch_size={args.prompts}",
                  f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.resume=false", "train.lr=1e-6",
                  "train.progress_bar=false", "train.plot=false", "train.save_every=0", "train.keep_last=1",
-                 "engine.max_model_len=256", "train.precision=fp32"]
+                 "engine.max_model_len=256", "train.precision=fp32",
+                 f"grpo.shared_prompt_forward={args.shared_prompt_forward}"]
     cfg = load_grpo_config(None, overrides)
     run = build_run(cfg)
     run.train_records[:] = records  # the bench's prompts, not the generated task's
@@ -59,6 +65,52 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
             "sync_s": statistics.median(r["time_sync_s"] for r in hist),
             "completion_tokens": statistics.median(r["completion_len"] for r in hist) * args.prompts * args.n,
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in hist), "total_s": total}
+
+
+def profile_update(model_dir: str, records: list[dict], args, out: Path, repeats: int = 2) -> dict:
+    """CPU seconds of one policy update (log-prob forward, loss, backward, AdamW step) on one fixed
+    rollout, the shared-prompt forward and the unshared one alternately (CPU time: meaningful on a
+    loaded machine, where wall time is not), then torch.profiler's top operators of each."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from apps.chat_rlhf.grpo import build_run, encode_prompts, load_grpo_config
+    cfg = load_grpo_config(None, [f"model={model_dir}", f"grpo.num_generations={args.n}",
+                                  f"grpo.max_new_tokens={args.max_new_tokens}", "grpo.rewards=[rlhf:reward_len]",
+                                  "data.num_heldout=0", f"data.num_train={len(records)}", "engine.max_model_len=256",
+                                  f"train.output_dir={out}", "train.precision=fp32"])
+    run = build_run(cfg)
+    run.train_records[:] = records
+    run.loss.prompt_ids[:] = encode_prompts(run.tokenizer, records)
+    rollout = run.engine.generate(run.loss.prompt_ids[:args.prompts], args.n, seeds=range(args.prompts * args.n))
+    run.loss.rollout_fn = lambda indices, step: rollout
+    # lr 0: AdamW does all its work but the weights stay those the rollout was sampled with (the guard holds)
+    optimizer = torch.optim.AdamW([p for p in run.model.parameters() if p.requires_grad], lr=0.0)
+    batch = {"index": torch.arange(args.prompts)}
+
+    def update(shared: bool) -> float:
+        run.loss.s.shared_prompt_forward = shared
+        t0 = time.process_time()
+        run.loss(run.model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.process_time() - t0
+
+    update(True)  # warm-up
+    cpu = {True: [], False: []}
+    for _ in range(repeats):
+        for shared in (True, False):
+            cpu[shared].append(update(shared))
+    for shared in (True, False):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            update(shared)
+        print(f"shared_prompt_forward={shared}:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    result = {"update_cpu_s_shared": statistics.median(cpu[True]),
+              "update_cpu_s_unshared": statistics.median(cpu[False]),
+              "completion_lens": [len(c) for c in rollout.completion_ids],
+              "prompt_lens": sorted({len(p) for p in rollout.prompt_ids})}
+    result["update_speedup"] = result["update_cpu_s_unshared"] / result["update_cpu_s_shared"]
+    return result
 
 
 def run_trl(model_dir: str, records: list[dict], args, out: Path) -> dict:
@@ -120,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3, help="steps per framework; the first is warm-up")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--profile-update", action="store_true",
+                        help="no step timing: CPU time and top operators of one update, shared vs unshared forward")
+    parser.add_argument("--shared-prompt-forward", default="true", choices=["true", "false"],
+                        help="Phalanx's update holds each prompt once for its n samples (default) or n times")
     args = parser.parse_args(argv)
     sys.modules.setdefault("rlhf", sys.modules[__name__])
 
@@ -132,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {model_dir}; {args.prompts} prompts x {args.n} samples, {args.max_new_tokens} new tokens, "
           f"{args.steps} steps; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, loadavg {' '.join(load)}")
+    if args.profile_update:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps({"bench": "rlhf_update_profile", **profile_update(model_dir, records, args, Path(tmp))}))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_phalanx(model_dir, records, args, Path(tmp) / "phalanx")
         print("phalanx:", json.dumps({k: round(v, 3) for k, v in ours.items()}), flush=True)
@@ -140,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             print("trl:    ", json.dumps({k: round(v, 3) for k, v in theirs.items()}), flush=True)
     load_after = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
     line = {"bench": "rlhf_grpo_step", "phalanx": ours, "trl": theirs, "prompts": args.prompts, "n": args.n,
-            "max_new_tokens": args.max_new_tokens, "loadavg_before": load, "loadavg_after": load_after}
+            "max_new_tokens": args.max_new_tokens, "shared_prompt_forward": args.shared_prompt_forward == "true",
+            "loadavg_before": load, "loadavg_after": load_after}
     if theirs:
         line["step_speedup"] = theirs["step_s"] / ours["step_s"]
         line["rollout_speedup"] = ours["rollout_tokens_per_s"] / theirs["rollout_tokens_per_s"]

@@ -34,7 +34,7 @@ from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
 from .rewards import RewardSet
-from .rollout import LogProbGap, Rollout, RolloutEngine, completion_batch, completion_logprobs, padded
+from .rollout import LogProbGap, Rollout, RolloutEngine, completion_logprobs, logprob_batch, padded
 
 ROLLOUT_METRICS = "rollouts.jsonl"
 _NUMBER_FIRST = re.compile(r"\s*-?\d")
@@ -82,6 +82,8 @@ class GRPOSettings:
     reward_weights: list[float] = field(default_factory=list)
     max_logprob_gap: float = 0.5      # stale-weight guard: stop when mean |engine - trainer| log-prob exceeds it ...
     gap_jump: float = 20.0            # ... or jumps to this many times its running median
+    shared_prompt_forward: bool = True  # training forward holds each prompt once for its n samples (exact; used
+                                        # when n > 1, the attention is sdpa/eager and the estimate says it is cheaper)
 
     def validate(self) -> None:
         def need(ok: bool, key: str, why: str) -> None:
@@ -291,7 +293,8 @@ class GRPOLoss:
         keep_seq = (~zero).repeat_interleave(n) if s.dynamic_sampling else torch.ones(len(scores), dtype=torch.bool)
         score_s = time.perf_counter() - t0
 
-        tb = completion_batch(rollout.prompt_ids, rollout.completion_ids, self.pad_id)
+        tb = logprob_batch(rollout.prompt_ids, rollout.completion_ids, n, self.pad_id, model,
+                           shared=s.shared_prompt_forward)
         mask = tb["completion_mask"] * keep_seq.unsqueeze(1)
         dev = next(model.parameters()).device
         tb = {k: v.to(dev) for k, v in tb.items()}

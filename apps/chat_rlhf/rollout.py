@@ -14,6 +14,11 @@ The engine returns each sampled token's log-probability under the model's *raw* 
 (before temperature / top-k / top-p): that is what the importance ratio compares with the
 trainer's forward. `LogProbGap` checks every step that the two agree: a gap that jumps means the
 engine generated with stale or wrong weights, and the run stops with a message.
+
+The trainer's log-probs (`completion_logprobs`) come from one forward over either the plain batch
+(`completion_batch`: each sample with its own copy of the prompt) or the packed one
+(`shared_prompt_batch`: each prompt once, its n completions after it under a 4D mask; exact, and
+cheaper when completions are short); `logprob_batch` chooses.
 """
 from __future__ import annotations
 
@@ -24,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from phalanx.inference import LLM, SamplingParams
 
@@ -199,23 +203,196 @@ def completion_batch(prompt_ids: Sequence[list[int]], completion_ids: Sequence[l
             "completion_mask": attn[:, P:].clone()}
 
 
+def shared_prompt_batch(prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], n: int, pad_id: int
+                        ) -> dict[str, torch.Tensor]:
+    """The n completions of each prompt packed into one row that holds the prompt once.
+
+    `prompt_ids` / `completion_ids` are flattened prompt-major as in `Rollout` (row g*n + j is
+    sample j of prompt g; the n prompts of a group must be equal). Row g is
+    [left pads, prompt, c_1[:-1], ..., c_n[:-1], right pads]: a completion's last token is only a
+    target, and its first is predicted by the prompt's last position, which the n samples share.
+    A 4D mask [G, 1, L, L] lets each completion see the prompt and itself causally (never a
+    sibling); its positions restart after the prompt. Causal attention makes every hidden state
+    the one the unshared batch computes, so log-probs and gradients are the same up to rounding.
+
+    Besides input_ids / attention_mask / position_ids: completion_mask [B, T] as `completion_batch`
+    gives it, targets [B, T], and logit_index [B, T]: where token t of sample b reads its logits in
+    the flattened [G * K, V] logits of the last K = logits_to_keep positions."""
+    B = len(completion_ids)
+    if n < 1 or B % n or len(prompt_ids) != B:
+        raise ValueError(f"shared_prompt_batch needs n samples of each prompt: got {len(prompt_ids)} prompts, "
+                         f"{B} completions, n={n}")
+    G = B // n
+    for g in range(G):
+        if not prompt_ids[g * n] or any(list(prompt_ids[g * n + j]) != list(prompt_ids[g * n]) for j in range(1, n)):
+            raise ValueError(f"shared_prompt_batch: rows {g * n}..{g * n + n - 1} must hold the same non-empty prompt "
+                             "(the rollout is prompt-major, n samples per prompt); use completion_batch otherwise")
+    P = max(len(prompt_ids[g * n]) for g in range(G))
+    T = max(max((len(c) for c in completion_ids), default=0), 1)
+    L = max(P + sum(max(len(c) - 1, 0) for c in completion_ids[g * n:(g + 1) * n]) for g in range(G))
+    K = L - P + 1  # logits from the prompt's last position onwards
+    ids = torch.full((G, L), pad_id, dtype=torch.long)
+    segment = torch.full((G, L), -1, dtype=torch.long)  # -1 pad, 0 prompt, j + 1 completion j
+    positions = torch.zeros((G, L), dtype=torch.long)
+    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    index = torch.zeros((B, T), dtype=torch.long)
+    cmask = torch.zeros((B, T), dtype=torch.long)
+    for g in range(G):
+        p = prompt_ids[g * n]
+        ids[g, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        segment[g, P - len(p):P] = 0
+        positions[g, P - len(p):P] = torch.arange(len(p))
+        start = P
+        for j in range(n):
+            b, c = g * n + j, completion_ids[g * n + j]
+            if not c:
+                continue
+            inputs = len(c) - 1
+            ids[g, start:start + inputs] = torch.tensor(c[:-1], dtype=torch.long)
+            segment[g, start:start + inputs] = j + 1
+            positions[g, start:start + inputs] = len(p) + torch.arange(inputs)
+            targets[b, :len(c)] = torch.tensor(c, dtype=torch.long)
+            # token 0 reads the prompt's last position (P - 1, kept index 0); token t the position of c[t - 1]
+            reads = torch.cat([torch.zeros(1, dtype=torch.long), start - P + 1 + torch.arange(inputs)])
+            index[b, :len(c)] = g * K + reads
+            cmask[b, :len(c)] = 1
+            start += inputs
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    q, k = segment.unsqueeze(2), segment.unsqueeze(1)
+    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
+    allowed |= torch.eye(L, dtype=torch.bool)  # padding attends to itself: no empty softmax row
+    return {"input_ids": ids, "attention_mask": allowed.unsqueeze(1), "position_ids": positions,
+            "completion_mask": cmask, "targets": targets, "logit_index": index, "logits_to_keep": torch.tensor(K)}
+
+
+def shared_prompt_pays(prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], n: int,
+                       hidden_size: int) -> bool:
+    """Whether the packed batch costs less than the unshared one, by a per-layer estimate: a token
+    costs ~12 h^2 multiply-adds in the projections and MLP, a (query, key) pair ~2 h in attention, and
+    the packed row's mask is dense (L^2 pairs). Sharing wins for short completions (the prompt
+    dominates); n long completions in one row can cost more in attention than the prompts save."""
+    if n < 2 or len(completion_ids) % n:
+        return False
+    P = max(len(p) for p in prompt_ids)
+    T = max(max((len(c) for c in completion_ids), default=0), 1)
+    G = len(completion_ids) // n
+    L = max(P + sum(max(len(c) - 1, 0) for c in completion_ids[g * n:(g + 1) * n]) for g in range(G))
+    cost = lambda rows, length: rows * (6 * hidden_size * length + length * length)
+    return cost(G, L) < cost(len(completion_ids), P + T)
+
+
+def supports_shared_prompt(model: torch.nn.Module) -> str | None:
+    """None if `model` takes the packed batch exactly, else why not: the custom 4D mask is read by
+    transformers' sdpa and eager attention, and must not meet sliding-window layers (the mask
+    replaces theirs)."""
+    from phalanx.booster.plugins.base import unwrap_model
+    config = getattr(unwrap_model(model), "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} (the shared-prompt mask needs sdpa or eager)"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False):
+        return "sliding-window attention layers"
+    return None
+
+
+def logprob_batch(prompt_ids: Sequence[list[int]], completion_ids: Sequence[list[int]], n: int, pad_id: int,
+                  model: torch.nn.Module | None = None, *, shared: bool = True) -> dict[str, torch.Tensor]:
+    """The batch `completion_logprobs` reads for a prompt-major rollout with n samples per prompt:
+    packed (`shared_prompt_batch`) when `shared`, the model takes it and it is cheaper, else
+    `completion_batch`. Both give the same [B, T] log-probs and completion_mask."""
+    if shared and n > 1 and model is not None and supports_shared_prompt(model) is None:
+        from phalanx.booster.plugins.base import unwrap_model
+        hidden = int(getattr(unwrap_model(model).config, "hidden_size", 0) or 0)
+        if shared_prompt_pays(prompt_ids, completion_ids, n, hidden):
+            return shared_prompt_batch(prompt_ids, completion_ids, n, pad_id)
+    return completion_batch(prompt_ids, completion_ids, pad_id)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log p(target) = logit[target] - logsumexp(logits) for chosen rows of [N, V] logits, in row
+    chunks, with the gradient written straight into one [N, V] buffer: no full-vocabulary
+    log-softmax (or float copy of it) is kept for backward. Several outputs may read one row (the
+    first completion token of every sample of a prompt reads the prompt's last position)."""
+
+    CHUNK_ELEMENTS = 1 << 24  # ~64 MB of float32 temporaries per chunk
+
+    @staticmethod
+    def forward(ctx, logits, rows, targets, with_entropy: bool):
+        N, V = logits.shape
+        chunk = max(1, _TokenLogProbs.CHUNK_ELEMENTS // max(V, 1))
+        lse = torch.empty(N, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(N if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        for s in range(0, N, chunk):
+            x = logits[s:s + chunk].float()
+            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
+            if with_entropy:  # H = lse - sum p * logit
+                p = (x - lse[s:s + chunk, None]).exp_()
+                entropy[s:s + chunk] = lse[s:s + chunk] - (p * x).sum(-1)
+        logp = logits[rows, targets].float() - lse[rows]
+        entropy = entropy[rows] if with_entropy else entropy
+        ctx.save_for_backward(logits, lse, rows, targets)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, lse, rows, targets = ctx.saved_tensors
+        N, V = logits.shape
+        chunk = max(1, _TokenLogProbs.CHUNK_ELEMENTS // max(V, 1))
+        grad_logp = grad_logp.float()
+        per_row = torch.zeros(N, dtype=torch.float32, device=logits.device).index_add_(0, rows, grad_logp)
+        grad = torch.empty_like(logits)
+        for s in range(0, N, chunk):
+            e = min(s + chunk, N)
+            g = (logits[s:e].float() - lse[s:e, None]).exp_().mul_(-per_row[s:e, None])  # -softmax * sum of grads
+            here = (rows >= s) & (rows < e)
+            g.index_put_((rows[here] - s, targets[here]), grad_logp[here], accumulate=True)
+            grad[s:e] = g
+        return grad, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 log p(targets[m]) under the softmax of logits[rows[m]] (logits [N, V]), differentiable
+    in the logits, and the (non-differentiable) entropy of those rows when asked."""
+    logp, entropy = _TokenLogProbs.apply(logits, rows, targets, with_entropy)
+    return logp, entropy if with_entropy else None
+
+
 def completion_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, with_entropy: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of the completion tokens under `model` (raw distribution, temperature 1),
-    and optionally the per-token entropy. Only the completion positions go through the LM head."""
+    and optionally the per-token entropy. Only the positions that predict completion tokens go
+    through the LM head. `batch`: from `completion_batch`, or `shared_prompt_batch` (one forward
+    over the packed rows: one call, so DDP / ZeRO / FSDP2 / tensor-parallel wrappers see a normal
+    forward)."""
     mask = batch["completion_mask"]
-    T = mask.shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False)
-    logits = out.logits[:, :-1].float()  # position P-1+t predicts completion token t
-    targets = batch["input_ids"][:, -T:]
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
-    return logp, entropy
+    B, T = mask.shape
+    if "logit_index" in batch:
+        reason = supports_shared_prompt(model)
+        if reason is not None:
+            raise ValueError(f"a shared-prompt batch cannot run on this model: {reason}; build it with "
+                             "completion_batch (grpo.shared_prompt_forward=false)")
+        attn = batch["attention_mask"]
+        from phalanx.booster.plugins.base import unwrap_model
+        if unwrap_model(model).config._attn_implementation == "eager":  # eager adds the mask to the scores
+            attn = torch.zeros(attn.shape, device=attn.device).masked_fill_(~attn, torch.finfo(torch.float32).min)
+        out = model(input_ids=batch["input_ids"], attention_mask=attn, position_ids=batch["position_ids"],
+                    logits_to_keep=int(batch["logits_to_keep"]), use_cache=False)
+        rows, targets = batch["logit_index"].reshape(-1), batch["targets"].reshape(-1)
+    else:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], logits_to_keep=T + 1, use_cache=False)
+        # position P-1+t predicts completion token t: row b * (T + 1) + t of the flattened logits
+        dev = mask.device
+        rows = (torch.arange(B, device=dev)[:, None] * (T + 1) + torch.arange(T, device=dev)).reshape(-1)
+        targets = batch["input_ids"][:, -T:].reshape(-1)
+    logits = out.logits
+    logp, entropy = token_logprobs(logits.reshape(-1, logits.shape[-1]), rows, targets, with_entropy=with_entropy)
+    logp = logp.view(B, T) * mask
+    return logp, (entropy.view(B, T) * mask if with_entropy else None)
 
 
 def padded(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:

@@ -63,7 +63,8 @@ def test_engine_follows_weights_under_ddp_zero2_fsdp(tiny_chat_model, tmp_path):
 
 
 # -- fixed rollouts: one update on 1, 2 and 4 ranks --------------------------------------------------
-def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, scale: str) -> list[float] | None:
+def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, scale: str, *extra: str
+                 ) -> list[float] | None:
     import torch.distributed as dist
 
     from apps.chat_rlhf.grpo import GRPOLoss, PromptIndices, RLHook, encode_prompts, load_prompt_sets
@@ -77,7 +78,7 @@ def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, sca
     micro = 4 // world
     cfg = _cfg(model_dir, out_dir, "train.max_steps=1", f"train.micro_batch_size={micro}", "train.max_grad_norm=0",
                f"grpo.aggregation={aggregation}", f"grpo.scale={scale}", "train.lr=10.0",
-               "train.adam_eps=10.0", "grpo.rewards=[test_grpo_dist:length_reward]")
+               "train.adam_eps=10.0", "grpo.rewards=[test_grpo_dist:length_reward]", *extra)
     tokenizer, model = load_tokenizer(model_dir), load_policy(model_dir)
     reference = load_policy(model_dir).eval()
     records, _ = load_prompt_sets(cfg.data)
@@ -86,6 +87,8 @@ def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, sca
 
     loss = GRPOLoss(cfg.grpo, records, ids, RewardSet.from_specs(cfg.grpo.rewards), rollout_fn, tokenizer.pad_token_id)
     fit(cfg.train, model, PromptIndices(len(records)), loss_fn=loss, hooks=[RLHook(loss, None, out_dir)])
+    if "train.plugin=fsdp" in extra:  # DTensor shards: every rank joins the gather
+        return torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()]).tolist()
     if dist.get_rank() == 0:
         return torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
     return None
@@ -104,3 +107,17 @@ def test_fixed_rollout_update_matches_one_process(tiny_chat_model, tmp_path):
                                   world, aggregation, scale, timeout=900)[0])
         assert (one - start).abs().max() > 1e-4
         assert_update_close(many, one, start, 1e-5, f"{world} ranks, {aggregation}/{scale}")
+
+
+def test_shared_prompt_forward_under_fsdp_matches_unshared_one_process(tiny_chat_model, tmp_path):
+    """The packed shared-prompt forward (one call per micro-batch, 4D mask) under FSDP2 on 2 ranks
+    gives the update of the plain unshared forward on one process."""
+    from apps.chat_rlhf.models import load_policy
+    from phalanx.testing import assert_update_close
+    start = torch.cat([p.detach().flatten() for p in load_policy(str(tiny_chat_model)).parameters()])
+    one = torch.tensor(spawn(fixed_update, 1, str(tiny_chat_model), str(tmp_path / "one"), 1, "token", "group",
+                             "grpo.shared_prompt_forward=false", timeout=600)[0])
+    many = torch.tensor(spawn(fixed_update, 2, str(tiny_chat_model), str(tmp_path / "fsdp"), 2, "token", "group",
+                              "grpo.shared_prompt_forward=true", "train.plugin=fsdp", timeout=900)[0])
+    assert (one - start).abs().max() > 1e-4
+    assert_update_close(many, one, start, 1e-5, "fsdp2 on 2 ranks, shared prompt vs one process unshared")
