@@ -350,3 +350,16 @@ def read_split(data: PreferenceDataConfig, kind: str) -> tuple[list[dict], list[
         raise ValueError(f"{data.path}: {len(records)} records give {len(train)} training and {len(held)} held-out "
                          "examples; both must be non-empty (change data.heldout_fraction or add data)")
     return train, held
+
+
+# --- the prompt-length filter of the online-RL commands -------------------------------------------
+
+def drop_long_prompts(records: list[dict], prompt_ids: list[list[int]], max_tokens: int
+                      ) -> tuple[list[dict], list[list[int]], int]:
+    """(records, token ids, number dropped): the prompts of at most `max_tokens` tokens, in order.
+    Long prompts are dropped, not cut: a prompt cut at the front loses the conversation's start and
+    one cut at the back loses the question the completion answers."""
+    if max_tokens < 1:
+        raise ConfigError(f"data.max_prompt_tokens={max_tokens}: must be at least 1 (or 0 for no filter)")
+    keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= max_tokens]
+    return [records[i] for i in keep], [prompt_ids[i] for i in keep], len(records) - len(keep)

@@ -5,8 +5,8 @@
 PPO as InstructGPT / ColossalChat run it, inside the one training loop (`phalanx.train.fit`):
 
 - **Rollout** (once every K = ppo_epochs x num_mini_batches optimizer steps, on the step whose
-  buffer is empty): the actor samples on its colocated engine for the step's prompts (fit's
-  micro-batch: `train.micro_batch_size` prompts x `ppo.num_generations` samples per rank); the
+  buffer is empty): the actor samples on its colocated engine for the rollout's prompts
+  (`rollout_prompts`: `train.micro_batch_size` prompts x `ppo.num_generations` samples per rank); the
   reward model (or any reward of `rewards.py`) scores each completion; one no-grad pass of the
   trainer gives the critic's values (and the log-probs the stale-weight guard compares with the
   engine's), one of the frozen reference its log-probs; the per-token reward is
@@ -19,9 +19,16 @@ PPO as InstructGPT / ColossalChat run it, inside the one training loop (`phalanx
   rollout-time log-probs + vf_coef * the value loss clipped around the rollout-time values, both
   token means over the mini-batch of all ranks.
 
-fit's sampler still hands a batch of prompt indices every step; only the batch of a rollout step
-is sampled (the other K - 1 are not used, so one pass of fit's sampler uses 1/K of the prompts,
-re-shuffled every pass). The engine gets the actor's weights when the buffer is exhausted (before
+The prompts of a rollout come from `rollout_prompts`, not from fit's batch: fit's sampler hands a
+batch every step but a rollout happens once every K steps, so taking the rollout step's batch would
+use 1/K of the prompts per pass. The schedule walks a seeded permutation of all prompts, one
+rollout-sized slice (strided over ranks, as fit's sampler shards) per rollout, so every prompt is
+used once per pass; it depends only on (seed, rollout number), so a resumed run replays it. fit's
+batch only sets the rollout size (train.micro_batch_size prompts per rank). `data.max_prompt_tokens`
+drops longer prompts at load time (activation memory grows with the longest prompt of a mini-batch).
+Held-out evaluations keep every prompt's score (`heldout/step_N.jsonl`), and the command ends with a
+paired comparison of the first and last evaluation and a plot of RM score, KL and length per step.
+The engine gets the actor's weights when the buffer is exhausted (before
 the next rollout) and before a held-out evaluation, not after every step: nothing reads the engine
 in between, and a sync gathers the full weights. Checkpoints carry the step, the KL controller,
 the guard and, mid-cycle, each rank's buffer (safetensors), so a resumed run continues exactly.
@@ -32,7 +39,7 @@ import copy
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +51,9 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
+from .data import drop_long_prompts
 from .grpo import (DataSettings, EngineSettings, GRPOLoss, GRPOSettings, PromptIndices, RLHook, encode_prompts,
-                   global_sum, heldout_eval, load_prompt_sets, plot_rl_curves, sample_seed)
+                   global_sum, load_prompt_sets, plot_rl_curves, sample_seed)
 from .rewards import RewardSet
 from .rollout import RolloutEngine, completion_batch, completion_logprobs, padded
 
@@ -68,6 +76,8 @@ class PPOSettings:
     value_clip: float | None = 0.2    # value clip around the rollout's values (None: off)
     vf_coef: float = 0.1
     whiten_advantages: bool = True    # over the whole rollout (all ranks), once, at rollout time
+    normalize_scores: bool = False    # standardise the scores over the whole rollout (all ranks) before GAE
+    train_layers: int = 0             # train only the top N blocks (+ final norm) of actor and critic; 0: all
     ppo_epochs: int = 2               # passes over each rollout
     num_mini_batches: int = 2         # optimizer steps per pass (each rank's rollout split evenly)
     max_logprob_gap: float = 0.5
@@ -90,10 +100,15 @@ class PPOSettings:
 
 
 @dataclass
+class PPODataSettings(DataSettings):
+    max_prompt_tokens: int = 0        # drop prompts longer than this many tokens at load time (0: keep all)
+
+
+@dataclass
 class PPOConfig:
     model: str = ""                   # actor (and reference): "" SmolLM2-135M-Instruct, an HF dir or a checkpoint
     critic: str = ""                  # critic backbone: "" the actor's
-    data: DataSettings = field(default_factory=lambda: DataSettings(source="arithmetic"))
+    data: PPODataSettings = field(default_factory=lambda: PPODataSettings(source="arithmetic"))
     ppo: PPOSettings = field(default_factory=PPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     eval_before: bool = False         # score the held-out prompts once before training (a fresh run only)
@@ -222,6 +237,31 @@ def mini_batch_order(seed: int, rollout_step: int, epoch: int, size: int, num_mi
     return list(torch.randperm(size, generator=g).chunk(num_mini_batches))
 
 
+def rollout_prompts(seed: int, rollout: int, num_prompts: int, per_rank: int, rank: int = 0, world: int = 1
+                    ) -> list[int]:
+    """Prompt indices of rollout number `rollout` (0-based) on `rank`: pass p over the prompts is a
+    permutation seeded by (seed, p); each rollout takes its next `per_rank * world` indices, rank r
+    every world-th of them from r (fit's sampler shards the same way). A pass holds
+    num_prompts // (per_rank * world) rollouts; the few prompts left over wait for a later pass."""
+    size = per_rank * world
+    per_pass = num_prompts // size
+    if per_pass < 1:
+        raise ConfigError(f"{num_prompts} training prompts cannot fill one rollout of {per_rank} prompts x {world} "
+                          "rank(s): lower train.micro_batch_size or raise data.num_train / data.max_prompt_tokens")
+    p, slot = divmod(rollout, per_pass)
+    digest = hashlib.sha256(f"ppo-prompts/{seed}/{p}".encode()).digest()
+    perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "little")))
+    return perm[slot * size:(slot + 1) * size][rank::world].tolist()
+
+
+def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """x minus the mean, over the (unbiased) std, both over every rank's values."""
+    n, total, sq = global_sum([float(x.numel()), float(x.sum()), float((x.double() ** 2).sum())])
+    mean = total / max(n, 1.0)
+    var = max(sq - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
+    return (x - mean) * (var + eps) ** -0.5
+
+
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`rl_losses.whiten` with the mean and (unbiased) variance of the masked entries of every
     rank's rollout, so the advantages are normalised over the whole rollout, not per shard."""
@@ -266,6 +306,7 @@ class PPOLoss(GRPOLoss):
         self.kl = L.AdaptiveKLController(settings.kl_coef, settings.kl_target, settings.kl_horizon)
         self.buffer: RolloutBuffer | None = None
         self.rollouts = 0                          # rollouts generated by this process (tests count them)
+        self.rollout_indices: list[list[int]] = []  # the prompts of each rollout of this process
         self.rollout_sums: dict[str, float] = {}   # the rollout of this step, if it made one
         self.step_sums: dict[str, float] = dict.fromkeys(STEP_SUMS, 0.0)
         self.kl_coef_used = self.kl.value
@@ -280,7 +321,10 @@ class PPOLoss(GRPOLoss):
         step = self.step + 1
         epoch, slot = self.position(step)
         if epoch == 0 and slot == 0:
-            self.buffer = self.make_rollout(model, batch)
+            indices = rollout_prompts(self.seed, (step - 1) // self.s.steps_per_rollout, len(self.records),
+                                      len(batch["index"]), self.replicas.rank, self.replicas.count)
+            self.rollout_indices.append(indices)
+            self.buffer = self.make_rollout(model, {"index": torch.tensor(indices)})
         elif self.buffer is None or self.buffer.step != step - (step - 1) % self.s.steps_per_rollout:
             raise RuntimeError(f"step {step} is mini-batch {slot} of epoch {epoch} of a rollout, but the rollout "
                                "buffer of that cycle is missing (a checkpoint without it?)")
@@ -310,6 +354,9 @@ class PPOLoss(GRPOLoss):
         tokens, gap_sum = global_sum([float(mask.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
+        raw_scores = scores
+        if s.normalize_scores:
+            scores = standardize_over_ranks(scores)
         ref_lp, _ = completion_logprobs(self.reference, tb)
         kl = (engine_lp - ref_lp) * mask  # per-token KL sample of the sampling policy against the reference
         self.kl_coef_used = self.kl.value
@@ -324,7 +371,8 @@ class PPOLoss(GRPOLoss):
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         self.rollouts += 1
         self.rollout_sums = {
-            "samples": len(scores), "reward_sum": float(scores.sum()), "reward_sq_sum": float((scores ** 2).sum()),
+            "samples": len(scores), "reward_sum": float(raw_scores.sum()),
+            "reward_sq_sum": float((raw_scores ** 2).sum()),
             "completion_tokens": float(lengths.sum()), "truncated": float(sum(rollout.truncated)),
             "kl_sum": float(kl.sum()), "rollout_tokens": float(mask.sum()), "gap_sum": local_gap,
             "generate_s": rollout.generate_s, "score_s": score_s, "prepare_s": time.perf_counter() - t1}
@@ -479,13 +527,165 @@ def synced_eval(hook: PPOHook, evaluate):
     return run
 
 
+# -- prompts, held-out scores, the report ---------------------------------------------------------
+def load_ppo_prompts(data: PPODataSettings, tokenizer, log=None
+                     ) -> tuple[list[dict], list[dict], list[list[int]], list[list[int]]]:
+    """(train records, held-out records, their token ids). With data.max_prompt_tokens the longer
+    prompts are dropped first and num_train / num_heldout then count the prompts that remain (a
+    one-file preference source still holds out the last num_heldout of the first num_train +
+    num_heldout)."""
+    from .tasks import TASKS
+    if not data.max_prompt_tokens:
+        train, held = load_prompt_sets(data)
+        return train, held, encode_prompts(tokenizer, train), encode_prompts(tokenizer, held)
+    one_file_split = data.source not in TASKS and not data.heldout and data.kind == "preference" and data.num_heldout
+    train, held = load_prompt_sets(data if data.source in TASKS else replace(data, num_train=0, num_heldout=0))
+    train, train_ids, dropped_train = drop_long_prompts(train, encode_prompts(tokenizer, train), data.max_prompt_tokens)
+    held, held_ids, dropped_held = drop_long_prompts(held, encode_prompts(tokenizer, held), data.max_prompt_tokens)
+    read = len(train) + dropped_train + len(held) + dropped_held
+    if one_file_split:
+        n = data.num_train + data.num_heldout if data.num_train else len(train)
+        train, train_ids = train[:n], train_ids[:n]
+        if len(train) <= data.num_heldout:
+            raise ConfigError(f"data.max_prompt_tokens={data.max_prompt_tokens} leaves {len(train)} prompts of "
+                              f"{data.source}, not more than data.num_heldout={data.num_heldout}: raise "
+                              "max_prompt_tokens or lower num_heldout")
+        train, held, train_ids, held_ids = (train[:-data.num_heldout], train[-data.num_heldout:],
+                                            train_ids[:-data.num_heldout], train_ids[-data.num_heldout:])
+    elif data.source not in TASKS:
+        if data.num_train:
+            train, train_ids = train[:data.num_train], train_ids[:data.num_train]
+        if data.num_heldout:
+            held, held_ids = held[:data.num_heldout], held_ids[:data.num_heldout]
+    if not train:
+        raise ConfigError(f"data.max_prompt_tokens={data.max_prompt_tokens} drops every training prompt of "
+                          f"{data.source}: raise it")
+    if log is not None:
+        log.info(f"data.max_prompt_tokens={data.max_prompt_tokens}: dropped {dropped_train + dropped_held} of {read} "
+                 f"prompts read; {len(train)} training and {len(held)} held-out prompts remain")
+    return train, held, train_ids, held_ids
+
+
+HELDOUT_DIR = "heldout"
+
+
+def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rewards: RewardSet, output_dir
+                   ) -> Any:
+    """eval_fn: greedy answers from the engine (which holds the latest weights) scored by the
+    rewards, each rank its share; rank 0 writes every prompt's score, length and text to
+    `heldout/step_N.jsonl` (for the paired comparison) and the means come back."""
+    from .grpo import DataReplicas
+    replicas = DataReplicas(engine.tp_size)
+    directory = Path(output_dir) / HELDOUT_DIR
+
+    def run(model=None, step: int = 0) -> dict:
+        mine = list(range(replicas.rank, len(records), replicas.count))
+        rows = []
+        if mine:
+            out = engine.generate([prompt_ids[i] for i in mine], 1, greedy=True)
+            scores, _ = rewards([records[i]["prompt"] for i in mine], out.texts,
+                                [records[i].get("ground_truth") for i in mine])
+            rows = [{"index": i, "score": float(sc), "length": len(c), "text": t}
+                    for i, sc, c, t in zip(mine, scores.tolist(), out.completion_ids, out.texts)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, rows)
+            rows = {r["index"]: r for part in gathered for r in part}.values()  # tp groups repeat theirs
+        rows = sorted(rows, key=lambda r: r["index"])
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        n = max(len(rows), 1)
+        return {"heldout_reward": sum(r["score"] for r in rows) / n, "heldout_n": float(len(rows)),
+                "heldout_len": sum(r["length"] for r in rows) / n}
+    return run
+
+
+def read_heldout(output_dir) -> dict[int, list[dict]]:
+    """{step: rows} of every held-out evaluation that `heldout_scores` wrote."""
+    directory = Path(output_dir) / HELDOUT_DIR
+    out = {}
+    for path in directory.glob("step_*.jsonl") if directory.is_dir() else []:
+        out[int(path.stem.removeprefix("step_"))] = [json.loads(x) for x in path.read_text().splitlines()]
+    return dict(sorted(out.items()))
+
+
+def paired_comparison(before: list[float], after: list[float], resamples: int = 10000, seed: int = 0) -> dict:
+    """Mean change of paired scores (after - before, prompt by prompt) with a 95% percentile
+    bootstrap interval over prompts, and a two-sided exact sign test (ties dropped)."""
+    import math
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired comparison needs equal, non-empty lists (got {len(before)} and {len(after)})")
+    d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    k, n = min(wins, losses), wins + losses
+    p_sign = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return {"n": len(d), "mean_before": sum(before) / len(d), "mean_after": sum(after) / len(d),
+            "mean_diff": float(d.mean()), "ci95": [float(means.quantile(0.025)), float(means.quantile(0.975))],
+            "wins": wins, "losses": losses, "ties": len(d) - n, "sign_test_p": p_sign}
+
+
+def heldout_report(output_dir) -> dict | None:
+    """The paired comparison (score and completion length) of the first and the last held-out
+    evaluation of a run, written to `heldout_comparison.json`; None with fewer than two."""
+    evals = read_heldout(output_dir)
+    if len(evals) < 2:
+        return None
+    (first, a), (last, b) = next(iter(evals.items())), list(evals.items())[-1]
+    if [r["index"] for r in a] != [r["index"] for r in b]:
+        return None
+    report = {"from_step": first, "to_step": last,
+              "score": paired_comparison([r["score"] for r in a], [r["score"] for r in b]),
+              "length": paired_comparison([float(r["length"]) for r in a], [float(r["length"]) for r in b])}
+    (Path(output_dir) / "heldout_comparison.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def plot_ppo(output_dir) -> Path | None:
+    """`ppo_curves.png`: reward-model score (rollout samples, held-out greedy answers), KL to the
+    reference per token, and completion length, against the step."""
+    from phalanx.observe import read_metrics
+
+    from .grpo import ROLLOUT_METRICS
+    output_dir = Path(output_dir)
+    rl = read_metrics(output_dir / ROLLOUT_METRICS) if (output_dir / ROLLOUT_METRICS).exists() else []
+    rl = [r for r in rl if "reward_mean" in r]
+    evals = read_heldout(output_dir)
+    if not rl and not evals:
+        return None
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=110)
+    held_steps = list(evals)
+    for ax, key, held_key, title in ((axes[0], "reward_mean", "score", "reward-model score"),
+                                     (axes[1], "kl", None, "KL to reference (per token)"),
+                                     (axes[2], "completion_len", "length", "completion length (tokens)")):
+        if rl:
+            ax.plot([r["step"] for r in rl], [r[key] for r in rl], linewidth=1, alpha=0.6, label="rollout samples")
+        if held_key and evals:
+            ax.plot(held_steps, [sum(r[held_key] for r in rows) / max(len(rows), 1) for rows in evals.values()],
+                    "o-", linewidth=1.5, label="held-out, greedy")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = output_dir / "ppo_curves.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 # -- wiring ----------------------------------------------------------------------------------------
 def build_ppo(cfg: PPOConfig):
     from transformers import AutoModel
 
     from phalanx.launch import context
 
-    from .models import load_policy, load_tokenizer, resolve_model_dir
+    from .models import load_policy, load_tokenizer, resolve_model_dir, train_top_layers
     context()
     if cfg.train.plugin == "hybrid":
         raise ConfigError("train.plugin=hybrid: online RL here trains with data-parallel layouts (ddp, zero1, zero2, "
@@ -496,10 +696,13 @@ def build_ppo(cfg: PPOConfig):
     actor = load_policy(cfg.model)
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
     critic = AutoModel.from_pretrained(str(resolve_model_dir(cfg.critic or cfg.model)), dtype=torch.float32)
+    train_top_layers(actor, s.train_layers)  # the frozen bottom needs no gradients or optimizer state
+    train_top_layers(critic, s.train_layers)
     model = ActorCritic(actor, critic)
     rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
-    train_records, heldout_records = load_prompt_sets(cfg.data)
-    train_ids, heldout_ids = encode_prompts(tokenizer, train_records), encode_prompts(tokenizer, heldout_records)
+    from phalanx.observe import get_logger
+    train_records, heldout_records, train_ids, heldout_ids = load_ppo_prompts(cfg.data, tokenizer,
+                                                                              get_logger("apps.chat_rlhf"))
     engine = RolloutEngine.build(actor, tokenizer, max_new_tokens=s.max_new_tokens, max_model_len=e.max_model_len,
                                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=cfg.train.seed,
                                  max_num_seqs=e.max_num_seqs, block_size=e.block_size,
@@ -515,8 +718,8 @@ def build_ppo(cfg: PPOConfig):
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,
                    seed=cfg.train.seed)
     hook = PPOHook(loss, ActorSync(engine), cfg.train.output_dir)
-    eval_fn = synced_eval(hook, heldout_eval(engine, heldout_records, heldout_ids, rewards)) if heldout_records \
-        else None
+    eval_fn = synced_eval(hook, heldout_scores(engine, heldout_records, heldout_ids, rewards, cfg.train.output_dir)) \
+        if heldout_records else None
     return model, tokenizer, train_records, loss, hook, eval_fn, engine
 
 
@@ -540,8 +743,16 @@ def main(argv: list[str] | None = None) -> None:
     result, hook = train_ppo(cfg)
     if not dist.is_initialized() or dist.get_rank() == 0:
         png = plot_rl_curves(cfg.train.output_dir, keys=("reward_mean", "kl", "approx_kl", "clip_frac"))
+        ppo_png = plot_ppo(cfg.train.output_dir)
         before = f"held-out before {hook.heldout_before}, " if hook.heldout_before else ""
-        print(f"done: step {result.final_step}, {before}held-out {result.last_eval}, curves {png}")
+        print(f"done: step {result.final_step}, {before}held-out {result.last_eval}, curves {png} {ppo_png}")
+        if (report := heldout_report(cfg.train.output_dir)) is not None:
+            sc, ln = report["score"], report["length"]
+            print(f"held-out step {report['from_step']} -> {report['to_step']} ({sc['n']} prompts, paired): score "
+                  f"{sc['mean_before']:.4f} -> {sc['mean_after']:.4f}, change {sc['mean_diff']:+.4f} (95% bootstrap "
+                  f"{sc['ci95'][0]:+.4f} .. {sc['ci95'][1]:+.4f}), up {sc['wins']} / down {sc['losses']} / same "
+                  f"{sc['ties']}, sign test p={sc['sign_test_p']:.3g}; length {ln['mean_before']:.1f} -> "
+                  f"{ln['mean_after']:.1f} tokens")
 
 
 if __name__ == "__main__":

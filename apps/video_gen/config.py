@@ -73,6 +73,13 @@ class ModelConfig:
     # (frame, row, column[, frame x row, frame x column]) planes (`PooledTextConditioning.position_embedding`).
     prompt_position: bool = False
     gradient_checkpointing: bool = False        # recompute each transformer block in backward (memory for time)
+    # A local Hugging Face text encoder instead of the small CLIP trained from scratch: a directory saved with
+    # save_pretrained (T5EncoderModel, UMT5EncoderModel, CLIPTextModel, ...; or a diffusers pipeline directory with
+    # text_encoder/ and tokenizer/). Loaded offline; the transformer's text_dim follows its hidden size, and the
+    # text_* sizes above are then unused. null: the from-scratch CLIP.
+    text_encoder_dir: str | None = None
+    tokenizer_dir: str | None = None            # its tokenizer (null: the same directory, or its tokenizer/)
+    freeze_text_encoder: bool = False           # keep the text encoder's weights fixed (eval mode, no gradients)
 
 
 @dataclass
@@ -114,6 +121,12 @@ class ParallelConfig:
 
 @dataclass
 class VAEConfig:
+    # `python -m apps.video_gen.train`: a local diffusers AutoencoderKLWan directory (a train_vae output
+    # <output_dir>/vae, or real weights such as Wan 2.1's vae/): the transformer then trains on its latents, each
+    # clip encoded once by the frozen autoencoder and normalised with the config's latents_mean / latents_std;
+    # sampling decodes through it, and the exported pipeline carries it (vae/). null: pixel space.
+    from_dir: str | None = None
+    sample_posterior: bool = False              # with from_dir: a fresh draw from the latent posterior each step (false: its mode)
     # `python -m apps.video_gen.train_vae`: a tiny AutoencoderKLWan (causal 3D) trained on the same clips.
     pretrained_dir: str | None = None           # a local diffusers AutoencoderKLWan directory to start from
     base_dim: int = 16
@@ -158,7 +171,7 @@ class RecipeConfig:
             raise ConfigError(f"config 'data.buckets'={d.buckets!r}: {exc}") from exc
         need(bool(buckets), "data.buckets", d.buckets, "give at least one [frames, height, width, batch_size]")
         pt, ph, pw = m.patch_size
-        for b in buckets:
+        for b in buckets if not self.vae.from_dir else []:  # latent buckets are checked against the autoencoder
             need(b.height % ph == 0 and b.width % pw == 0 and b.frames % pt == 0, "data.buckets", d.buckets,
                  f"bucket {b.shape} is not divisible by model.patch_size {m.patch_size}")
         need(0.0 <= d.caption_dropout < 1.0, "data.caption_dropout", d.caption_dropout, "must be in [0, 1)")
@@ -174,6 +187,8 @@ class RecipeConfig:
              "needs model.pooled_text")
         need(m.pooled_text in (True, False, "mean", "flat"), "model.pooled_text", m.pooled_text,
              "choose true (mean), false, 'mean' or 'flat'")
+        need(not (m.init_from and m.text_encoder_dir), "model.text_encoder_dir", m.text_encoder_dir,
+             "model.init_from already brings its text encoder; set one of the two to null")
         need(m.text_hidden_size % m.text_heads == 0, "model.text_heads", m.text_heads,
              "must divide model.text_hidden_size")
         need(m.text_token_embedding_std > 0, "model.text_token_embedding_std", m.text_token_embedding_std,

@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from .motion import motion_prompts, track
-from .pipeline import VideoPipeline, euler_sample
+from .pipeline import VideoPipeline, sample_clips, sample_shape
 from .shapes import DIRECTIONS
 from .text import tokenize
 
@@ -32,9 +32,9 @@ def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int
     for start in range(0, samples, 16):
         chunk = prompts[start:start + 16]
         ids = tokenize(pipe.tokenizer, [p for p, _, _ in chunk])
-        shape = (len(chunk), m["channels"], m["frames"], m["height"], m["width"])
-        clips = euler_sample(pipe.model, ids, shape, steps, guidance, torch.Generator().manual_seed(seed + start))
-        for clip, (_, colour, direction) in zip(clips.clamp(-1, 1), chunk):
+        clips = sample_clips(pipe.model, ids, m["frames"], m["height"], m["width"], steps, guidance,
+                             torch.Generator().manual_seed(seed + start), pipe.vae)
+        for clip, (_, colour, direction) in zip(clips.cpu(), chunk):
             got_c, got_d, travel = track(clip)
             moved = got_d if got_d is not None and travel >= 1.0 else "none"
             confusion[direction][moved] += 1
@@ -50,9 +50,10 @@ def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int
 @torch.no_grad()
 def high_noise_prediction(pipe: VideoPipeline, t: float = 0.97, draws: int = 32, seed: int = 0) -> dict:
     """Column of the brightness centroid of the predicted clean clip in the first and the last frame,
-    for each direction word (red square); flat predictions give the centre column for every word."""
+    for each direction word (red square); flat predictions give the centre column for every word. In
+    latent space the predicted latent is decoded first."""
     model, m = pipe.model, pipe.meta
-    shape = (draws, m["channels"], m["frames"], m["height"], m["width"])
+    shape = sample_shape(draws, m["channels"], m["frames"], m["height"], m["width"], pipe.vae)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     out = {}
     for direction in DIRECTIONS:
@@ -60,6 +61,9 @@ def high_noise_prediction(pipe: VideoPipeline, t: float = 0.97, draws: int = 32,
         tt = torch.full((draws,), t)
         v = model.velocity(noise, tt, model.encode_prompts(ids))
         x0 = (noise - t * v).mean(0)                     # [C, F, H, W], averaged over noise draws
+        if pipe.vae is not None:
+            from .vae import decode_latents
+            x0 = decode_latents(pipe.vae, x0[None])[0]
         bright = x0.max(0).values                        # [F, H, W]
         w = (bright - bright.min()).clamp_min(1e-6)
         cols = torch.arange(m["width"], dtype=torch.float32)

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     steps, overrides = int(argv[0]), argv[1:]
     torch.set_num_threads(1)
     cfg = load_recipe(resolve("apps/video_gen/configs/tiny.yaml"), overrides)
+    if cfg.vae.from_dir:
+        from phalanx.config import ConfigError
+        raise ConfigError("config 'vae.from_dir': this probe trains in pixel space only; leave vae.from_dir unset")
     dirs = os.environ.get("DIRS", "left right up down").split()
     clips = [c for c in moving_shapes(1024, 8, 16, seed=0) if c.direction in dirs]
     tok = build_tokenizer([c.caption for c in clips] + ["a red circle"], cfg.data.max_prompt_tokens)

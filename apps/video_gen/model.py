@@ -161,6 +161,20 @@ class VideoFlowModel(nn.Module):
                              f"{POSITION_CHANNELS + MOTION_CHANNELS} with the motion planes (model.motion_channels)")
         self.position_channels = extra > 0
         self.motion_channels = extra == POSITION_CHANNELS + MOTION_CHANNELS
+        self.text_frozen = False
+
+    def freeze_text_encoder(self) -> "VideoFlowModel":
+        """Fixed text encoder weights (`model.freeze_text_encoder`): no gradients (the optimizer skips
+        them), eval mode (no dropout) and no autograd graph through it."""
+        self.text_encoder.requires_grad_(False).eval()
+        self.text_frozen = True
+        return self
+
+    def train(self, mode: bool = True) -> "VideoFlowModel":
+        super().train(mode)
+        if self.text_frozen:
+            self.text_encoder.eval()
+        return self
 
     @property
     def sp_group(self):
@@ -183,7 +197,8 @@ class VideoFlowModel(nn.Module):
 
     def encode_prompts(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         mask = (prompt_ids != self.pad_token_id).long()
-        return self.text_encoder(input_ids=prompt_ids, attention_mask=mask).last_hidden_state
+        with torch.no_grad() if self.text_frozen else contextlib.nullcontext():
+            return self.text_encoder(input_ids=prompt_ids, attention_mask=mask).last_hidden_state
 
     def tokens(self, shape: tuple[int, ...]) -> int:
         pt, ph, pw = self.patch

@@ -2,16 +2,17 @@
 
     pipeline/
       model_index.json   what is inside (for people and tools)
-      video_gen.json     sample shape, latent scale, flow shift: what the sampler needs
+      video_gen.json     sample shape (in pixels), flow shift: what the sampler needs
       transformer/       WanTransformer3DModel (diffusers; from_pretrained opens it)
-      text_encoder/      CLIPTextModel (transformers)
+      text_encoder/      CLIPTextModel, or the user's T5EncoderModel / UMT5EncoderModel ... (transformers)
       pooled_text/       PooledTextConditioning (this recipe; diffusers ModelMixin), when model.pooled_text
       tokenizer/         PreTrainedTokenizerFast
       scheduler/         FlowMatchEulerDiscreteScheduler config (the sampler below follows it)
-      vae/               AutoencoderKLWan, when the model works in latent space
+      vae/               AutoencoderKLWan, when the model works in latent space (`vae.from_dir`)
 
 `VideoPipeline.from_pretrained(dir)(prompts, seed=...)` samples with the Euler flow sampler and
-classifier-free guidance; the same directory and seed give the same clips.
+classifier-free guidance (in latent space and then decoded, when there is a vae/); the same
+directory and seed give the same clips.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from phalanx.diffusion import guided_prediction, resolution_shift, shift_timeste
 
 from .config import FlowConfig
 from .model import PooledTextConditioning, VideoFlowModel
-from .text import load_tokenizer, tokenize
+from .text import load_text_encoder, load_tokenizer, tokenize
+from .vae import decode_latents, frames_ok, vae_factors
 
 META = "video_gen.json"
 
@@ -56,6 +58,29 @@ def euler_sample(model: VideoFlowModel, prompt_ids: torch.Tensor, shape: tuple[i
     return x
 
 
+def sample_shape(batch: int, channels: int, frames: int, height: int, width: int, vae=None) -> tuple[int, ...]:
+    """The shape the flow samples in: the clip's, or its latent's when there is an autoencoder."""
+    if vae is None:
+        return batch, channels, frames, height, width
+    tf, sf = vae_factors(vae)
+    if not frames_ok(frames, tf) or height % sf or width % sf:
+        raise ValueError(f"the autoencoder takes 1 + k x {tf} frames and sizes divisible by {sf}; asked for "
+                         f"{frames} frames of {height}x{width}")
+    return batch, channels, (frames - 1) // tf + 1, height // sf, width // sf
+
+
+@torch.no_grad()
+def sample_clips(model: VideoFlowModel, prompt_ids: torch.Tensor, frames: int, height: int, width: int, steps: int,
+                 guidance: float, generator: torch.Generator, vae=None) -> torch.Tensor:
+    """Clips [B, 3, F, H, W] in [-1, 1]: Euler sampling, then decoding through `vae` when given."""
+    channels = model.transformer.config.out_channels
+    x = euler_sample(model, prompt_ids, sample_shape(len(prompt_ids), channels, frames, height, width, vae),
+                     steps, guidance, generator)
+    if vae is not None:
+        x = decode_latents(vae.to(x.device), x)
+    return x.clamp(-1, 1)
+
+
 class VideoPipeline:
     def __init__(self, model: VideoFlowModel, tokenizer, meta: dict, vae=None):
         self.model, self.tokenizer, self.meta, self.vae = model.eval(), tokenizer, meta, vae
@@ -63,7 +88,6 @@ class VideoPipeline:
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "VideoPipeline":
         from diffusers import WanTransformer3DModel
-        from transformers import CLIPTextModel
 
         directory = Path(directory)
         if not (directory / META).is_file():
@@ -72,7 +96,7 @@ class VideoPipeline:
         meta = json.loads((directory / META).read_text())
         tokenizer = load_tokenizer(directory / "tokenizer")
         transformer = WanTransformer3DModel.from_pretrained(str(directory / "transformer"))
-        text_encoder = CLIPTextModel.from_pretrained(str(directory / "text_encoder"))
+        text_encoder = load_text_encoder(directory / "text_encoder")
         empty = tokenize(tokenizer, [""])[0]
         pooled = PooledTextConditioning.from_pretrained(str(directory / "pooled_text")) \
             if (directory / "pooled_text").is_dir() else None
@@ -81,7 +105,7 @@ class VideoPipeline:
         vae = None
         if (directory / "vae").is_dir():
             from diffusers import AutoencoderKLWan
-            vae = AutoencoderKLWan.from_pretrained(str(directory / "vae")).eval()
+            vae = AutoencoderKLWan.from_pretrained(str(directory / "vae")).eval().requires_grad_(False)
         return cls(model, tokenizer, meta, vae)
 
     def save_pretrained(self, directory: str | Path) -> Path:
@@ -97,8 +121,8 @@ class VideoPipeline:
             self.vae.save_pretrained(str(directory / "vae"))
         (directory / META).write_text(json.dumps(self.meta, indent=2))
         index = {"_class_name": "VideoGenPipeline (apps.video_gen.pipeline)",
-                 "transformer": ["diffusers", "WanTransformer3DModel"], "text_encoder": ["transformers", "CLIPTextModel"],
-                 "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+                 "transformer": ["diffusers", "WanTransformer3DModel"], "text_encoder": ["transformers", type(self.model.text_encoder).__name__],
+                 "tokenizer": ["transformers", type(self.tokenizer).__name__],
                  "pooled_text": (["apps.video_gen.model", "PooledTextConditioning"]
                                  if self.model.pooled_text is not None else [None, None]),
                  "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -111,15 +135,9 @@ class VideoPipeline:
                  frames: int | None = None, height: int | None = None, width: int | None = None) -> torch.Tensor:
         """Clips [B, 3, F, H, W] in [-1, 1] for the prompts."""
         m = self.meta
-        frames, height, width = frames or m["frames"], height or m["height"], width or m["width"]
         ids = tokenize(self.tokenizer, prompts)
-        down_t, down_s = m.get("vae_temporal", 1), m.get("vae_spatial", 1)
-        shape = (len(prompts), m["channels"], (frames - 1) // down_t + 1 if down_t > 1 else frames,
-                 height // down_s, width // down_s)
-        x = euler_sample(self.model, ids, shape, steps, guidance, torch.Generator().manual_seed(seed))
-        if self.vae is None:
-            return x.clamp(-1, 1)
-        return self.vae.decode(x / m["latent_scale"]).sample.clamp(-1, 1)
+        return sample_clips(self.model, ids, frames or m["frames"], height or m["height"], width or m["width"], steps,
+                            guidance, torch.Generator().manual_seed(seed), self.vae)
 
 
 def write_scheduler_config(directory: Path, meta: dict) -> None:
@@ -132,11 +150,10 @@ def write_scheduler_config(directory: Path, meta: dict) -> None:
     (directory / "video_gen_note.json").write_text(json.dumps(note, indent=2))
 
 
-def make_meta(fcfg: FlowConfig, channels: int, frames: int, height: int, width: int, latent_scale: float = 1.0,
-              vae=None) -> dict:
-    meta = {"flow": asdict(fcfg), "channels": channels, "frames": frames, "height": height, "width": width,
-            "latent_scale": latent_scale}
+def make_meta(fcfg: FlowConfig, channels: int, frames: int, height: int, width: int, vae=None) -> dict:
+    """What the sampler needs: the flow settings and the default clip size in pixels (`channels`: what
+    the transformer outputs, latent channels with `vae`)."""
+    meta = {"flow": asdict(fcfg), "channels": channels, "frames": frames, "height": height, "width": width}
     if vae is not None:
-        meta["vae_temporal"] = int(vae.config.get("scale_factor_temporal") or 1)
-        meta["vae_spatial"] = int(vae.config.get("scale_factor_spatial") or 1)
+        meta["vae_temporal"], meta["vae_spatial"] = vae_factors(vae)
     return meta

@@ -25,10 +25,14 @@ def with_opposite_direction(caption: str, direction: str) -> str:
 
 @torch.no_grad()
 def direction_gap(model, tokenizer, frames: int, size: int, clips: int = 48, timesteps=(0.8, 0.95),
-                  seed: int = 123) -> dict[str, float]:
-    """{"direction_gap/t=<t>": loss(opposite word) - loss(true word)} on `clips` fresh moving-shapes clips."""
+                  seed: int = 123, vae=None) -> dict[str, float]:
+    """{"direction_gap/t=<t>": loss(opposite word) - loss(true word)} on `clips` fresh moving-shapes clips
+    (their latents when the model works on the latents of `vae`)."""
     shapes = moving_shapes(clips, frames, size, seed=seed)
     video = torch.stack([c.video for c in shapes])
+    if vae is not None:
+        from .vae import encode_latents
+        video = encode_latents(vae, video.to(vae.device))[0].to(video.device)
     noise = torch.randn(video.shape, generator=torch.Generator().manual_seed(seed))
     true_ids = tokenize(tokenizer, [c.caption for c in shapes])
     opposite_ids = tokenize(tokenizer, [with_opposite_direction(c.caption, c.direction) for c in shapes])

@@ -4,10 +4,18 @@
     torchrun --nproc-per-node 2 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
         train.plugin=zero2 parallel.sp_size=2
 
-The flow: data (moving shapes + real clips, tokenizer from the captions) -> buckets -> model
-(diffusers' Wan transformer + a small CLIP text encoder, or `model.init_from`) -> fit (eval: the
-rectified-flow loss at fixed timesteps on held-out clips, per bucket; at the end the motion check)
--> the exported pipeline directory (rank 0).
+The flow: (frozen autoencoder, with `vae.from_dir`) -> data (moving shapes + real clips, tokenizer
+from the captions or `model.text_encoder_dir`) -> buckets -> model (diffusers' Wan transformer + a
+small CLIP text encoder or the user's local one, or `model.init_from`) -> each clip encoded to its
+latent once (with the autoencoder) -> fit (eval: the rectified-flow loss at fixed timesteps on
+held-out clips, per bucket, in latent space when there is an autoencoder; at the end the motion
+check on decoded clips) -> the exported pipeline directory (rank 0; with vae/ in latent space).
+
+Latent stage (2 commands; see configs/tiny_latent.yaml):
+
+    python -m apps.video_gen.train_vae --config apps/video_gen/configs/vae_tiny.yaml
+    python -m apps.video_gen.train --config apps/video_gen/configs/tiny_latent.yaml \
+        vae.from_dir=runs/video_vae_tiny/vae
 """
 from __future__ import annotations
 
@@ -21,64 +29,160 @@ from phalanx.config import ConfigError
 from phalanx.diffusion import fixed_eval_timesteps, save_gif
 from phalanx.observe import get_logger, is_main_process
 
-from .config import RecipeConfig, parse_args
+from .config import RecipeConfig, parse_args, resolve
 from .data import BucketedClips, check_buckets_cover, load_all_clips, training_batches
 from .model import MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer
 from .motion import motion_prompts, motion_score
-from .pipeline import VideoPipeline, euler_sample, make_meta
+from .pipeline import VideoPipeline, make_meta, sample_clips
 from .sensitivity import direction_gap
-from .text import build_text_encoder, build_tokenizer, tokenize
+from .text import build_text_encoder, build_tokenizer, load_local_text, tokenize
+from .vae import encode_latents, frames_ok, load_vae, vae_factors
 
 log = get_logger("apps.video_gen")
 
 
-def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, tokenizer=None):
-    """(VideoFlowModel, tokenizer): from `model.init_from` (an exported pipeline) or built tiny
-    (with `tokenizer`, or one built from the captions)."""
+def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, tokenizer=None, text_encoder=None):
+    """(VideoFlowModel, tokenizer): from `model.init_from` (an exported pipeline) or built tiny, with
+    `channels` in and out (3: pixels; the autoencoder's z_dim: latents). The text side: `text_encoder`
+    and `tokenizer` when given, else `model.text_encoder_dir`, else a CLIP from scratch (with
+    `tokenizer`, or one built from the captions)."""
     m = cfg.model
     if m.init_from:
-        pipe = VideoPipeline.from_pretrained(m.init_from)
+        pipe = VideoPipeline.from_pretrained(resolve(m.init_from))
         model, tokenizer = pipe.model, pipe.tokenizer
         model.fcfg, model.caption_dropout = cfg.flow, cfg.data.caption_dropout
     else:
+        if text_encoder is None and m.text_encoder_dir:
+            text_encoder, tokenizer = load_local_text(m.text_encoder_dir, m.tokenizer_dir, cfg.data.max_prompt_tokens)
         tokenizer = tokenizer or build_tokenizer(captions, cfg.data.max_prompt_tokens)
-        text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads,
-                                          m.text_token_embedding_std)
-        transformer = build_transformer(m, channels, m.text_hidden_size)
-        pooled = build_pooled_text(cfg, transformer.config.num_attention_heads * transformer.config.attention_head_dim)
+        if text_encoder is None:
+            text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads,
+                                              m.text_token_embedding_std)
+        text_dim = text_encoder.config.hidden_size  # the transformer's text_dim follows the encoder
+        transformer = build_transformer(m, channels, text_dim)
+        pooled = build_pooled_text(cfg, transformer.config.num_attention_heads * transformer.config.attention_head_dim,
+                                   text_dim)
         model = VideoFlowModel(transformer, text_encoder, tokenize(tokenizer, [""])[0], tokenizer.pad_token_id,
                                cfg.flow, cfg.data.caption_dropout, pooled_text=pooled)
     if m.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
+    if m.freeze_text_encoder:
+        model.freeze_text_encoder()
     return model.train(), tokenizer
 
 
-def build_pooled_text(cfg: RecipeConfig, dim: int) -> PooledTextConditioning | None:
+def build_pooled_text(cfg: RecipeConfig, dim: int, text_dim: int | None = None) -> PooledTextConditioning | None:
     """The prompt's global conditioning (`model.pooled_text`, `model.prompt_position`), or None."""
     m = cfg.model
     if not m.pooled_text:
         return None
     planes = POSITION_CHANNELS + MOTION_CHANNELS * m.motion_channels if m.prompt_position else 0
-    return PooledTextConditioning(m.text_hidden_size, dim, tokens=cfg.data.max_prompt_tokens if m.pooled_text == "flat"
-                                  else 0, position_planes=planes)
+    return PooledTextConditioning(text_dim or m.text_hidden_size, dim, position_planes=planes,
+                                  tokens=cfg.data.max_prompt_tokens if m.pooled_text == "flat" else 0)
+
+
+def frozen_vae(cfg: RecipeConfig):
+    """The autoencoder whose latents the transformer trains on: `vae.from_dir`, else the vae/ of the
+    `model.init_from` pipeline, else None (pixel space). Its frame and size factors are checked
+    against the buckets here, before any data is loaded."""
+    if cfg.vae.from_dir:
+        vae = load_vae(cfg.vae.from_dir)
+    elif cfg.model.init_from and (resolve(cfg.model.init_from) / "vae").is_dir():
+        vae = load_vae(resolve(cfg.model.init_from) / "vae", key="model.init_from")
+    else:
+        return None
+    tf, sf = vae_factors(vae)
+    pt, ph, pw = cfg.model.patch_size
+    frames = [cfg.data.shapes_frames, *(b.frames for b in cfg.buckets)]
+    bad = [f for f in frames if not frames_ok(f, tf)]
+    if bad:
+        raise ConfigError(f"config 'data.buckets'={cfg.data.buckets!r} / 'data.shapes_frames'={cfg.data.shapes_frames}: "
+                          f"{sorted(set(bad))} frames; the causal autoencoder takes 1 + k x {tf} frames (e.g. "
+                          f"{', '.join(str(1 + k * tf) for k in range(4))}): give every bucket and data.shapes_frames "
+                          "such a count (and data.clip_frames at least the longest bucket)")
+    for b in cfg.buckets:
+        shape = ((b.frames - 1) // tf + 1, b.height // sf, b.width // sf)
+        if b.height % sf or b.width % sf or shape[0] % pt or shape[1] % ph or shape[2] % pw:
+            raise ConfigError(f"config 'data.buckets'={cfg.data.buckets!r}: bucket {b.shape} gives {shape} latents "
+                              f"(autoencoder: {tf}x temporal, {sf}x spatial), which model.patch_size "
+                              f"{cfg.model.patch_size} does not divide; choose sizes divisible by {sf} x the patch")
+    log.info(f"latent space: {tf}x temporal, {sf}x spatial, {vae.config['z_dim']} channels (frozen autoencoder)")
+    return vae
+
+
+@torch.no_grad()
+def encode_clips(vae, clips: BucketedClips, keep_std: bool, batch: int = 16) -> None:
+    """Replace every bucketed clip's "video" by its normalised latent (posterior mean), once: the
+    autoencoder is frozen, so the transformer trains on cached latents. With `keep_std` the
+    posterior std is kept too ("latent_std"), for a fresh draw each step (`vae.sample_posterior`)."""
+    from phalanx.launch import context
+
+    device = context().device
+    vae.to(device)
+    for index in clips.per_bucket().values():
+        for start in range(0, len(index), batch):
+            chunk = index[start:start + batch]
+            mean, std = encode_latents(vae, torch.stack([clips[i]["video"] for i in chunk]).to(device))
+            for i, z, s in zip(chunk, mean.cpu(), std.cpu()):
+                clips.items[i]["video"] = z
+                if keep_std:
+                    clips.items[i]["latent_std"] = s
+    vae.cpu()
+
+
+def load_trained(model: VideoFlowModel, state: dict[str, torch.Tensor]) -> None:
+    """The trained weights back into `model`. The checkpoint holds tied weights once (T5's
+    encoder.embed_tokens is its shared embedding), so those may be missing; nothing else may."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    owners: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owners.setdefault(tensor.data_ptr(), []).append(name)
+    tied = {n for names in owners.values() if len(names) > 1 for n in names}
+    if [n for n in missing if n not in tied] or unexpected:
+        raise RuntimeError(f"the checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def batch_loss(model: VideoFlowModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The flow loss of a batch; cached latents with their posterior std get a fresh draw first."""
+    video, std = batch["video"], batch.get("latent_std")
+    if std is not None:
+        video = video + std * torch.randn_like(std)
+    return model(video, batch["prompt_ids"])
 
 
 def prepare(cfg: RecipeConfig):
-    """(model, tokenizer, training batches, held-out clips); data and bucket errors come before the
-    model is built."""
+    """(model, tokenizer, training batches, held-out clips, frozen autoencoder or None); autoencoder,
+    data, bucket and text-encoder errors come before the model is built and the clips are encoded."""
+    vae = frozen_vae(cfg)
     train_clips, held_clips = load_all_clips(cfg.data)
     captions = [c.caption for c in train_clips + held_clips]
+    text_encoder = None
     if cfg.model.init_from:
         model, tokenizer = build_model(cfg, captions)
+    elif cfg.model.text_encoder_dir:
+        text_encoder, tokenizer = load_local_text(cfg.model.text_encoder_dir, cfg.model.tokenizer_dir,
+                                                  cfg.data.max_prompt_tokens)
     else:
         tokenizer = build_tokenizer(captions, cfg.data.max_prompt_tokens)
     train = BucketedClips(train_clips, cfg.buckets, tokenizer)
     held = BucketedClips(held_clips, cfg.buckets, tokenizer)
     check_buckets_cover(held, "held-out")
     batches = training_batches(train, seed=cfg.train.seed)  # raises BucketConfigError when it yields no batch
+    channels = vae.config["z_dim"] if vae is not None else 3
     if not cfg.model.init_from:
-        model, tokenizer = build_model(cfg, captions, tokenizer=tokenizer)
-    return model, tokenizer, batches, held
+        model, tokenizer = build_model(cfg, captions, channels, tokenizer=tokenizer, text_encoder=text_encoder)
+    if model.transformer.config.out_channels != channels:
+        raise ConfigError(f"config 'model.init_from'={cfg.model.init_from!r}: its transformer works on "
+                          f"{model.transformer.config.out_channels} channels, but the clips give {channels} "
+                          f"({'latents of vae.from_dir' if vae is not None else 'pixels'}); set vae.from_dir to the "
+                          "autoencoder it was trained with (or null for pixels)")
+    if vae is not None:
+        for clips in (train, held):
+            encode_clips(vae, clips, cfg.vae.sample_posterior)
+        z = torch.stack([train[i]["video"] for i in next(iter(train.per_bucket().values()))])
+        log.info(f"encoded {len(train)} training and {len(held)} held-out clips once; normalised latents: mean "
+                 f"{float(z.mean()):.3f}, std {float(z.std()):.3f}")
+    return model, tokenizer, batches, held, vae
 
 
 @torch.no_grad()
@@ -103,17 +207,18 @@ def heldout_flow_loss(model: VideoFlowModel, held: BucketedClips, timesteps: int
 
 
 @torch.no_grad()
-def motion_check(model: VideoFlowModel, tokenizer, cfg: RecipeConfig, out_dir: Path | None = None) -> dict[str, float]:
-    """Sample `eval.motion_samples` clips of moving-shapes prompts and track their objects."""
+def motion_check(model: VideoFlowModel, tokenizer, cfg: RecipeConfig, out_dir: Path | None = None,
+                 vae=None) -> dict[str, float]:
+    """Sample `eval.motion_samples` clips of moving-shapes prompts (decoded through `vae` when the
+    model works on latents) and track their objects."""
     e, d = cfg.eval, cfg.data
     prompts = motion_prompts(e.motion_samples, seed=e.seed)
     videos = []
     for start in range(0, len(prompts), 16):
         chunk = prompts[start:start + 16]
         ids = tokenize(tokenizer, [p for p, _, _ in chunk])
-        shape = (len(chunk), 3, d.shapes_frames, d.shapes_size, d.shapes_size)
-        videos += list(euler_sample(model, ids, shape, e.sample_steps, e.guidance_scale,
-                                    torch.Generator().manual_seed(e.seed + start)).clamp(-1, 1))
+        videos += list(sample_clips(model, ids, d.shapes_frames, d.shapes_size, d.shapes_size, e.sample_steps,
+                                    e.guidance_scale, torch.Generator().manual_seed(e.seed + start), vae).cpu())
     score = motion_score(videos, [c for _, c, _ in prompts], [dd for _, _, dd in prompts])
     if out_dir is not None:
         grid = torch.cat([torch.cat(videos[r * 4:(r + 1) * 4], dim=3) for r in range(min(2, len(videos) // 4))], dim=2)
@@ -122,12 +227,12 @@ def motion_check(model: VideoFlowModel, tokenizer, cfg: RecipeConfig, out_dir: P
     return score
 
 
-def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: Path):
+def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: Path, vae=None):
     def eval_fn(model: VideoFlowModel, step: int) -> dict[str, float]:
         metrics = heldout_flow_loss(model, held, cfg.eval.timesteps, cfg.eval.max_clips, cfg.eval.seed)
         if cfg.eval.motion_samples and step == cfg.train.max_steps and is_main_process():
-            metrics.update(direction_gap(model, tokenizer, cfg.data.shapes_frames, cfg.data.shapes_size))
-            metrics.update(motion_check(model, tokenizer, cfg, output_dir / "eval"))
+            metrics.update(direction_gap(model, tokenizer, cfg.data.shapes_frames, cfg.data.shapes_size, vae=vae))
+            metrics.update(motion_check(model, tokenizer, cfg, output_dir / "eval", vae))
         return metrics
     return eval_fn
 
@@ -150,7 +255,7 @@ def train(cfg: RecipeConfig):
 
     from phalanx.data.buckets import unwrap_single
 
-    model, tokenizer, batches, held = prepare(cfg)
+    model, tokenizer, batches, held, vae = prepare(cfg)
     setup_sequence_parallel(cfg, model)
     if cfg.train.micro_batch_size != 1:
         raise ConfigError(f"config 'train.micro_batch_size'={cfg.train.micro_batch_size}: batches come whole from "
@@ -158,20 +263,22 @@ def train(cfg: RecipeConfig):
     output_dir = Path(cfg.train.output_dir)
     initial = heldout_flow_loss(model.eval(), held, cfg.eval.timesteps, cfg.eval.max_clips, cfg.eval.seed)
     model.train()
-    log.info("held-out flow loss before training: " + ", ".join(f"{k}={v:.4f}" for k, v in initial.items()))
-    result = fit(cfg.train, model, batches, collate_fn=unwrap_single, loss_fn=lambda m, b: m(**b),
-                 eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir), tokenizer=None)
+    space = "latent space" if vae is not None else "pixel space"
+    log.info(f"held-out flow loss ({space}) before training: " + ", ".join(f"{k}={v:.4f}" for k, v in initial.items()))
+    result = fit(cfg.train, model, batches, collate_fn=unwrap_single, loss_fn=batch_loss,
+                 eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir, vae), tokenizer=None)
     if is_main_process():
         model.sp_group = None
-        model.load_state_dict(load_hf_state_dict(result.checkpoint_dir / "model"), strict=True)
+        load_trained(model, load_hf_state_dict(result.checkpoint_dir / "model"))
         d = cfg.data
-        meta = make_meta(cfg.flow, 3, d.shapes_frames, d.shapes_size, d.shapes_size)
-        VideoPipeline(model, tokenizer, meta).save_pretrained(cfg.final_path)
-        summary = {"initial": initial, "final": result.last_eval,
+        meta = make_meta(cfg.flow, model.transformer.config.out_channels, d.shapes_frames, d.shapes_size,
+                         d.shapes_size, vae=vae)
+        VideoPipeline(model, tokenizer, meta, vae).save_pretrained(cfg.final_path)
+        summary = {"space": space, "initial": initial, "final": result.last_eval,
                    "loss_drop": 1 - result.last_eval["loss"] / initial["loss"], "steps": result.final_step,
                    "wall_time_s": result.wall_time_s, "pipeline": str(cfg.final_path)}
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info(f"exported {cfg.final_path}; held-out loss {initial['loss']:.4f} -> {result.last_eval['loss']:.4f} "
+        log.info(f"exported {cfg.final_path}; held-out loss ({space}) {initial['loss']:.4f} -> {result.last_eval['loss']:.4f} "
                  f"({summary['loss_drop']:.0%} lower)")
     return result
 

@@ -4,7 +4,9 @@
 
 L1 + L2 + KL (+ temporal smoothness) through `phalanx.train.fit`; the eval is the held-out PSNR.
 Rank 0 saves the autoencoder as a diffusers directory (<output_dir>/vae), which
-`AutoencoderKLWan.from_pretrained` or `vae.pretrained_dir` opens.
+`AutoencoderKLWan.from_pretrained`, `vae.pretrained_dir` or `vae.from_dir` (latent training in
+`apps.video_gen.train`) opens; its config carries latents_mean / latents_std measured on the
+training clips (the normalisation diffusers' Wan pipelines apply).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from phalanx.observe import get_logger, is_main_process
 from .config import RecipeConfig, parse_args
 from .data import BucketedClips, load_all_clips, training_batches
 from .text import build_tokenizer
-from .vae import VAETrainModel, build_vae, frames_ok, psnr
+from .vae import VAETrainModel, build_vae, frames_ok, measure_latent_stats, psnr, vae_factors
 
 log = get_logger("apps.video_gen")
 
@@ -29,21 +31,22 @@ def train_vae(cfg: RecipeConfig):
     from phalanx.data.buckets import unwrap_single
     from phalanx.train import fit
 
-    bad = [b.shape for b in cfg.buckets if not frames_ok(b.frames, cfg.vae)]
+    vae = build_vae(cfg.vae)
+    factor = vae_factors(vae)[0]
+    bad = [b.shape for b in cfg.buckets if not frames_ok(b.frames, factor)]
     if bad:
-        raise ConfigError(f"config 'data.buckets': buckets {bad} do not have 1 + k x {2 ** sum(cfg.vae.temporal_downsample)} "
-                          "frames, which the causal autoencoder needs (e.g. 1, 9, 17)")
+        raise ConfigError(f"config 'data.buckets': buckets {bad} do not have 1 + k x {factor} frames, which the "
+                          f"causal autoencoder needs (e.g. {', '.join(str(1 + k * factor) for k in range(3))})")
     train_clips, held_clips = load_all_clips(cfg.data)
     tokenizer = build_tokenizer([c.caption for c in train_clips], cfg.data.max_prompt_tokens)  # batches carry ids
     train = BucketedClips(train_clips, cfg.buckets, tokenizer)
     held = BucketedClips(held_clips, cfg.buckets, tokenizer)
     held_videos = {b: torch.stack([held[i]["video"] for i in idx[:cfg.vae.held_out_clips]])
                    for b, idx in held.per_bucket().items()}
-    vae = build_vae(cfg.vae)
     model = VAETrainModel(vae, cfg.vae).train()
 
     def eval_fn(m: VAETrainModel, step: int) -> dict[str, float]:
-        scores = {f"psnr/{b.frames}x{b.height}x{b.width}": psnr(m.vae, v) for b, v in held_videos.items()}
+        scores = {f"psnr/{b.frames}x{b.height}x{b.width}": psnr(m.vae, v.to(m.vae.dtype)) for b, v in held_videos.items()}
         return {"psnr": sum(scores.values()) / len(scores), **scores}
 
     initial = eval_fn(model, 0)
@@ -51,9 +54,14 @@ def train_vae(cfg: RecipeConfig):
                  loss_fn=lambda m, b: m(b["video"]), eval_fn=eval_fn)
     out = Path(cfg.train.output_dir) / "vae"
     if is_main_process():
-        model.load_state_dict(load_hf_state_dict(result.checkpoint_dir / "model"), strict=True)
+        model.float().load_state_dict(load_hf_state_dict(result.checkpoint_dir / "model"), strict=True)
+        vae.eval()
+        mean, std = measure_latent_stats(vae, [torch.stack([train[i]["video"] for i in idx[:64]])
+                                               for idx in train.per_bucket().values()])
+        vae.register_to_config(latents_mean=mean, latents_std=std)
         vae.save_pretrained(str(out))
-        summary = {"initial": initial, "final": result.last_eval, "steps": result.final_step, "vae": str(out)}
+        summary = {"initial": initial, "final": result.last_eval, "steps": result.final_step, "vae": str(out),
+                   "latents_mean": mean, "latents_std": std}
         (Path(cfg.train.output_dir) / "vae_summary.json").write_text(json.dumps(summary, indent=2))
         log.info(f"saved {out}; held-out PSNR {initial['psnr']:.2f} -> {result.last_eval['psnr']:.2f} dB")
     return result

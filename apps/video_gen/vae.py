@@ -1,6 +1,14 @@
 """The causal 3D video autoencoder: diffusers' AutoencoderKLWan (the Wan 2.1 VAE design: causal
 3D convolutions, the first frame encoded alone so images are 1-frame videos), built tiny from the
-config or loaded from a local diffusers directory; and its training objective.
+config or loaded from a local diffusers directory; its training objective; and the latent space the
+transformer trains in with `vae.from_dir`:
+
+    z = (posterior mean - latents_mean) / latents_std          (per channel, from the VAE's config)
+    clip = decode(z * latents_std + latents_mean)
+
+as diffusers' Wan pipelines normalise. `train_vae` measures latents_mean / latents_std on its
+training clips and writes them into the saved config, so its latents reach the transformer at
+about unit scale like real Wan weights' do.
 
 Loss (perceptual-free, runs on CPU): L1 + l2_weight * MSE of the reconstruction, + kl_weight * KL
 of the latent posterior to N(0, I), + temporal_weight * L1 between the frame-to-frame changes of the
@@ -34,26 +42,92 @@ class VAETrainModel(nn.Module):
         self.vae, self.vcfg = vae, vcfg
 
     def forward(self, video: torch.Tensor, prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
+        video = video.to(self.vae.dtype)  # bf16/fp16 when the plugin computes in low precision
         posterior = self.vae.encode(video).latent_dist
-        recon = self.vae.decode(posterior.sample()).sample
+        recon = self.vae.decode(posterior.sample()).sample.float()
+        video = video.float()
         c = self.vcfg
         loss = F.l1_loss(recon, video) + c.l2_weight * F.mse_loss(recon, video)
-        loss = loss + c.kl_weight * posterior.kl().mean() / video[0].numel()
+        loss = loss + c.kl_weight * posterior.kl().float().mean() / video[0].numel()
         if c.temporal_weight and video.shape[2] > 1:
             loss = loss + c.temporal_weight * F.l1_loss(recon.diff(dim=2), video.diff(dim=2))
-        return loss
+        # A batch of 1-frame images never reaches the temporal down/upsampling convolutions; DDP needs a
+        # gradient (zero) for every parameter in every step.
+        return loss + 0.0 * sum(p.sum() for p in self.vae.parameters() if p.requires_grad)
 
 
 @torch.no_grad()
 def psnr(vae, videos: torch.Tensor) -> float:
     """Mean PSNR (dB) of the deterministic reconstruction (posterior mode) of clips in [-1, 1]."""
-    recon = vae.decode(vae.encode(videos).latent_dist.mode()).sample.clamp(-1, 1)
-    mse = ((recon - videos) / 2).pow(2).flatten(1).mean(1).clamp(min=1e-10)
+    recon = vae.decode(vae.encode(videos).latent_dist.mode()).sample.float().clamp(-1, 1)
+    mse = ((recon - videos.float()) / 2).pow(2).flatten(1).mean(1).clamp(min=1e-10)
     return float((10 * torch.log10(1 / mse)).mean())
 
 
-def frames_ok(frames: int, vcfg: VAEConfig) -> bool:
+def frames_ok(frames: int, factor: int) -> bool:
     """A causal VAE takes 1 + k * temporal_factor frames."""
-    factor = 2 ** sum(vcfg.temporal_downsample)
-    return (frames - 1) % factor == 0
+    return frames >= 1 and (frames - 1) % factor == 0
+
+
+def temporal_factor(vcfg: VAEConfig) -> int:
+    """The temporal downsampling of the autoencoder `build_vae` makes from the config."""
+    return 2 ** sum(vcfg.temporal_downsample)
+
+
+def vae_factors(vae) -> tuple[int, int]:
+    """(temporal, spatial) downsampling of a loaded AutoencoderKLWan."""
+    c = vae.config
+    t = c.get("scale_factor_temporal") or 2 ** sum(c["temperal_downsample"])
+    s = c.get("scale_factor_spatial") or 2 ** (len(c["dim_mult"]) - 1) * (c.get("patch_size") or 1)
+    return int(t), int(s)
+
+
+def load_vae(directory, key: str = "vae.from_dir"):
+    """A frozen AutoencoderKLWan from a local diffusers directory (eval mode, no gradients)."""
+    from diffusers import AutoencoderKLWan
+
+    from phalanx.config import ConfigError
+
+    from .config import resolve
+
+    path = resolve(directory)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"config '{key}'={str(directory)!r}: {path} holds no config.json; point it at a local "
+                          "diffusers AutoencoderKLWan directory (`python -m apps.video_gen.train_vae` writes "
+                          "<output_dir>/vae) or set it to null to train in pixel space")
+    try:
+        vae = AutoencoderKLWan.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"config '{key}'={str(directory)!r}: could not load an AutoencoderKLWan from {path} "
+                          f"({exc}); give a diffusers AutoencoderKLWan directory") from exc
+    return vae.eval().requires_grad_(False)
+
+
+def _stats(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(vae.config["latents_mean"], dtype=like.dtype, device=like.device).view(shape)
+    std = torch.tensor(vae.config["latents_std"], dtype=like.dtype, device=like.device).view(shape)
+    return mean, std
+
+
+@torch.no_grad()
+def encode_latents(vae, video: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips [B, 3, F, H, W] in [-1, 1] -> the normalised posterior (mean, std), each [B, z, F', H', W']."""
+    dist = vae.encode(video).latent_dist
+    mean, std = _stats(vae, dist.mean)
+    return (dist.mean - mean) / std, dist.std / std
+
+
+@torch.no_grad()
+def decode_latents(vae, z: torch.Tensor) -> torch.Tensor:
+    """Normalised latents -> clips [B, 3, F, H, W] (not clamped)."""
+    mean, std = _stats(vae, z)
+    return vae.decode(z * std + mean).sample
+
+
+@torch.no_grad()
+def measure_latent_stats(vae, videos: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the posterior means of `videos` (batches [B, 3, F, H, W])."""
+    z = torch.cat([vae.encode(v).latent_dist.mean.transpose(0, 1).flatten(1) for v in videos], dim=1)
+    return z.mean(1).tolist(), z.std(1).clamp_min(1e-6).tolist()
 
