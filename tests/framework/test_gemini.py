@@ -16,7 +16,7 @@ import torch
 
 import gemini_workers as gw
 from phalanx.gemini import ChunkManager, MemoryTiers, adam_update, parse_bytes, search_chunk_size
-from phalanx.gemini.chunk import build_layouts, pack, padding_waste
+from phalanx.gemini.chunk import build_layouts, pack, padding, unused_capacity
 from phalanx.gemini.optimizer import NORM_BLOCK
 from phalanx.gemini.tiers import DEVICE, DISK, HOST, BudgetExceeded
 import plugin_cases as cases
@@ -72,22 +72,27 @@ def _assert_losses_match(got, want, tol: float = TOL, what: str = "losses") -> N
 
 
 # ---------------------------------------------------------------------------- pieces, no processes
-def test_chunk_search_minimises_padding_and_isolates_oversized_params():
+def test_chunk_search_packs_tightly_and_chunks_hold_only_their_contents():
     numels = [300, 300, 300, 1000, 50]
     assert pack(numels, 600) == [[0, 1], [2], [3], [4]]  # 1000 > 600: a chunk of its own
-    # Padding per chunk size S, worked out by hand (a chunk holds max(S, its contents)):
+    # Capacity left empty per chunk size S, worked out by hand (a lone oversized parameter fills its chunk):
     #   S in 500..550: [300] [300] [300] [1000] [50]  -> 3(S-300) + 0 + (S-50) = 4S - 950 >= 1050
     #   S in 600..850: [300 300] [300] [1000] [50]    -> (S-600) + (S-300) + 0 + (S-50) = 3S - 950 >= 850
     #   S in 900..950: [300 300 300] [1000] [50]      -> (S-900) + 0 + (S-50) = 2S - 950 >= 850
     #   S = 1000:      the same chunks                -> 100 + 0 + 950 = 1050
     # 850 at S=600 and S=900; the tie goes to the smaller size.
     assert search_chunk_size(numels, 500, 1000, 50) == 600
-    assert padding_waste(numels, 600, 1) == padding_waste(numels, 900, 1) == 850
-    assert padding_waste(numels, 550, 1) == 1250 and padding_waste(numels, 1000, 1) == 1050
+    assert unused_capacity(numels, 600) == unused_capacity(numels, 900) == 850
+    assert unused_capacity(numels, 550) == 1250 and unused_capacity(numels, 1000) == 1050
+    # The capacity only cuts: each chunk is its contents rounded up to a multiple of its ranks
+    # (sharded over 4: 600, 300, 1000 already are; 50 -> 52), the replicated ones exactly.
     layouts = build_layouts(numels, 600, dp_size=4, shard_param_frac=0.5)
-    assert [l.numel for _, l, _ in layouts] == [600, 600, 1000, 600]
+    assert [l.numel for _, l, _ in layouts] == [600, 300, 1000, 50]
     assert [s for _, _, s in layouts] == [True, True, False, False]
     assert all(l.numel % l.world_size == 0 for _, l, _ in layouts)
+    assert [l.numel for _, l, _ in build_layouts(numels, 600, dp_size=4, shard_param_frac=1.0)] == [600, 300, 1000, 52]
+    assert padding(numels, 600, 4) == 2 and padding(numels, 600, 1) == 0
+    assert [l.numel for _, l, _ in build_layouts([3], 600, dp_size=8, shard_param_frac=1.0)] == [8]  # 1 a rank
 
 
 def test_memory_tiers_account_bytes_and_refuse_the_budget():
@@ -171,7 +176,9 @@ def test_tiny_llama_packs_into_the_hand_counted_chunks():
     m = ChunkManager(named, chunk_numel=chunk_numel, dp_size=1, dp_rank=0, group=None,
                      tiers=MemoryTiers(torch.device("cpu"), 10**9))
     assert [c.names for c in m.chunks] == TINY_LLAMA_CHUNKS
-    assert [c.numel for c in m.chunks] == [4096] + [2621] * 10 + [4096]  # contents padded to a chunk
+    # each chunk holds its contents, no padding to the chunk size (one rank)
+    assert [c.numel for c in m.chunks] == [4096] + [2048, 1024, 2048, 2048, 2112] + [2048, 1024, 2048, 2048, 2144] \
+        + [4096]
 
 
 def test_manager_packs_model_order_into_chunks():

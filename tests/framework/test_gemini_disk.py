@@ -15,7 +15,7 @@ import torch
 import gemini_disk_workers as dw
 import plugin_cases as cases
 from phalanx.gemini import ChunkManager, GeminiOptimizer, MemoryTiers, StaticPlacement
-from phalanx.gemini.chunk import padding_waste
+from phalanx.gemini.chunk import padding
 from phalanx.gemini.chunk_search import largest_working_set, search_chunk_numel, tighten
 from phalanx.gemini.disk import ChunkFileStore, CorruptChunkFile, DiskTier
 from phalanx.gemini.tiers import DISK, HOST
@@ -79,6 +79,8 @@ def test_disk_tier_trains_like_memory(ranks, config, one_rank, two_ranks, refere
     stats = disk["disk_stats"]
     # written once at set-up and once per step, read once per step (5 steps)
     assert stats["writes"] == 6 * on_disk and stats["reads"] == 5 * on_disk
+    # the save gathers parameter by parameter and reads each chunk's file once (not once a parameter)
+    assert disk["save_reads"] == on_disk < disk["params_on_disk"]
     assert not os.path.exists(disk["directory"])  # scratch files go with their run
 
 
@@ -112,7 +114,7 @@ def test_resident_host_memory_stays_under_a_budget_the_optimizer_state_exceeds(o
     """The host budget against the kernel's count of the host pool (RssShmem, `phalanx.hostmem`),
     on a 3.5M-parameter Llama with every shard and optimizer chunk on the host (static placement,
     everything offloaded). The optimizer state (fp32 master, two moments, gradient: 16 bytes a
-    parameter: 53 MiB, 72 MiB with the chunks' padding) does not fit the 48 MiB budget; with
+    parameter: 53 MiB; a chunk is padded by less than one element a rank) does not fit the 48 MiB budget; with
     offload_to_disk='auto' what does not fit is on disk and the pool stays under the budget."""
     measured = one_rank["measured"]
     if "skip" in measured:
@@ -182,6 +184,35 @@ def test_disk_chunks_update_like_torch_adamw(tmp_path):
     assert store.stats["reads"] == 3 * 2 + 2  # 3 steps x 2 chunks, plus the two checks above
 
 
+def test_a_streamed_save_reads_each_disk_chunk_once(tmp_path):
+    """`gather_master_param` for every parameter in model order (what a save does): one read per
+    chunk file, the values the files hold; then a step reads (and writes) as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))  # 3 chunks
+    m, opt, store = _tiny_disk_run(tmp_path, model)
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    want = {}
+    for chunk in m.chunks:
+        with m.optim_state(chunk):
+            for k, slot in enumerate(chunk.layout.slots[:len(chunk.params)]):
+                want[(chunk.index, k)] = chunk.master[slot.offset:slot.end].clone()
+    before = store.stats["reads"]
+    for _ in range(2):  # twice over: the second pass starts again at the first chunk
+        for chunk in m.chunks:
+            for k in range(len(chunk.params)):
+                assert torch.equal(m.gather_master_param(chunk, k), want[(chunk.index, k)])
+    assert len(m.chunks) == 3 and sum(len(c.params) for c in m.chunks) == 6
+    assert store.stats["reads"] - before == 2 * len(m.chunks)
+    assert all(c.master is None for c in m.chunks) and len(m.disk._free) == m.disk.depth  # one buffer held
+    model(x).sum().backward()
+    reads = store.stats["reads"]
+    opt.step()  # lets the held buffer go; reads every chunk once
+    assert store.stats["reads"] - reads == len(m.chunks) and len(m.disk._free) == m.disk.depth + 1
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
 def test_a_damaged_chunk_file_is_detected_with_a_clear_error(tmp_path, damage):
     torch.manual_seed(0)
@@ -248,7 +279,7 @@ def test_chunk_search_keeps_the_working_set_within_the_budget():
     # 2 MiB, 2 ranks: the default 8 MiB chunk needs 8 (gathered) + 8 (gradient) + 4 (shard) = 20 MiB.
     # Searched: one chunk holding the whole model, no padding: 26,912 x 4 bytes x (1 + 1 + 1/2).
     size, smallest = search_chunk_numel(numels, trainable, modules, budget=2 * MiB, **search)
-    assert (size, smallest) == (QWEN2_PARAMS, False) and padding_waste(numels, size, 2) == 0
+    assert (size, smallest) == (QWEN2_PARAMS, False) and padding(numels, size, 2) == 0
     assert largest_working_set(numels, trainable, modules, size, 2, 1.0, 4) == QWEN2_PARAMS * 10
     # 30,000 bytes: less than any chunking needs. The least is the embedding alone in its chunk,
     # 4,096 x 4 bytes x 2.5 = 40,960: the fallback reaches it and says it is the smallest.

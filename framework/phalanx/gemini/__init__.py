@@ -1,8 +1,8 @@
 """Gemini: train a model larger than device memory by moving chunks of it between tiers.
 
 - `tiers`: byte accounting per tier (device, host, disk) and the device and host budgets;
-- `chunk`: packing parameters into fixed-size chunks, the chunk state machine;
-- `chunk_search`: the chunk size when none is given (least padding within the device budget);
+- `chunk`: packing parameters into chunks (cut at a fixed capacity, sized to their contents), the chunk state machine;
+- `chunk_search`: the chunk size when none is given (tightest packing within the device budget);
 - `disk`: optimizer chunks in checksummed files on local disk, read ahead of the optimizer step;
 - `manager`: gathering chunks for compute, releasing them, reducing their gradients;
 - `hooks`: the module/parameter hooks that call the manager from forward and backward;

@@ -1,13 +1,14 @@
-"""Choosing the chunk size when the user gives none: the least padding, within the budget.
+"""Choosing the chunk size when the user gives none: the tightest packing, within the budget.
 
-Padding is not the only cost of a chunk size: a module's forward gathers every chunk holding one
-of its parameters, whole, so the device must hold those chunks (and, in backward, as much again
-for their gradients) at once. A chunk size that wastes no padding can still make the largest
-module's working set larger than the device budget: a 30k-parameter model packed into one
-default 8 MiB chunk "needs 20 MiB" on 2 ranks (8 MiB gathered, 8 MiB of gradients, 4 MiB shard).
+A chunk takes only its contents (`phalanx.gemini.chunk.chunk_numel_for`); the chunk size is the
+capacity that decides where chunks are cut. A module's forward gathers every chunk holding one of
+its parameters, whole, so the device must hold those chunks (and, in backward, as much again for
+their gradients) at once: the capacity sets the largest module's working set, which can exceed
+the device budget. (Before chunks were cut to their contents, a 30k-parameter model packed into
+one default 8 MiB chunk "needed 20 MiB" on 2 ranks: 8 MiB gathered, 8 MiB of gradients, 4 MiB shard.)
 
 So the search looks at the working set too. First the default range (`search_chunk_size` over
-8-64 MiB, least padding); if the largest module's working set there takes more than
+8-64 MiB, the tightest packing); if the largest module's working set there takes more than
 `ROOM` of the budget (the rest is for activations and prefetching), the same search one octave
 lower at a time ([4, 8) MiB, [2, 4) MiB, ... down to one element per rank), taking the first
 octave whose best size fits. If none does, the size with the smallest working set (down to one
@@ -15,8 +16,8 @@ parameter per chunk, the least any chunking can need): the budget check then ref
 budget that no chunk size could meet, and says so.
 
 The size found is then tightened (`tighten`): shrunk to the fullest chunk's contents, which packs
-the parameters into exactly the same chunks with less padding (a small model in one 8 MiB chunk
-gets a chunk of its own size).
+the parameters into exactly the same chunks (a small model in one 8 MiB chunk reports a chunk
+size of its own size, the size its one chunk has).
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ gradient is added to at every micro-step of backward). The optimizer step walks 
 model order; `DiskTier.stream` reads the next `depth` disk chunks' files into host buffers on a
 small thread pool while the current chunk is updated, and writes each chunk back (again on the
 pool) right after its update. So the host holds at most `depth + 1` chunk records of optimizer
-state, whatever the model's size.
+state, whatever the model's size. A save gathers the masters parameter by parameter: `held`
+keeps the chunk it read last in one of those buffers, so each file is read once per save.
 
 Each file is one record: a header (magic, the element count of each tensor, the payload's
 length and CRC-32) and the tensors' bytes. A file is written to `NAME.tmp` and renamed over
@@ -184,6 +185,7 @@ class DiskTier:
         self.record_numel = record_numel  # elements of one buffer: 3 x the largest disk chunk's shard
         self._free = [tiers.empty(HOST, record_numel, torch.float32) for _ in range(depth + 1)]
         self._writes: deque[tuple[Future, torch.Tensor]] = deque()
+        self._held: tuple[object, torch.Tensor] | None = None  # (chunk, buffer) kept by `held`
         # time the optimizer step waited: for a read to finish, for a write to free a buffer
         self.stats = {"stall_s": 0.0, "write_wait_s": 0.0}
 
@@ -212,7 +214,9 @@ class DiskTier:
             block = False
 
     def flush(self) -> None:
-        """Wait for every pending write (before anything reads a chunk file again)."""
+        """Wait for every pending write (before anything reads a chunk file again); drop the
+        state `held` keeps (whatever comes next may change the files)."""
+        self.release_held()
         start = time.perf_counter()
         while self._writes:
             self._reap(block=True)
@@ -256,6 +260,32 @@ class DiskTier:
         finally:
             self._detach(chunk)
             self._free.append(buf)
+
+    def held(self, chunk) -> list[torch.Tensor]:
+        """The chunk's state (master, exp_avg, exp_avg_sq), read from its file on the first call
+        and kept in one buffer until another chunk is asked for or anything else uses the files
+        (every other path starts with `flush`, which lets it go). For reading only, right away: a
+        save streaming a chunk's parameters one by one reads the file once instead of once per
+        parameter, and holds one chunk record at a time, in a buffer of the pool (no memory more).
+        Not attached to the chunk: `chunk.master` stays None."""
+        if self._held is not None and self._held[0] is chunk:
+            return self._views(chunk, self._held[1])
+        self.flush()
+        buf = self._acquire()
+        views = self._views(chunk, buf)
+        try:
+            self.store.read_into(self.key(chunk), views)
+        except BaseException:
+            self._free.append(buf)
+            raise
+        self._held = (chunk, buf)
+        return views
+
+    def release_held(self) -> None:
+        """Give the buffer `held` keeps back to the pool."""
+        if self._held is not None:
+            self._free.append(self._held[1])
+            self._held = None
 
     def stream(self, chunks: Sequence) -> "DiskStream":
         return DiskStream(self, list(chunks))

@@ -271,14 +271,14 @@ class ChunkManager:
 
     def _start_gather(self, full: torch.Tensor, shard: torch.Tensor, rank: int, name: str) -> list:
         """Start filling `full` with every rank's equal `shard`; returns the work handles. On gloo
-        each rank broadcasts its shard straight into its slice of `full`: gloo's all-gather into one
-        tensor stages the whole output in a temporary of its own (measured: +128 MiB resident for a
-        128 MiB gather; the broadcasts add nothing, and are faster there, `phalanx.zero.comm.is_gloo`)."""
+        each rank broadcasts its shard straight into its slice of `full`
+        (`phalanx.zero.comm.start_broadcast_into_place`): gloo's all-gather into one tensor stages
+        the whole output in a temporary of its own (measured: +128 MiB resident for a 128 MiB
+        gather; the broadcasts add nothing, and are faster there, `phalanx.zero.comm.is_gloo`)."""
         if not self.gloo:
             return [comm.all_gather_into(full, shard, self.group, name)]
-        n = shard.numel()
-        full[rank * n:(rank + 1) * n].copy_(shard)
-        return [comm.broadcast_async(full[r * n:(r + 1) * n], r, self.group, name) for r in range(self.dp_size)]
+        ranges = comm.equal_ranges(shard.numel(), self.dp_size)
+        return comm.start_broadcast_into_place(full, ranges, shard, rank, self.group, name)
 
     @staticmethod
     def _wait(works: list, name: str) -> None:
@@ -496,19 +496,28 @@ class ChunkManager:
     def gather_master_param(self, chunk: Chunk, k: int) -> torch.Tensor:
         """Parameter `k` of `chunk`: its full fp32 master values on the CPU, flat. A collective for a
         sharded chunk: each rank that owns part of the parameter broadcasts that part straight into
-        its place, so a streamed save holds one parameter, not its chunk."""
+        its place, so a streamed save holds one parameter, not its chunk. A disk chunk's file is
+        read once while its parameters are gathered one after another (`_saved_master`)."""
         slot = chunk.layout.slots[k]
         full = torch.empty(slot.numel, dtype=torch.float32, device=self.tiers.device)
         if not chunk.sharded:
-            with self.optim_state(chunk):
-                return full.copy_(chunk.master[slot.offset:slot.end]).cpu()
+            return full.copy_(self._saved_master(chunk)[slot.offset:slot.end]).cpu()
         ranges = [(a - slot.offset, b - slot.offset) for a, b in chunk.layout.split_by_rank(slot.offset, slot.end)]
         a, b = ranges[chunk.rank]
         lo = chunk.layout.rank_range(chunk.rank)[0] - slot.offset
         # a disk chunk's master is read from its file only by a rank that owns part of the parameter
-        with self.optim_state(chunk) if a < b else contextlib.nullcontext():
-            mine = chunk.master.detach()[a - lo:b - lo] if a < b else None
-            return comm.assemble_from_owners(full, ranges, mine, chunk.rank, self.group, "gemini.gather_master").cpu()
+        mine = self._saved_master(chunk).detach()[a - lo:b - lo] if a < b else None
+        return comm.assemble_from_owners(full, ranges, mine, chunk.rank, self.group, "gemini.gather_master").cpu()
+
+    def _saved_master(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's fp32 master shard, to read from right away (before any other disk-tier
+        operation). A disk chunk's is read from its file once and kept in one of the disk tier's
+        read-ahead buffers while further parameters of the same chunk are asked for
+        (`DiskTier.held`): a save reads each file once, not once per parameter, and holds one
+        chunk's state at a time in a buffer that exists anyway."""
+        if chunk.optim_tier != DISK:
+            return chunk.master
+        return self.disk.held(chunk)[0]
 
     def load_values(self, values: dict[int, torch.Tensor]) -> None:
         """Set masters and shards from full parameter values keyed by position `(chunk, k)`."""

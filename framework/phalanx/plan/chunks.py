@@ -1,8 +1,9 @@
-"""Gemini's chunk padding, from the model's parameter sizes in model order: parameters are laid
-into chunks of one size in order, a chunk closes when the next parameter does not fit, a
-parameter larger than the size gets a chunk of its own, and each chunk is rounded up to a
-multiple of the world size. With no size given, Gemini searches 8–64 MiB (1 MiB steps) for the
-least padding; so does this."""
+"""Gemini's chunks, from the model's parameter sizes in model order: parameters are laid into
+chunks of one capacity in order, a chunk closes when the next parameter does not fit, a
+parameter larger than the capacity gets a chunk of its own, and each chunk is its contents
+rounded up to a multiple of the world size (`phalanx.gemini.chunk`, whose packing and search
+this uses). With no size given, Gemini searches 8–64 MiB (1 MiB steps) for the tightest
+packing; so does this."""
 from __future__ import annotations
 
 from phalanx.plan.model import ModelSpec
@@ -34,32 +35,20 @@ def parameter_numels(spec: ModelSpec, tp: int = 1) -> list[int]:
 
 
 def chunked_numel(numels: list[int], chunk: int, world: int) -> int:
-    """Elements of all chunks together, padding included."""
-    total, used = 0, None
-    for n in numels:
-        if used is not None and used + n <= chunk:
-            used += n
-            continue
-        if used is not None:
-            total += -(-max(used, chunk) // world) * world
-        used = n
-    if used is not None:
-        total += -(-max(used, chunk) // world) * world
-    return total
+    """Elements of all chunks together, padding (< world a chunk) included."""
+    from phalanx.gemini.chunk import padding
+
+    return sum(numels) + padding(list(numels), chunk, world)
 
 
 def gemini_chunks(spec: ModelSpec, world: int, itemsize: int, chunk_mb: float | None, tp: int = 1) -> tuple[int, int]:
     """(chunk size in elements, elements of all chunks with padding) for Gemini on `world` ranks."""
+    from phalanx.gemini.chunk import search_chunk_size
+
     numels = parameter_numels(spec, tp)
     if chunk_mb is not None:
         chunk = max(world, int(chunk_mb * 2**20) // itemsize)
-        return chunk, chunked_numel(numels, chunk, world)
-    lo, hi, step = (x * 2**20 // itemsize for x in SEARCH_MIB)
-    best = None
-    size = -(-lo // world) * world
-    while size <= hi:
-        total = chunked_numel(numels, size, world)
-        if best is None or total < best[1]:
-            best = (size, total)
-        size += -(-step // world) * world
-    return best
+    else:
+        lo, hi, step = (x * 2**20 // itemsize for x in SEARCH_MIB)
+        chunk = search_chunk_size(numels, lo, hi, step, world)
+    return chunk, chunked_numel(numels, chunk, world)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from phalanx.zero.comm import is_gloo
+from phalanx.zero.comm import equal_ranges, is_gloo, start_broadcast_into_place
 
 # ReduceOps that all_reduce on gloo applies exactly as reduce_scatter would (FSDP2 asks for AVG in
 # fp32/bf16 and SUM with its own pre/post division in fp16).
@@ -123,17 +123,17 @@ class _Works(dist.Work):
 
 class BroadcastAllGather(DefaultAllGather):
     """All-gather as one broadcast per rank of its shard into its slot of the output (the output
-    is the ranks' shards back to back, as `all_gather_single` lays them out). Returns the
-    broadcasts' handles unwaited, whatever `async_op` says: FSDP2 waits on them before it reads
-    the output, so a prefetched block's gather overlaps the current block's compute."""
+    is the ranks' shards back to back, as `all_gather_single` lays them out), by the helper ZeRO
+    and Gemini use too (`phalanx.zero.comm.start_broadcast_into_place`). Returns the broadcasts'
+    handles unwaited, whatever `async_op` says: FSDP2 waits on them before it reads the output, so
+    a prefetched block's gather overlaps the current block's compute."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        slots = output_tensor.view(world, -1)
-        slots[rank].copy_(input_tensor.view(-1))
-        return _Works([dist.broadcast(slots[i], src=dist.get_global_rank(group, i), group=group, async_op=True)
-                       for i in range(world)])
+        ranges = equal_ranges(input_tensor.numel(), world)
+        return _Works(start_broadcast_into_place(output_tensor.view(-1), ranges, input_tensor.view(-1), rank, group,
+                                                 "fsdp.all_gather"))
 
 
 def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup,
