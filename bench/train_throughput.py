@@ -258,9 +258,10 @@ def print_plugin_table(rows: dict, missing: list[str]) -> None:
 # =============================================================================================
 # Part 3: the plugins on a real-sized model (--model medium|large)
 
-SIZED_VARIANTS = ("ddp", "ddp_fused", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "fsdp_sync",
+SIZED_VARIANTS = ("ddp", "ddp_fused", "ddp_loop", "raw_ddp", "zero1", "zero2", "zero2_prefetch", "fsdp", "fsdp_sync",
                   "raw_fsdp2", "ds_zero1", "ds_zero2")
-SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
+SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW",
+                "ddp_loop": "DDPPlugin, per-tensor AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
                 "fsdp_sync": "FSDPPlugin, sync reduce",
                 "ds_zero1": "DeepSpeed ZeRO-1", "ds_zero2": "DeepSpeed ZeRO-2"}
 PHASES = ("forward", "backward", "reduce", "norm", "optimizer", "gather")
@@ -377,17 +378,20 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
 
     from phalanx.booster import Booster
     from phalanx.booster.plugins import make_plugin
-    # ddp_fused: DDPPlugin with the user asking for AdamW(fused=True), which ZeRO and FSDPPlugin
-    # now use by default: shows how much of their lead over DDP is the kernel alone.
+    # ddp_fused: DDPPlugin with the user asking for AdamW(fused=True); on CPU DDPPlugin picks that
+    # kernel by itself since 2026-12-03, as ZeRO and FSDPPlugin do. ddp_loop: the user asking for
+    # AdamW(foreach=False), torch's per-tensor loop: DDPPlugin's CPU step before that date.
     # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
     # with the next forward. fsdp_sync: FSDPPlugin(overlap_reduce=False), each block's gradient
     # all-reduce waited for on the compute thread (the default leaves it running during backward).
     options = ({"overlap_param_gather": True} if name == "zero2_prefetch" else
                {"overlap_reduce": False} if name == "fsdp_sync" else {})
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_prefetch").removesuffix("_sync"),
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_loop").removesuffix("_prefetch")
+                         .removesuffix("_sync"),
                          precision=precision, max_norm=1.0, **options)
     booster = Booster(plugin)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None,
+                            foreach=False if name.endswith("_loop") else None)
     boosted, wrapped, *_ = booster.boost(model, opt)
     inner = _PhaseClock(wrapped.optim)
 

@@ -4,14 +4,22 @@ The model's parameters are cast to the low precision, so forward and backward ru
 (about 4× fp32 on a modern CPU, more on GPU) with no per-step weight casts. The wrapped torch
 optimizer updates fp32 master copies; after each step the masters are copied back into the
 model. For fp16 a dynamic loss scaler skips steps whose gradients overflow.
+
+On CPU the step runs torch's fused kernel (`phalanx.zero.fused_step`) where the user left the
+implementation to torch: torch's CPU default is the per-tensor loop, about 5x slower for AdamW
+(1.6 s against 0.3 s per step at 135M parameters, one thread). On CUDA torch's own default (foreach)
+is kept: a checkpoint's `step` state would have to move to the device for the fused kernel.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
+from phalanx.zero.fused_step import fused_kernels
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
@@ -86,13 +94,21 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         ok = self.unscale_and_clip()
         self.skipped = not ok
         if ok:
-            self.optim.step(closure) if closure else self.optim.step()
+            with self._fast_kernel():
+                self.optim.step(closure) if closure else self.optim.step()
             if self.scaler.enabled:
                 self.scaler.update(False)
             if self._use_master:
                 with torch.no_grad():
                     for p in self.model_params:
                         p.copy_(self.master_of[id(p)])
+
+    def _fast_kernel(self):
+        """The fused kernel for the groups `fusable` accepts, when every parameter is on the CPU."""
+        params = self.master_params()
+        if params and all(p.device.type == "cpu" for p in params):
+            return fused_kernels(self.optim, torch.device("cpu"))
+        return contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
