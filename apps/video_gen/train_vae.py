@@ -2,7 +2,9 @@
 
     python -m apps.video_gen.train_vae --config apps/video_gen/configs/vae_tiny.yaml
 
-L1 + L2 + KL (+ temporal smoothness) through `phalanx.train.fit`; the eval is the held-out PSNR.
+L1 + L2 + KL (+ temporal smoothness) on the unclamped decoder output (see vae.py) through
+`phalanx.train.fit`; the eval is the held-out PSNR, logged next to two content-blind baselines
+(all black: what a dead autoencoder scores; each clip's mean colour).
 Rank 0 saves the autoencoder as a diffusers directory (<output_dir>/vae), which
 `AutoencoderKLWan.from_pretrained`, `vae.pretrained_dir` or `vae.from_dir` (latent training in
 `apps.video_gen.train`) opens; its config carries latents_mean / latents_std measured on the
@@ -21,7 +23,7 @@ from phalanx.observe import get_logger, is_main_process
 from .config import RecipeConfig, parse_args
 from .data import BucketedClips, load_all_clips, training_batches
 from .text import build_tokenizer
-from .vae import VAETrainModel, build_vae, frames_ok, measure_latent_stats, psnr, vae_factors
+from .vae import VAETrainModel, baseline_psnr, build_vae, frames_ok, measure_latent_stats, psnr, vae_factors
 
 log = get_logger("apps.video_gen")
 
@@ -49,6 +51,10 @@ def train_vae(cfg: RecipeConfig):
         scores = {f"psnr/{b.frames}x{b.height}x{b.width}": psnr(m.vae, v.to(m.vae.dtype)) for b, v in held_videos.items()}
         return {"psnr": sum(scores.values()) / len(scores), **scores}
 
+    per_bucket = {b: baseline_psnr(v) for b, v in held_videos.items()}
+    baselines = {k: sum(p[k] for p in per_bucket.values()) / len(per_bucket) for k in ("black", "clip_mean")}
+    log.info(f"held-out PSNR baselines: all black {baselines['black']:.2f} dB, each clip's mean colour "
+             f"{baselines['clip_mean']:.2f} dB")
     initial = eval_fn(model, 0)
     result = fit(cfg.train, model, training_batches(train, cfg.train.seed), collate_fn=unwrap_single,
                  loss_fn=lambda m, b: m(b["video"]), eval_fn=eval_fn)
@@ -60,10 +66,11 @@ def train_vae(cfg: RecipeConfig):
                                                for idx in train.per_bucket().values()])
         vae.register_to_config(latents_mean=mean, latents_std=std)
         vae.save_pretrained(str(out))
-        summary = {"initial": initial, "final": result.last_eval, "steps": result.final_step, "vae": str(out),
-                   "latents_mean": mean, "latents_std": std}
+        summary = {"initial": initial, "final": result.last_eval, "baselines": baselines, "steps": result.final_step,
+                   "vae": str(out), "latents_mean": mean, "latents_std": std}
         (Path(cfg.train.output_dir) / "vae_summary.json").write_text(json.dumps(summary, indent=2))
-        log.info(f"saved {out}; held-out PSNR {initial['psnr']:.2f} -> {result.last_eval['psnr']:.2f} dB")
+        log.info(f"saved {out}; held-out PSNR {initial['psnr']:.2f} -> {result.last_eval['psnr']:.2f} dB (all black: "
+                 f"{baselines['black']:.2f}, clip mean colour: {baselines['clip_mean']:.2f})")
     return result
 
 

@@ -13,6 +13,11 @@ about unit scale like real Wan weights' do.
 Loss (perceptual-free, runs on CPU): L1 + l2_weight * MSE of the reconstruction, + kl_weight * KL
 of the latent posterior to N(0, I), + temporal_weight * L1 between the frame-to-frame changes of the
 reconstruction and of the input (temporal smoothness: no flicker the input does not have).
+
+The loss is taken on the decoder's output *before* diffusers' final clamp to [-1, 1]
+(`decode_unclamped`): the clamp passes no gradient where the output lies outside, and the
+recipe's clips sit exactly on the boundary (black background -1, saturated colours +-1), so a
+decoder that overshoots below -1 everywhere gets no gradient at all and stays black.
 """
 from __future__ import annotations
 
@@ -30,10 +35,27 @@ def build_vae(vcfg: VAEConfig):
         from .config import resolve
         return AutoencoderKLWan.from_pretrained(str(resolve(vcfg.pretrained_dir)))
     down_t = 2 ** sum(vcfg.temporal_downsample)
-    return AutoencoderKLWan(base_dim=vcfg.base_dim, z_dim=vcfg.z_dim, dim_mult=list(vcfg.dim_mult),
-                            num_res_blocks=vcfg.num_res_blocks, temperal_downsample=list(vcfg.temporal_downsample),
-                            attn_scales=[], latents_mean=[0.0] * vcfg.z_dim, latents_std=[1.0] * vcfg.z_dim,
-                            scale_factor_temporal=down_t, scale_factor_spatial=2 ** (len(vcfg.dim_mult) - 1))
+    vae = AutoencoderKLWan(base_dim=vcfg.base_dim, z_dim=vcfg.z_dim, dim_mult=list(vcfg.dim_mult),
+                           num_res_blocks=vcfg.num_res_blocks, temperal_downsample=list(vcfg.temporal_downsample),
+                           attn_scales=[], latents_mean=[0.0] * vcfg.z_dim, latents_std=[1.0] * vcfg.z_dim,
+                           scale_factor_temporal=down_t, scale_factor_spatial=2 ** (len(vcfg.dim_mult) - 1))
+    return init_fresh(vae)
+
+
+def init_fresh(vae):
+    """Kaiming-normal conv weights (ReLU gain) and zero conv biases for an autoencoder trained from scratch.
+
+    With PyTorch's default conv init (weights of variance 1/(3 fan_in), biases up to 1/sqrt(fan_in))
+    each conv shrinks the input's signal while the biases add a constant, and the RMS norms then
+    rescale that constant: the tiny AutoencoderKLWan's latents hardly depend on the clip (their spread
+    across clips is ~5% of their size, 0.036 vs 0.19) and the decoder learns the average clip (black)
+    first. This init keeps the clip in the latents (spread 0.45 vs 0.66)."""
+    for m in vae.modules():
+        if isinstance(m, (nn.Conv2d, nn.Conv3d)):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return vae
 
 
 class VAETrainModel(nn.Module):
@@ -44,7 +66,7 @@ class VAETrainModel(nn.Module):
     def forward(self, video: torch.Tensor, prompt_ids: torch.Tensor | None = None) -> torch.Tensor:
         video = video.to(self.vae.dtype)  # bf16/fp16 when the plugin computes in low precision
         posterior = self.vae.encode(video).latent_dist
-        recon = self.vae.decode(posterior.sample()).sample.float()
+        recon = decode_unclamped(self.vae, posterior.sample()).float()
         video = video.float()
         c = self.vcfg
         loss = F.l1_loss(recon, video) + c.l2_weight * F.mse_loss(recon, video)
@@ -56,12 +78,54 @@ class VAETrainModel(nn.Module):
         return loss + 0.0 * sum(p.sum() for p in self.vae.parameters() if p.requires_grad)
 
 
+def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:
+    """`vae.decode(z)` without its final clamp to [-1, 1] (differentiable; for the training loss).
+
+    AutoencoderKLWan decodes one latent frame per call of its `decoder` module (with a causal
+    feature cache) and concatenates those outputs along time before clamping; a forward hook on
+    `vae.decoder` collects them, so the library's own decode path runs unchanged. Checked against
+    the clamped result's shape (tiled decoding, which blends tiles, is refused)."""
+    if getattr(vae, "use_tiling", False):
+        raise ValueError("decode_unclamped: tiled decoding is not supported (call vae.disable_tiling())")
+    chunks: list[torch.Tensor] = []
+    handle = vae.decoder.register_forward_hook(lambda module, args, out: chunks.append(out))
+    try:
+        clamped = vae.decode(z).sample
+    finally:
+        handle.remove()
+    slices = z.shape[0] if getattr(vae, "use_slicing", False) and z.shape[0] > 1 else 1
+    per_slice = len(chunks) // slices
+    raw = torch.cat([torch.cat(chunks[i * per_slice:(i + 1) * per_slice], dim=2) for i in range(slices)], dim=0)
+    if vae.config.get("patch_size"):
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        raw = unpatchify(raw, patch_size=vae.config["patch_size"])
+    if raw.shape != clamped.shape:
+        raise RuntimeError(f"decode_unclamped: the decoder's outputs make {tuple(raw.shape)}, decode gave "
+                           f"{tuple(clamped.shape)} (has diffusers' AutoencoderKLWan decode changed?)")
+    return raw
+
+
+@torch.no_grad()
+def baseline_psnr(videos: torch.Tensor) -> dict[str, float]:
+    """Held-out PSNR (dB) of two reconstructions that ignore the content: all black (-1 everywhere,
+    what a dead autoencoder gives) and each clip's own mean colour (per channel) everywhere."""
+    v = videos.float()
+    black = torch.full_like(v, -1.0)
+    mean = v.mean(dim=(2, 3, 4), keepdim=True).expand_as(v)
+    return {"black": _psnr(black, v), "clip_mean": _psnr(mean, v)}
+
+
+def _psnr(recon: torch.Tensor, videos: torch.Tensor) -> float:
+    mse = ((recon - videos) / 2).pow(2).flatten(1).mean(1).clamp(min=1e-10)
+    return float((10 * torch.log10(1 / mse)).mean())
+
+
 @torch.no_grad()
 def psnr(vae, videos: torch.Tensor) -> float:
     """Mean PSNR (dB) of the deterministic reconstruction (posterior mode) of clips in [-1, 1]."""
     recon = vae.decode(vae.encode(videos).latent_dist.mode()).sample.float().clamp(-1, 1)
-    mse = ((recon - videos.float()) / 2).pow(2).flatten(1).mean(1).clamp(min=1e-10)
-    return float((10 * torch.log10(1 / mse)).mean())
+    return _psnr(recon, videos.float())
 
 
 def frames_ok(frames: int, factor: int) -> bool:

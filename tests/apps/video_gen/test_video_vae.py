@@ -1,5 +1,7 @@
 """train_vae: the causal 3D autoencoder trains through fit (2 steps), reports held-out PSNR, saves
-a diffusers directory that reloads; PSNR by hand; buckets the causal VAE cannot take are refused."""
+a diffusers directory that reloads; PSNR by hand; buckets the causal VAE cannot take are refused;
+the training loss sees the decoder output before diffusers' clamp, and a few steps of it learn the
+shapes (the session-7 autoencoder decoded everything to black)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import torch
 
 from video_tiny import tiny_config
 
+STEPS = 60
 VAE = ["data.shapes_frames=9", "data.clip_frames=9", "data.buckets=[[1,16,16,8],[9,16,16,4],[9,16,28,2]]",
        "vae.base_dim=8", "vae.z_dim=4", "train.max_steps=2", "train.lr=2e-3"]
 
@@ -43,3 +46,79 @@ def test_buckets_the_causal_vae_cannot_take(tmp_path):
     cfg = tiny_config(tmp_path, *VAE[3:], "data.buckets=[[8,16,16,4]]")
     with pytest.raises(ConfigError, match=r"1 \+ k x 2 frames"):
         train_vae(cfg)
+
+
+def test_decode_unclamped_is_decode_before_the_clamp():
+    """diffusers clamps the decoded clip to [-1, 1]; a decoder pushed below -1 everywhere (what the dead
+    autoencoder of session 7 did on the mostly black clips) gives a clamped output with no gradient at all,
+    while decode_unclamped gives the same clip before the clamp, with a gradient (batched and sliced)."""
+    from apps.video_gen.config import VAEConfig
+    from apps.video_gen.vae import build_vae, decode_unclamped
+
+    torch.manual_seed(0)
+    vae = build_vae(VAEConfig(base_dim=8, z_dim=4))
+    with torch.no_grad():
+        vae.decoder.conv_out.bias.fill_(-50.0)
+    z = torch.randn(2, 4, 5, 8, 8)
+    raw = decode_unclamped(vae, z)
+    assert raw.shape == (2, 3, 9, 16, 16) and raw.max() < -1
+    assert torch.equal(raw.clamp(-1, 1), vae.decode(z).sample)
+    target = torch.zeros_like(raw)
+    (vae.decode(z).sample - target).abs().mean().backward()
+    assert vae.decoder.conv_out.bias.grad.abs().max() == 0  # the clamp blocks every gradient
+    vae.zero_grad()
+    (decode_unclamped(vae, z) - target).abs().mean().backward()
+    # d mean|raw| / d bias_c = -1/3 with every raw value < 0 (a third of the elements per channel)
+    torch.testing.assert_close(vae.decoder.conv_out.bias.grad, torch.full((3,), -1 / 3))
+    vae.enable_slicing()
+    torch.testing.assert_close(decode_unclamped(vae, z), raw, atol=1e-5, rtol=1e-5)
+
+
+def test_a_few_training_steps_keep_the_decoder_alive():
+    """The objective itself: Adam steps of VAETrainModel on moving-shapes clips lower the loss and keep
+    a gradient, and the decoded clips are not the constant -1 of session 7's autoencoder (whose decoder
+    fell below -1 everywhere within ~15 steps, where diffusers' clamp passes no gradient). It does not
+    ask for the shapes back: 60 steps of this tiny model give a faint blob (see the README)."""
+    from apps.video_gen.config import VAEConfig
+    from apps.video_gen.shapes import moving_shapes
+    from apps.video_gen.vae import VAETrainModel, build_vae
+
+    torch.manual_seed(0)
+    vcfg = VAEConfig(base_dim=8, z_dim=4)
+    model = VAETrainModel(build_vae(vcfg), vcfg).train()
+    clips = torch.stack([c.video for c in moving_shapes(4, 9, 16, seed=3)])
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    losses, grad_norms = [], []
+    for _ in range(STEPS):
+        loss = model(clips)
+        opt.zero_grad()
+        loss.backward()
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        losses.append(loss.item())
+    vae = model.vae.eval()
+    with torch.no_grad():
+        recon = vae.decode(vae.encode(clips).latent_dist.mode()).sample
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert min(grad_norms[-10:]) > 0.05, grad_norms[-10:]
+    assert recon.max() > -0.5 and recon.std() > 0.05, (recon.min(), recon.max(), recon.std())
+
+
+def test_a_fresh_autoencoders_latents_depend_on_the_clip():
+    """build_vae's init: with PyTorch's default conv init the tiny autoencoder's latents barely change
+    from clip to clip (spread across clips ~5% of their size), so training first learns the average
+    (black) clip; init_fresh keeps the clip in the latents."""
+    from torch import nn
+
+    from apps.video_gen.config import VAEConfig
+    from apps.video_gen.shapes import moving_shapes
+    from apps.video_gen.vae import build_vae
+
+    clips = torch.stack([c.video for c in moving_shapes(8, 9, 16, seed=0)])
+    torch.manual_seed(0)
+    vae = build_vae(VAEConfig(base_dim=16, z_dim=4)).eval()
+    convs = [m for m in vae.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))]
+    assert all(m.bias is None or not m.bias.any() for m in convs)
+    with torch.no_grad():
+        z = vae.encode(clips).latent_dist.mode()
+    assert z.std(0).mean() > 0.3 * z.abs().mean()
