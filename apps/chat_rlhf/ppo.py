@@ -39,6 +39,7 @@ import copy
 import hashlib
 import json
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ class PPOSettings:
     vf_coef: float = 0.1
     whiten_advantages: bool = True    # over the whole rollout (all ranks), once, at rollout time
     normalize_scores: bool = False    # standardise the scores over the whole rollout (all ranks) before GAE
+    score_baseline: str = "none"      # none | prompt: subtract the mean score of each prompt's n samples first
+                                      # (the advantage then compares answers to one prompt, not prompts)
+    critic_warmup_rollouts: int = 0   # the first N rollouts train only the critic (the policy loss is off)
+    cache_frozen_trunk: bool = False  # with train_layers N: keep the frozen blocks' output from the rollout-time
+                                      # pass, so the mini-batch steps run only the top N blocks of actor and critic
     train_layers: int = 0             # train only the top N blocks (+ final norm) of actor and critic; 0: all
     ppo_epochs: int = 2               # passes over each rollout
     num_mini_batches: int = 2         # optimizer steps per pass (each rank's rollout split evenly)
@@ -94,6 +100,15 @@ class PPOSettings:
             raise ConfigError(f"ppo config: gamma={self.gamma} and lam={self.lam} must be in [0, 1]")
         if self.vf_coef < 0 or self.kl_coef < 0:
             raise ConfigError("ppo config: vf_coef and kl_coef must be >= 0")
+        if self.score_baseline not in ("none", "prompt"):
+            raise ConfigError(f"ppo config: score_baseline={self.score_baseline!r}: choose none or prompt")
+        if self.score_baseline == "prompt" and self.num_generations < 2:
+            raise ConfigError("ppo config: score_baseline=prompt needs num_generations >= 2 (a prompt's mean over "
+                              "one sample is that sample's score: every advantage would be 0)")
+        if self.cache_frozen_trunk and self.train_layers <= 0:
+            raise ConfigError("ppo config: cache_frozen_trunk needs train_layers > 0 (frozen lower blocks to cache)")
+        if self.critic_warmup_rollouts < 0:
+            raise ConfigError(f"ppo config: critic_warmup_rollouts={self.critic_warmup_rollouts} must be >= 0")
         if self.ppo_epochs < 1 or self.num_mini_batches < 1:
             raise ConfigError(f"ppo config: ppo_epochs={self.ppo_epochs} and num_mini_batches="
                               f"{self.num_mini_batches} must be at least 1")
@@ -112,6 +127,9 @@ class PPOConfig:
     ppo: PPOSettings = field(default_factory=PPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     eval_before: bool = False         # score the held-out prompts once before training (a fresh run only)
+    eval_trained_prompts: bool = False  # every evaluation also scores greedy answers to the training prompts this
+                                        # run's rollouts use (`trained/step_N.jsonl`): does the policy learn what
+                                        # it is trained on, whether or not it carries over to held-out prompts?
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/chat_rlhf/ppo", lr=1e-6,
                                                                     micro_batch_size=8, precision="auto"))
 
@@ -150,10 +168,15 @@ class ActorCritic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
         self.config = actor.config  # step-FLOP estimate and the engine read the actor's
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int):
-        logits = self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int, actor_hidden=None,
+                critic_hidden=None):
+        """actor_hidden / critic_hidden: the frozen trunk's cached output, fed as inputs_embeds (the
+        caller makes the lower blocks pass it through, `FrozenTrunk.skipping`)."""
+        def inputs(hidden):
+            return {"input_ids": input_ids} if hidden is None else {"inputs_embeds": hidden}
+        logits = self.actor(**inputs(actor_hidden), attention_mask=attention_mask, position_ids=position_ids,
                             logits_to_keep=logits_to_keep, use_cache=False).logits
-        hidden = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = self.critic(**inputs(critic_hidden), attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False).last_hidden_state[:, -logits_to_keep:]
         return logits, self.value_head(hidden).squeeze(-1)
 
@@ -171,6 +194,8 @@ def actor_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 # -- the rollout buffer ------------------------------------------------------------------------------
 TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids", "completion_mask")
 PER_TOKEN_KEYS = ("old_logp", "old_values", "advantages", "returns")
+HIDDEN_KEYS = ("actor_hidden", "critic_hidden")  # [B, P+T, H] frozen-trunk outputs (cache_frozen_trunk only)
+WIDE_KEYS = ("input_ids", "attention_mask", "position_ids") + HIDDEN_KEYS  # prompt + completion columns
 
 
 @dataclass
@@ -193,17 +218,22 @@ class RolloutBuffer:
     old_values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    actor_hidden: torch.Tensor | None = None
+    critic_hidden: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def keys(self) -> tuple[str, ...]:
+        return TOKEN_KEYS + PER_TOKEN_KEYS + tuple(k for k in HIDDEN_KEYS if getattr(self, k) is not None)
+
     def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rows `index`, without the columns that are padding in all of them."""
-        return trim_columns({k: getattr(self, k)[index] for k in TOKEN_KEYS + PER_TOKEN_KEYS})
+        return trim_columns({k: getattr(self, k)[index] for k in self.keys()})
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
-        save_file({k: getattr(self, k).contiguous().cpu() for k in TOKEN_KEYS + PER_TOKEN_KEYS}, str(path),
+        save_file({k: getattr(self, k).contiguous().cpu() for k in self.keys()}, str(path),
                   metadata={"step": str(self.step)})
 
     @classmethod
@@ -211,21 +241,23 @@ class RolloutBuffer:
         from safetensors import safe_open
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             step = int(f.metadata()["step"])
-            tensors = {k: f.get_tensor(k) for k in TOKEN_KEYS + PER_TOKEN_KEYS}
+            tensors = {k: f.get_tensor(k) for k in TOKEN_KEYS + PER_TOKEN_KEYS + HIDDEN_KEYS if k in f.keys()}
         return cls(step=step, **tensors)
+
+
+def column_window(batch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(start, stop, kept completion columns): the prompt + completion columns some row uses."""
+    T = batch["completion_mask"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    keep_t = max(int(batch["completion_mask"].sum(1).max()), 1)
+    return P - int(batch["attention_mask"][:, :P].sum(1).max()), P + keep_t, keep_t
 
 
 def trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop the leading prompt columns and trailing completion columns that no row uses (a
     mini-batch of short sequences should not pay for the rollout's longest one)."""
-    T = batch["completion_mask"].shape[1]
-    P = batch["input_ids"].shape[1] - T
-    keep_t = max(int(batch["completion_mask"].sum(1).max()), 1)
-    start = P - int(batch["attention_mask"][:, :P].sum(1).max())
-    out = {}
-    for k, v in batch.items():
-        out[k] = v[:, start:P + keep_t] if k in ("input_ids", "attention_mask", "position_ids") else v[:, :keep_t]
-    return out
+    start, stop, keep_t = column_window(batch)
+    return {k: v[:, start:stop] if k in WIDE_KEYS else v[:, :keep_t] for k, v in batch.items()}
 
 
 def mini_batch_order(seed: int, rollout_step: int, epoch: int, size: int, num_mini_batches: int
@@ -262,6 +294,24 @@ def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (x - mean) * (var + eps) ** -0.5
 
 
+def prompt_centred(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Each score minus the mean score of its prompt's n samples (rows are prompt-major: i*n + j).
+    A rank holds whole prompts, so no communication is needed. What is left is the signal the
+    policy can act on: which answer to this prompt the reward prefers; the spread between prompts
+    (most of an RM score's variance) is noise to the policy gradient until the critic learns it."""
+    g = scores.reshape(-1, n)
+    return (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+def explained_variance(ret_sum: float, ret_sq: float, res_sum: float, res_sq: float, n: float) -> float:
+    """1 - Var(returns - values) / Var(returns) over a rollout's tokens, from global sums: 1 when the
+    critic predicts the returns, 0 when it does no better than their mean, negative when worse."""
+    n = max(n, 1.0)
+    var_ret = ret_sq / n - (ret_sum / n) ** 2
+    var_res = res_sq / n - (res_sum / n) ** 2
+    return 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0
+
+
 def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`rl_losses.whiten` with the mean and (unbiased) variance of the masked entries of every
     rank's rollout, so the advantages are normalised over the whole rollout, not per shard."""
@@ -273,13 +323,42 @@ def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) ->
     return (x - mean) * (var + eps) ** -0.5 * m
 
 
-def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor]
+class TrunkCache:
+    """`ppo.cache_frozen_trunk`: the frozen lower blocks of actor and critic (`train_layers` N). The
+    rollout-time no-grad pass runs them anyway; their output there is kept in the buffer, and every
+    mini-batch step of the rollout feeds it back (`inputs_embeds`, lower blocks passing it through),
+    so a step runs the top N blocks of each model instead of all of them. Exact up to the rounding
+    of another batch shape: the lower blocks never change, and a row's valid positions do not
+    depend on its padding. Build it after the reference copy and the engine (it patches the lower
+    blocks' forward on this instance)."""
+
+    def __init__(self, actor: nn.Module, critic: nn.Module, train_layers: int) -> None:
+        from .frozen_trunk import FrozenTrunk
+        self.actor, self.critic = FrozenTrunk(actor, train_layers), FrozenTrunk(critic, train_layers)
+
+    @contextmanager
+    def capturing(self, actor_sink: list, critic_sink: list):
+        with self.actor.capturing(actor_sink), self.critic.capturing(critic_sink):
+            yield
+
+    @contextmanager
+    def skipping(self):
+        with self.actor.skipping(), self.critic.skipping():
+            yield
+
+
+def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor], trunks: TrunkCache | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs, values, entropy) [B, T] of the completion tokens: values are the critic's
-    estimates at the state before each token; everything masked to the completion."""
+    estimates at the state before each token; everything masked to the completion. A batch with
+    the frozen trunk's cached outputs (HIDDEN_KEYS) runs only the blocks above it (`trunks`)."""
     mask = batch["completion_mask"].float()
     T = mask.shape[1]
-    logits, values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], T + 1)
+    cached = {k: batch[k] for k in HIDDEN_KEYS if k in batch}
+    if cached and trunks is None:
+        raise ValueError("a batch with cached frozen-trunk outputs needs the TrunkCache that skips the lower blocks")
+    with trunks.skipping() if cached else nullcontext():
+        logits, values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], T + 1, **cached)
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     logp = logp_all.gather(-1, batch["input_ids"][:, -T:].unsqueeze(-1)).squeeze(-1) * mask
     with torch.no_grad():
@@ -288,8 +367,9 @@ def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor]
 
 
 # -- the loss --------------------------------------------------------------------------------------
-ROLLOUT_SUMS = ("samples", "reward_sum", "reward_sq_sum", "completion_tokens", "truncated", "kl_sum",
-                "rollout_tokens", "gap_sum", "generate_s", "score_s", "prepare_s")
+ROLLOUT_SUMS = ("samples", "reward_sum", "reward_sq_sum", "within_sq_sum", "completion_tokens", "truncated",
+                "kl_sum", "rollout_tokens", "gap_sum", "generate_s", "score_s", "prepare_s",
+                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum")
 STEP_SUMS = ("tokens", "clipped_low", "clipped_high", "value_clipped", "approx_kl_sum", "ratio_dev_sum",
              "entropy_sum", "policy_loss_sum", "value_loss_sum")
 
@@ -310,6 +390,7 @@ class PPOLoss(GRPOLoss):
         self.rollout_sums: dict[str, float] = {}   # the rollout of this step, if it made one
         self.step_sums: dict[str, float] = dict.fromkeys(STEP_SUMS, 0.0)
         self.kl_coef_used = self.kl.value
+        self.trunks: TrunkCache | None = None      # set by build_ppo with ppo.cache_frozen_trunk
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, mini-batch) of optimizer step `step` (1-based) within its rollout's cycle."""
@@ -329,7 +410,13 @@ class PPOLoss(GRPOLoss):
             raise RuntimeError(f"step {step} is mini-batch {slot} of epoch {epoch} of a rollout, but the rollout "
                                "buffer of that cycle is missing (a checkpoint without it?)")
         order = mini_batch_order(self.seed, self.buffer.step, epoch, len(self.buffer), self.s.num_mini_batches)
-        return self.mini_batch_loss(model, self.buffer.rows(order[slot].to(self.buffer.input_ids.device)))
+        return self.mini_batch_loss(model, self.buffer.rows(order[slot].to(self.buffer.input_ids.device)),
+                                    train_policy=not self.critic_warmup(self.buffer.step))
+
+    def critic_warmup(self, rollout_step: int) -> bool:
+        """Whether the rollout made at optimizer step `rollout_step` is one of the critic's warm-up
+        rollouts (policy loss off: the critic learns the returns before the actor moves)."""
+        return (rollout_step - 1) // self.s.steps_per_rollout < self.s.critic_warmup_rollouts
 
     @torch.no_grad()
     def make_rollout(self, model: nn.Module, batch: dict) -> RolloutBuffer:
@@ -344,17 +431,27 @@ class PPOLoss(GRPOLoss):
         B, T = mask.shape
         # The trainer's log-probs (for the guard) and the critic's values, in mini-batch-sized chunks.
         logp, values = torch.zeros(B, T, device=dev), torch.zeros(B, T, device=dev)
+        hidden: dict[str, torch.Tensor] = {}  # the frozen trunk's outputs, [B, P+T, H] (cache_frozen_trunk)
         for rows in torch.arange(B, device=dev).chunk(s.num_mini_batches):
-            part = trim_columns({k: v[rows] for k, v in tb.items()})
-            lp, v, _ = actor_critic_outputs(model, part)
+            part = {k: v[rows] for k, v in tb.items()}
+            start, stop, _ = column_window(part)
+            sinks: tuple[list, list] = ([], [])
+            with self.trunks.capturing(*sinks) if self.trunks is not None else nullcontext():
+                lp, v, _ = actor_critic_outputs(model, trim_columns(part))
             width = lp.shape[1]
             logp[rows, :width], values[rows, :width] = lp, v
+            for key, sink in zip(HIDDEN_KEYS, sinks if self.trunks is not None else ()):
+                if key not in hidden:
+                    hidden[key] = sink[0].new_zeros(B, tb["input_ids"].shape[1], sink[0].shape[-1])
+                hidden[key][rows, start:stop] = sink[0]
         engine_lp = padded(rollout.engine_logprobs, T).to(dev) * mask
         local_gap = float(((logp - engine_lp).abs() * mask).sum())
         tokens, gap_sum = global_sum([float(mask.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
         raw_scores = scores
+        if s.score_baseline == "prompt":
+            scores = prompt_centred(scores, s.num_generations)
         if s.normalize_scores:
             scores = standardize_over_ranks(scores)
         ref_lp, _ = completion_logprobs(self.reference, tb)
@@ -364,6 +461,7 @@ class PPOLoss(GRPOLoss):
         last = (mask.sum(1).long() - 1).clamp(min=0)
         rewards[torch.arange(B, device=dev), last] += scores.to(dev)
         adv, returns = L.gae(rewards, values, mask, gamma=s.gamma, lam=s.lam)
+        residual = (returns - values) * mask  # what the critic's rollout-time values missed (explained variance)
         if s.whiten_advantages:
             adv = whiten_over_ranks(adv, mask)
         (kl_total,) = global_sum([float(kl.sum())])
@@ -373,16 +471,20 @@ class PPOLoss(GRPOLoss):
         self.rollout_sums = {
             "samples": len(scores), "reward_sum": float(raw_scores.sum()),
             "reward_sq_sum": float((raw_scores ** 2).sum()),
+            "within_sq_sum": float((prompt_centred(raw_scores, s.num_generations) ** 2).sum()),
+            "return_sum": float((returns * mask).sum()), "return_sq_sum": float((returns ** 2 * mask).sum()),
+            "residual_sum": float(residual.sum()), "residual_sq_sum": float((residual ** 2).sum()),
             "completion_tokens": float(lengths.sum()), "truncated": float(sum(rollout.truncated)),
             "kl_sum": float(kl.sum()), "rollout_tokens": float(mask.sum()), "gap_sum": local_gap,
             "generate_s": rollout.generate_s, "score_s": score_s, "prepare_s": time.perf_counter() - t1}
         return RolloutBuffer(step=step, **{k: tb[k] for k in TOKEN_KEYS}, old_logp=logp, old_values=values,
-                             advantages=adv, returns=returns)
+                             advantages=adv, returns=returns, **hidden)
 
-    def mini_batch_loss(self, model: nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def mini_batch_loss(self, model: nn.Module, mb: dict[str, torch.Tensor], train_policy: bool = True
+                        ) -> torch.Tensor:
         s = self.s
         mask = mb["completion_mask"].float()
-        logp, values, entropy = actor_critic_outputs(model, mb)
+        logp, values, entropy = actor_critic_outputs(model, mb, self.trunks)
         local = float(mask.sum())
         (tokens,) = global_sum([local])
         tokens = max(tokens, 1.0)
@@ -401,7 +503,9 @@ class PPOLoss(GRPOLoss):
             self.step_sums[k] += v
         # fit averages gradients over data-parallel ranks; both terms are global means, so scale back up.
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return (pg + s.vf_coef * vf) * world
+        # In a critic warm-up the policy term stays in the graph with weight 0: every rank's actor then
+        # gets (zero) gradients, and AdamW (no weight decay on a zero moment) leaves the actor as it is.
+        return (pg * (1.0 if train_policy else 0.0) + s.vf_coef * vf) * world
 
 
 def _as_grpo_view(s: PPOSettings) -> GRPOSettings:
@@ -457,13 +561,19 @@ class PPOHook(RLHook):
             "clip_frac": (v["clipped_low"] + v["clipped_high"]) / tokens, "clip_frac_low": v["clipped_low"] / tokens,
             "clip_frac_high": v["clipped_high"] / tokens, "value_clip_frac": v["value_clipped"] / tokens,
             "approx_kl": v["approx_kl_sum"] / tokens, "ratio_dev": v["ratio_dev_sum"] / tokens,
-            "entropy": v["entropy_sum"] / tokens, "kl_coef": loss.kl.value, "time_sync_s": sync_s}
+            "entropy": v["entropy_sum"] / tokens, "kl_coef": loss.kl.value, "time_sync_s": sync_s,
+            "policy_trained": not loss.critic_warmup(step - (step - 1) % s.steps_per_rollout)}
         if loss.rollout_sums:
             r = dict(zip(ROLLOUT_SUMS, global_sum([loss.rollout_sums[k] for k in ROLLOUT_SUMS])))
             samples = max(r["samples"], 1.0)
             mean = r["reward_sum"] / samples
             record.update({
                 "reward_mean": mean, "reward_std": max(r["reward_sq_sum"] / samples - mean ** 2, 0.0) ** 0.5,
+                # pooled std of the scores around their prompt's mean: the part of the reward that tells
+                # one prompt's answers apart (the policy's learning signal), against reward_std's total
+                "reward_within_std": (r["within_sq_sum"] / samples) ** 0.5,
+                "critic_explained_var": explained_variance(r["return_sum"], r["return_sq_sum"], r["residual_sum"],
+                                                           r["residual_sq_sum"], r["rollout_tokens"]),
                 "completion_len": r["completion_tokens"] / samples, "clipped_len_frac": r["truncated"] / samples,
                 "kl": r["kl_sum"] / max(r["rollout_tokens"], 1.0), "rollout_kl_coef": loss.kl_coef_used,
                 "logprob_gap": r["gap_sum"] / max(r["rollout_tokens"], 1.0),
@@ -478,7 +588,9 @@ class PPOHook(RLHook):
         line = (f"step {step} (epoch {epoch}, mini-batch {slot}) | clip {record['clip_frac']:.3f} | value clip "
                 f"{record['value_clip_frac']:.3f} | approx_kl {record['approx_kl']:.2e}")
         if "reward_mean" in record:
-            line += (f" | rollout: reward {record['reward_mean']:.3f} | kl {record['kl']:.3f} | len "
+            line += (f" | rollout: reward {record['reward_mean']:.3f} (within-prompt std "
+                     f"{record['reward_within_std']:.3f}) | critic EV {record['critic_explained_var']:.2f} | kl "
+                     f"{record['kl']:.3f} | len "
                      f"{record['completion_len']:.1f} | gap {record['logprob_gap']:.2e} | gen "
                      f"{record['time_generate_s']:.1f}s")
         self.log.info(line)
@@ -514,6 +626,8 @@ class PPOHook(RLHook):
                     "checkpoint at a rollout boundary (a step that is a multiple of ppo_epochs x num_mini_batches)")
             device = next(self.model.parameters()).device if self.model is not None else "cpu"
             loss.buffer = RolloutBuffer.load(directory / f"buffer-rank{rank}.safetensors", device)
+            if loss.trunks is None:  # saved with cache_frozen_trunk, resumed without: the full forward it is
+                loss.buffer.actor_hidden = loss.buffer.critic_hidden = None
         if self.engine is not None:
             self.engine.sync(self.model)  # the checkpoint's weights, not the initial ones
             self.engine_step = loss.step
@@ -569,14 +683,17 @@ def load_ppo_prompts(data: PPODataSettings, tokenizer, log=None
 HELDOUT_DIR = "heldout"
 
 
-def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rewards: RewardSet, output_dir
-                   ) -> Any:
+TRAINED_DIR = "trained"
+
+
+def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rewards: RewardSet, output_dir,
+                   subdir: str = HELDOUT_DIR, prefix: str = "heldout") -> Any:
     """eval_fn: greedy answers from the engine (which holds the latest weights) scored by the
     rewards, each rank its share; rank 0 writes every prompt's score, length and text to
     `heldout/step_N.jsonl` (for the paired comparison) and the means come back."""
     from .grpo import DataReplicas
     replicas = DataReplicas(engine.tp_size)
-    directory = Path(output_dir) / HELDOUT_DIR
+    directory = Path(output_dir) / subdir
 
     def run(model=None, step: int = 0) -> dict:
         mine = list(range(replicas.rank, len(records), replicas.count))
@@ -596,14 +713,30 @@ def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rew
             directory.mkdir(parents=True, exist_ok=True)
             (directory / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         n = max(len(rows), 1)
-        return {"heldout_reward": sum(r["score"] for r in rows) / n, "heldout_n": float(len(rows)),
-                "heldout_len": sum(r["length"] for r in rows) / n}
+        return {f"{prefix}_reward": sum(r["score"] for r in rows) / n, f"{prefix}_n": float(len(rows)),
+                f"{prefix}_len": sum(r["length"] for r in rows) / n}
     return run
 
 
-def read_heldout(output_dir) -> dict[int, list[dict]]:
+def trained_prompt_indices(cfg: "PPOConfig", num_prompts: int) -> list[int]:
+    """The training prompts the rollouts of a `train.max_steps` run use, all ranks together, sorted."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rollouts = -(-cfg.train.max_steps // cfg.ppo.steps_per_rollout)
+    size = cfg.train.micro_batch_size * world
+    return sorted({i for r in range(rollouts) for i in rollout_prompts(cfg.train.seed, r, num_prompts, size)})
+
+
+def both_evals(heldout, trained):
+    """eval_fn scoring the held-out prompts, then (if given) the trained ones; one dict of metrics."""
+    def run(model=None, step: int = 0) -> dict:
+        out = heldout(model, step) if heldout is not None else {}
+        return {**out, **trained(model, step)} if trained is not None else out
+    return run
+
+
+def read_heldout(output_dir, subdir: str = HELDOUT_DIR) -> dict[int, list[dict]]:
     """{step: rows} of every held-out evaluation that `heldout_scores` wrote."""
-    directory = Path(output_dir) / HELDOUT_DIR
+    directory = Path(output_dir) / subdir
     out = {}
     for path in directory.glob("step_*.jsonl") if directory.is_dir() else []:
         out[int(path.stem.removeprefix("step_"))] = [json.loads(x) for x in path.read_text().splitlines()]
@@ -627,10 +760,11 @@ def paired_comparison(before: list[float], after: list[float], resamples: int = 
             "wins": wins, "losses": losses, "ties": len(d) - n, "sign_test_p": p_sign}
 
 
-def heldout_report(output_dir) -> dict | None:
+def heldout_report(output_dir, subdir: str = HELDOUT_DIR) -> dict | None:
     """The paired comparison (score and completion length) of the first and the last held-out
-    evaluation of a run, written to `heldout_comparison.json`; None with fewer than two."""
-    evals = read_heldout(output_dir)
+    evaluation of a run, written to `heldout_comparison.json` (`trained_comparison.json` for the
+    trained prompts' evaluations); None with fewer than two."""
+    evals = read_heldout(output_dir, subdir)
     if len(evals) < 2:
         return None
     (first, a), (last, b) = next(iter(evals.items())), list(evals.items())[-1]
@@ -639,13 +773,14 @@ def heldout_report(output_dir) -> dict | None:
     report = {"from_step": first, "to_step": last,
               "score": paired_comparison([r["score"] for r in a], [r["score"] for r in b]),
               "length": paired_comparison([float(r["length"]) for r in a], [float(r["length"]) for r in b])}
-    (Path(output_dir) / "heldout_comparison.json").write_text(json.dumps(report, indent=1))
+    (Path(output_dir) / f"{subdir}_comparison.json").write_text(json.dumps(report, indent=1))
     return report
 
 
 def plot_ppo(output_dir) -> Path | None:
-    """`ppo_curves.png`: reward-model score (rollout samples, held-out greedy answers), KL to the
-    reference per token, and completion length, against the step."""
+    """`ppo_curves.png`: reward-model score (rollout samples; greedy answers to the held-out and,
+    with eval_trained_prompts, the trained-on prompts), KL to the reference per token, and
+    completion length, against the step."""
     from phalanx.observe import read_metrics
 
     from .grpo import ROLLOUT_METRICS
@@ -659,15 +794,16 @@ def plot_ppo(output_dir) -> Path | None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=110)
-    held_steps = list(evals)
+    trained = read_heldout(output_dir, TRAINED_DIR)
     for ax, key, held_key, title in ((axes[0], "reward_mean", "score", "reward-model score"),
                                      (axes[1], "kl", None, "KL to reference (per token)"),
                                      (axes[2], "completion_len", "length", "completion length (tokens)")):
         if rl:
             ax.plot([r["step"] for r in rl], [r[key] for r in rl], linewidth=1, alpha=0.6, label="rollout samples")
-        if held_key and evals:
-            ax.plot(held_steps, [sum(r[held_key] for r in rows) / max(len(rows), 1) for rows in evals.values()],
-                    "o-", linewidth=1.5, label="held-out, greedy")
+        for runs, label in ((evals, "held-out, greedy"), (trained, "trained-on prompts, greedy")):
+            if held_key and runs:
+                ax.plot(list(runs), [sum(r[held_key] for r in rows) / max(len(rows), 1) for rows in runs.values()],
+                        "o-", linewidth=1.5, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -717,9 +853,17 @@ def build_ppo(cfg: PPOConfig):
     loss = PPOLoss(s, train_records, train_ids, rewards, rollout_fn,
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,
                    seed=cfg.train.seed)
+    if s.cache_frozen_trunk:  # after the reference copy and the engine: it patches this actor's blocks
+        loss.trunks = TrunkCache(actor, critic, s.train_layers)
     hook = PPOHook(loss, ActorSync(engine), cfg.train.output_dir)
-    eval_fn = synced_eval(hook, heldout_scores(engine, heldout_records, heldout_ids, rewards, cfg.train.output_dir)) \
+    heldout = heldout_scores(engine, heldout_records, heldout_ids, rewards, cfg.train.output_dir) \
         if heldout_records else None
+    trained = None
+    if cfg.eval_trained_prompts:
+        picked = trained_prompt_indices(cfg, len(train_records))
+        trained = heldout_scores(engine, [train_records[i] for i in picked], [train_ids[i] for i in picked], rewards,
+                                 cfg.train.output_dir, subdir=TRAINED_DIR, prefix="trained")
+    eval_fn = synced_eval(hook, both_evals(heldout, trained)) if heldout is not None or trained is not None else None
     return model, tokenizer, train_records, loss, hook, eval_fn, engine
 
 
@@ -746,13 +890,18 @@ def main(argv: list[str] | None = None) -> None:
         ppo_png = plot_ppo(cfg.train.output_dir)
         before = f"held-out before {hook.heldout_before}, " if hook.heldout_before else ""
         print(f"done: step {result.final_step}, {before}held-out {result.last_eval}, curves {png} {ppo_png}")
-        if (report := heldout_report(cfg.train.output_dir)) is not None:
-            sc, ln = report["score"], report["length"]
-            print(f"held-out step {report['from_step']} -> {report['to_step']} ({sc['n']} prompts, paired): score "
-                  f"{sc['mean_before']:.4f} -> {sc['mean_after']:.4f}, change {sc['mean_diff']:+.4f} (95% bootstrap "
-                  f"{sc['ci95'][0]:+.4f} .. {sc['ci95'][1]:+.4f}), up {sc['wins']} / down {sc['losses']} / same "
-                  f"{sc['ties']}, sign test p={sc['sign_test_p']:.3g}; length {ln['mean_before']:.1f} -> "
-                  f"{ln['mean_after']:.1f} tokens")
+        for subdir, what in ((HELDOUT_DIR, "held-out"), (TRAINED_DIR, "trained-on")):
+            if (report := heldout_report(cfg.train.output_dir, subdir)) is not None:
+                print(f"{what} prompts, step {report['from_step']} -> {report['to_step']}: " + describe(report))
+
+
+def describe(report: dict) -> str:
+    """One line for a paired comparison of `heldout_report`."""
+    sc, ln = report["score"], report["length"]
+    return (f"{sc['n']} prompts, paired: score {sc['mean_before']:.4f} -> {sc['mean_after']:.4f}, change "
+            f"{sc['mean_diff']:+.4f} (95% bootstrap {sc['ci95'][0]:+.4f} .. {sc['ci95'][1]:+.4f}), up {sc['wins']} / "
+            f"down {sc['losses']} / same {sc['ties']}, sign test p={sc['sign_test_p']:.3g}; length "
+            f"{ln['mean_before']:.1f} -> {ln['mean_after']:.1f} tokens")
 
 
 if __name__ == "__main__":
