@@ -24,6 +24,7 @@ from phalanx.booster.plugins.hybrid import HybridParallelPlugin
 from phalanx.mesh import LayoutError
 from phalanx.pipeline import bubble_fraction, split_layers
 from phalanx.testing import ADAMW_UPDATE_RTOL, check, rounding_rtol, spawn
+from spawn_batch import spawn_suites
 
 TOKENS = 4 * 16  # hm.tokens: the longest reduction behind a loss or a weight gradient
 TOL = rounding_rtol(torch.float32, TOKENS)  # rel errors, and the update measure after SGD
@@ -61,24 +62,43 @@ def _check(results: dict, layouts: dict, families=hm.FAMILIES) -> None:
                 assert d["ref_norm"] > CLIP, f"{where}: the clipping case does not clip"
 
 
-def test_pp2_every_schedule_and_family_matches_single_process():
-    _check(spawn(pw.equivalence_suite, 2, TWO_RANKS, timeout=600)[0], TWO_RANKS)
+CHECKPOINT_SAVE = dict(pp_size=2, pp_schedule="1f1b", num_microbatches=2, zero_stage=1)
+CHECKPOINT_LOADS = {"pp2-zero_bubble-zero1": dict(pp_size=2, pp_schedule="zero_bubble", num_microbatches=2, zero_stage=1),
+                    "pp2-gpipe": dict(pp_size=2, pp_schedule="gpipe", num_microbatches=2),
+                    "tp2-zero1": dict(tp_size=2, zero_stage=1)}
+PRECISION_LAYOUT = dict(pp_size=2, pp_schedule="1f1b", num_microbatches=2, zero_stage=1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory):
+    """Every 2-rank suite of this file in one spawn (spawn_batch: rank start-up costs seconds)."""
+    suites = {
+        "test_pp2_every_schedule_and_family_matches_single_process": (pw.equivalence_suite, (TWO_RANKS,), {}),
+        "test_checkpoint_from_pp2_loads_in_other_layouts": (
+            pw.checkpoint_suite, (str(tmp_path_factory.mktemp("pp2_checkpoint")), CHECKPOINT_SAVE, CHECKPOINT_LOADS), {}),
+        "test_bf16_fp16_pp2_zero1_match_the_same_recipe_on_one_process": (
+            hw.precision_suite, (("llama", "gpt2"), PRECISION_LAYOUT, pw.LAYERS), {}),
+        "test_ignore_index_loss_is_token_weighted": (
+            pw.masked_labels_step, (dict(pp_size=2, pp_schedule="gpipe", num_microbatches=4),), {}),
+        "test_impossible_layouts_stop_before_work": (pw.error_suite, (), {}),
+    }
+    return spawn_suites(request, 2, suites, timeout=2400)
+
+
+def test_pp2_every_schedule_and_family_matches_single_process(two_ranks):
+    _check(two_ranks.get("test_pp2_every_schedule_and_family_matches_single_process")[0], TWO_RANKS)
 
 
 def test_four_rank_layouts_match_single_process():
     _check(spawn(pw.equivalence_suite, 4, FOUR_RANKS, timeout=900)[0], FOUR_RANKS)
 
 
-def test_checkpoint_from_pp2_loads_in_other_layouts(tmp_path):
+def test_checkpoint_from_pp2_loads_in_other_layouts(two_ranks):
     """One HF directory from pp2 (ZeRO-1): from_pretrained and tp2 reproduce the logits; model and
     AdamW state resume under another schedule (ZB-V: both ends of the tied embedding on one rank),
     under pp2 without ZeRO, and under tp2."""
-    save = dict(pp_size=2, pp_schedule="1f1b", num_microbatches=2, zero_stage=1)
-    loads = {"pp2-zero_bubble-zero1": dict(pp_size=2, pp_schedule="zero_bubble", num_microbatches=2, zero_stage=1),
-             "pp2-gpipe": dict(pp_size=2, pp_schedule="gpipe", num_microbatches=2),
-             "tp2-zero1": dict(tp_size=2, zero_stage=1)}
-    results = spawn(pw.checkpoint_suite, 2, str(tmp_path), save, loads, timeout=600)[0]
-    assert set(results) == {"logits", *loads}
+    results = two_ranks.get("test_checkpoint_from_pp2_loads_in_other_layouts")[0]
+    assert set(results) == {"logits", *CHECKPOINT_LOADS}
     for where, per_family in results.items():
         assert set(per_family) == {"llama", "gpt2"}, where
         for family, d in per_family.items():
@@ -88,22 +108,21 @@ def test_checkpoint_from_pp2_loads_in_other_layouts(tmp_path):
                 check(diff, tol, f"{family}: saved under pp2, {where}/{key}")
 
 
-def test_bf16_fp16_pp2_zero1_match_the_same_recipe_on_one_process():
+def test_bf16_fp16_pp2_zero1_match_the_same_recipe_on_one_process(two_ranks):
     """Low precision through the pipeline, checked as in test_hybrid; fp16 scales each
     microbatch's loss by the ZeRO optimizer's loss scale."""
-    layout = dict(pp_size=2, pp_schedule="1f1b", num_microbatches=2, zero_stage=1)
-    r = spawn(hw.precision_suite, 2, ("llama", "gpt2"), layout, pw.LAYERS, timeout=300)[0]
+    r = two_ranks.get("test_bf16_fp16_pp2_zero1_match_the_same_recipe_on_one_process")[0]
     hw.check_low_precision(r, expected=4)
 
 
-def test_ignore_index_loss_is_token_weighted():
-    r = spawn(pw.masked_labels_step, 2, dict(pp_size=2, pp_schedule="gpipe", num_microbatches=4))[0]
+def test_ignore_index_loss_is_token_weighted(two_ranks):
+    r = two_ranks.get("test_ignore_index_loss_is_token_weighted")[0]
     check(r["loss"], TOL, "-100 labels: loss")
     check(r["param"], TOL, "-100 labels: weights after one SGD step")
 
 
-def test_impossible_layouts_stop_before_work():
-    r = spawn(pw.error_suite, 2)[0]
+def test_impossible_layouts_stop_before_work(two_ranks):
+    r = two_ranks.get("test_impossible_layouts_stop_before_work")[0]
     assert r.pop("untouched"), "a refused layout modified the model"
     expected = {
         "too_many_stages": "pp_size × virtual stages = 2 × 4 = 8 pipeline stages but the model has only 4",

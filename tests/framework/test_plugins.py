@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import plugin_cases as cases
-from phalanx.testing import ADAMW_UPDATE_RTOL, LOW_PRECISION_RTOL, check, rel_diff, rounding_rtol, spawn, update_diff
+from phalanx.testing import ADAMW_UPDATE_RTOL, LOW_PRECISION_RTOL, check, rel_diff, rounding_rtol, update_diff
+from spawn_batch import spawn_suites
 
 TOKENS = cases.GLOBAL_BATCH * cases.SEQ  # the longest reduction behind a loss or a weight gradient
 FP32_LOSS_RTOL = rounding_rtol(torch.float32, TOKENS)
@@ -30,17 +31,38 @@ def bf16_reference():
     return cases.single_process_reference(precision="bf16")
 
 
+PLUGINS, WORLDS = ("ddp", "fsdp"), (2, 4)
+EQUIVALENCE, CHECKPOINT = "test_plugin_matches_single_process", "test_checkpoint_moves_between_plugins_and_world_sizes"
+
+
+@pytest.fixture(scope="module")
+def spawned(request, tmp_path_factory):
+    """The rank bodies of every test, one spawn per world size (spawn_batch: rank start-up costs
+    seconds), in order: 2 ranks save the checkpoint that 1 and 4 ranks then resume."""
+    root = tmp_path_factory.mktemp("plugins")
+    ckpt = str(root / "step-5")
+    by_world: dict[int, dict] = {2: {}, 1: {}, 4: {}}
+    for world in WORLDS:
+        for name in PLUGINS:
+            precisions = ("fp32", "bf16") if world == 2 else ("fp32",)
+            by_world[world][f"{EQUIVALENCE}[{world}-{name}]"] = (cases.equivalence_suite,
+                                                                 (name, precisions, world == 2), {})
+    by_world[2][f"{CHECKPOINT}:save"] = (cases.train_and_checkpoint, ("fsdp", ckpt), {})
+    by_world[1][f"{CHECKPOINT}:ddp1"] = (cases.resume_and_continue, ("ddp", ckpt), {})
+    by_world[4][f"{CHECKPOINT}:fsdp4"] = (cases.resume_and_continue, ("fsdp", ckpt), {})
+    return root, {world: spawn_suites(request, world, suites, timeout=720) for world, suites in by_world.items()}
+
+
 def _assert_close(got: tuple, want: tuple, loss_rtol: float, update_rtol: float, what: str) -> None:
     (losses, state), (ref_losses, ref_state) = got, want
     check(rel_diff(losses, ref_losses), loss_rtol, f"{what}: losses")
     check(update_diff(state, ref_state, cases.initial_state()), update_rtol, f"{what}: weights")
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_plugin_matches_single_process(name, world, reference, bf16_reference):
-    precisions = ("fp32", "bf16") if world == 2 else ("fp32",)
-    result = spawn(cases.equivalence_suite, world, name, precisions, world == 2)[0]
+@pytest.mark.parametrize("name", PLUGINS)
+@pytest.mark.parametrize("world", WORLDS)
+def test_plugin_matches_single_process(name, world, reference, bf16_reference, spawned):
+    result = spawned[1][world].get(f"{EQUIVALENCE}[{world}-{name}]")[0]
     assert set(result) == ({"fp32", "bf16", "accumulate"} if world == 2 else {"fp32"})
     where = f"{name} on {world} ranks"
     _assert_close(result["fp32"], reference, FP32_LOSS_RTOL, ADAMW_UPDATE_RTOL, f"{where}, fp32")
@@ -50,17 +72,17 @@ def test_plugin_matches_single_process(name, world, reference, bf16_reference):
         _assert_close(result["accumulate"], reference, FP32_LOSS_RTOL, ADAMW_UPDATE_RTOL, f"{where}, accumulation")
 
 
-def test_checkpoint_moves_between_plugins_and_world_sizes(tmp_path):
+def test_checkpoint_moves_between_plugins_and_world_sizes(spawned):
     """FSDP on 2 ranks saves; DDP on 1 rank and FSDP on 4 ranks resume: every continuation
     reproduces uninterrupted single-process training."""
     from transformers import AutoModelForCausalLM
 
-    ckpt = str(tmp_path / "step-5")
-    spawn(cases.train_and_checkpoint, 2, "fsdp", ckpt)
+    tmp_path, by_world = spawned
+    by_world[2].get(f"{CHECKPOINT}:save")
     ref_losses, _ = cases.single_process_reference(steps=cases.STEPS + 2)
-    one = spawn(cases.resume_and_continue, 1, "ddp", ckpt)[0]
+    one = by_world[1].get(f"{CHECKPOINT}:ddp1")[0]
     check(rel_diff(one, ref_losses[cases.STEPS:]), FP32_LOSS_RTOL, "fsdp on 2 ranks -> ddp on 1 rank: losses")
-    four = spawn(cases.resume_and_continue, 4, "fsdp", ckpt)[0]
+    four = by_world[4].get(f"{CHECKPOINT}:fsdp4")[0]
     check(rel_diff(four, ref_losses[cases.STEPS:]), FP32_LOSS_RTOL, "fsdp on 2 ranks -> fsdp on 4 ranks: losses")
 
     # The exported model is a plain Hugging Face directory with sharded safetensors.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.framework.spawn_batch import spawn_suites
+
 
 def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int, *extra: str) -> dict:
     import torch
@@ -25,15 +27,28 @@ def _dpo_one_step(model_dir: str, out_dir: str, micro_batch_size: int, *extra: s
             "weights": torch.cat([p.detach().flatten() for p in trained.parameters()])}
 
 
-@pytest.mark.slow  # three process groups: ~1-2 min on quiet cores (8.7 min measured under load 20)
-@pytest.mark.parametrize("extra", [(), ("train_layers=1",)], ids=["full", "cached-trunk"])
-def test_two_ranks_equal_one_process(tiny_chat_model, tmp_path, extra):
+CASES = {"full": (), "cached-trunk": ("train_layers=1",)}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tiny_chat_model, tmp_path_factory):
+    """Both cases in one 1-rank and one 2-rank spawn (tests/framework/spawn_batch.py: rank start-up
+    costs seconds)."""
+    model, out = str(tiny_chat_model), tmp_path_factory.mktemp("dpo_dist")
+    one = {f"test_two_ranks_equal_one_process[{case}]": (_dpo_one_step, (model, str(out / f"one-{case}"), 4, *extra), {})
+           for case, extra in CASES.items()}
+    two = {f"test_two_ranks_equal_one_process[{case}]": (_dpo_one_step, (model, str(out / f"two-{case}"), 2, *extra), {})
+           for case, extra in CASES.items()}
+    return spawn_suites(request, 1, one, timeout=600), spawn_suites(request, 2, two, timeout=600)
+
+
+@pytest.mark.slow  # both cases: ~1-2 min on quiet cores (8.7 min measured under load 20 with 4 spawns)
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_process(runs, case, request):
     """With train_layers=1 the frozen trunk's states are captured on each rank's share of the
     reference pass and gathered; the loss still goes through DDP's forward (its gradient average)."""
-    from phalanx.testing import spawn
-
-    (one,) = spawn(_dpo_one_step, 1, str(tiny_chat_model), str(tmp_path / "one"), 4, *extra)
-    two = spawn(_dpo_one_step, 2, str(tiny_chat_model), str(tmp_path / "two"), 2, *extra)
+    (one,) = runs[0].get(request.node.name)
+    two = runs[1].get(request.node.name)
     assert two[0]["before"] == pytest.approx(one["before"])  # reference log-probs gathered from both ranks
     assert two[0]["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert two[0]["eval"]["accuracy"] == pytest.approx(one["eval"]["accuracy"])

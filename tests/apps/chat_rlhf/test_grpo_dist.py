@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.testing import spawn
+from tests.framework.spawn_batch import spawn_suites
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,31 @@ def sync_under_layouts(model_dir: str, out_dir: str) -> dict:
     return result
 
 
-def test_engine_follows_weights_under_ddp_zero2_fsdp(tiny_chat_model, tmp_path):
-    results = spawn(sync_under_layouts, 2, str(tiny_chat_model), str(tmp_path), timeout=900)
+# -- the rank bodies of every test, one spawn per world size ---------------------------------------
+# (tests/framework/spawn_batch.py: rank start-up costs seconds); each test reads its own results.
+SYNC, FIXED, SHARED = ("test_engine_follows_weights_under_ddp_zero2_fsdp", "test_fixed_rollout_update_matches_one_process",
+                       "test_shared_prompt_forward_under_fsdp_matches_unshared_one_process")
+FIXED_CASES = ((2, "token", "group"), (4, "sequence", "batch"))  # world size, aggregation, scale
+
+
+@pytest.fixture(scope="module")
+def runs(request, tiny_chat_model, tmp_path_factory):
+    model, out = str(tiny_chat_model), tmp_path_factory.mktemp("grpo_dist")
+    by_world: dict[int, dict] = {1: {}, 2: {}, 4: {}}
+    by_world[2][SYNC] = (sync_under_layouts, (model, str(out / "sync")), {})
+    for world, aggregation, scale in FIXED_CASES:
+        by_world[1][f"{FIXED}:one-{world}"] = (fixed_update, (model, str(out / f"one-{world}"), 1, aggregation, scale), {})
+        by_world[world][f"{FIXED}:many-{world}"] = (
+            fixed_update, (model, str(out / f"many-{world}"), world, aggregation, scale), {})
+    by_world[1][f"{SHARED}:one"] = (fixed_update, (model, str(out / "one-unshared"), 1, "token", "group",
+                                                   "grpo.shared_prompt_forward=false"), {})
+    by_world[2][f"{SHARED}:fsdp"] = (fixed_update, (model, str(out / "fsdp"), 2, "token", "group",
+                                                    "grpo.shared_prompt_forward=true", "train.plugin=fsdp"), {})
+    return {world: spawn_suites(request, world, suites, timeout=1800) for world, suites in by_world.items()}
+
+
+def test_engine_follows_weights_under_ddp_zero2_fsdp(runs):
+    results = runs[2].get(SYNC)
     for rank, per_plugin in enumerate(results):
         for plugin, r in per_plugin.items():
             assert r["max_diff"] < 1e-4, (plugin, rank, r)
@@ -94,30 +117,26 @@ def fixed_update(model_dir: str, out_dir: str, world: int, aggregation: str, sca
     return None
 
 
-def test_fixed_rollout_update_matches_one_process(tiny_chat_model, tmp_path):
+def test_fixed_rollout_update_matches_one_process(tiny_chat_model, runs):
     """AdamW's first step is lr * g / (|g| + eps): with eps large it is proportional to the gradient,
     so a wrong normalisation over ranks (a factor of world size) shows up in the update."""
     from apps.chat_rlhf.models import load_policy
     from phalanx.testing import assert_update_close
     start = torch.cat([p.detach().flatten() for p in load_policy(str(tiny_chat_model)).parameters()])
-    for world, aggregation, scale in ((2, "token", "group"), (4, "sequence", "batch")):
-        one = torch.tensor(spawn(fixed_update, 1, str(tiny_chat_model), str(tmp_path / f"one-{world}"), 1,
-                                 aggregation, scale, timeout=600)[0])
-        many = torch.tensor(spawn(fixed_update, world, str(tiny_chat_model), str(tmp_path / f"many-{world}"),
-                                  world, aggregation, scale, timeout=900)[0])
+    for world, aggregation, scale in FIXED_CASES:
+        one = torch.tensor(runs[1].get(f"{FIXED}:one-{world}")[0])
+        many = torch.tensor(runs[world].get(f"{FIXED}:many-{world}")[0])
         assert (one - start).abs().max() > 1e-4
         assert_update_close(many, one, start, 1e-5, f"{world} ranks, {aggregation}/{scale}")
 
 
-def test_shared_prompt_forward_under_fsdp_matches_unshared_one_process(tiny_chat_model, tmp_path):
+def test_shared_prompt_forward_under_fsdp_matches_unshared_one_process(tiny_chat_model, runs):
     """The packed shared-prompt forward (one call per micro-batch, 4D mask) under FSDP2 on 2 ranks
     gives the update of the plain unshared forward on one process."""
     from apps.chat_rlhf.models import load_policy
     from phalanx.testing import assert_update_close
     start = torch.cat([p.detach().flatten() for p in load_policy(str(tiny_chat_model)).parameters()])
-    one = torch.tensor(spawn(fixed_update, 1, str(tiny_chat_model), str(tmp_path / "one"), 1, "token", "group",
-                             "grpo.shared_prompt_forward=false", timeout=600)[0])
-    many = torch.tensor(spawn(fixed_update, 2, str(tiny_chat_model), str(tmp_path / "fsdp"), 2, "token", "group",
-                              "grpo.shared_prompt_forward=true", "train.plugin=fsdp", timeout=900)[0])
+    one = torch.tensor(runs[1].get(f"{SHARED}:one")[0])
+    many = torch.tensor(runs[2].get(f"{SHARED}:fsdp")[0])
     assert (one - start).abs().max() > 1e-4
     assert_update_close(many, one, start, 1e-5, "fsdp2 on 2 ranks, shared prompt vs one process unshared")

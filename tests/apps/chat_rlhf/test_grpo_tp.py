@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.testing import spawn
-
 import tp_workers as w
+from tests.framework.spawn_batch import spawn_suites
 
 
 def _close(a, b, atol: float = 1e-5) -> bool:
@@ -45,9 +44,30 @@ def test_local_offset_maps_engine_ranges_into_training_pieces():
     assert _local_offset(vocab, (7, 3), 1, 2, 0, 4, 3) == 0 and _local_offset(vocab, (7, 3), 1, 2, 0, 4, 4) is None
 
 
+# The rank bodies of the slow tests, one spawn per world size (tests/framework/spawn_batch.py: rank
+# start-up costs seconds), each test reading its own results.
+FOLLOW, TP2, DP2TP2 = "test_engine_follows_tp2_shards", "test_tp2_run_matches_one_process", "test_dp2_tp2_on_4_ranks"
+
+
+@pytest.fixture(scope="module")
+def runs(request, tiny_chat_model, tmp_path_factory):
+    model, out = str(tiny_chat_model), tmp_path_factory.mktemp("grpo_tp")
+    one_rank = {f"{TP2}:one": (w.grpo_losses, (model, str(out / "one")), {}),
+                f"{DP2TP2}:one": (w.grpo_losses, (model, str(out / "one-mb4"), "train.micro_batch_size=4"), {})}
+    two_ranks = {FOLLOW: (w.follow_tp_weights, (model, str(out / "follow-tp2"), 2), {}),
+                 f"{TP2}:tp2": (w.grpo_losses, (model, str(out / "tp2"), *w.hybrid(2)), {}),
+                 f"{DP2TP2}:dp2": (w.grpo_losses, (model, str(out / "dp2"), *w.hybrid(1)), {})}
+    four_ranks = {f"{DP2TP2}:follow": (w.follow_tp_weights, (model, str(out / "follow-4"), 2), {}),
+                  f"{DP2TP2}:many": (w.grpo_losses, (model, str(out / "many"), "train.plugin=hybrid",
+                                                     "train.plugin_options={tp_size: 2, zero_stage: 2}"), {})}
+    return {1: spawn_suites(request, 1, one_rank, timeout=1200),
+            2: spawn_suites(request, 2, two_ranks, timeout=1800),
+            4: spawn_suites(request, 4, four_ranks, timeout=1800)}
+
+
 @pytest.mark.slow
-def test_engine_follows_tp2_shards(tiny_chat_model, tmp_path):
-    ranks = spawn(w.follow_tp_weights, 2, str(tiny_chat_model), str(tmp_path), 2, timeout=900)
+def test_engine_follows_tp2_shards(runs):
+    ranks = runs[2].get(FOLLOW)
     for r in ranks:
         assert r["diff"] < 1e-4, r
         assert len(r["gaps"]) == 5 and max(r["gaps"]) < 1e-4, r
@@ -61,13 +81,13 @@ def test_engine_follows_tp2_shards(tiny_chat_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_run_matches_one_process(tiny_chat_model, tmp_path):
+def test_tp2_run_matches_one_process(runs):
     """Three GRPO steps (k3 KL to the reference on, so the loss is not ~0) sampled live on the engine:
     tp2 on 2 ranks samples the same tokens as one process (exact rewards and lengths), its losses
     (~1e-3) agree within 1e-6 and its KL and trained policy (log-probs of fixed completions) within
     1e-5 (measured 3e-8, 5e-9 and 5e-7)."""
-    one = spawn(w.grpo_losses, 1, str(tiny_chat_model), str(tmp_path / "one"), timeout=600)[0]
-    tp2 = spawn(w.grpo_losses, 2, str(tiny_chat_model), str(tmp_path / "tp2"), *w.hybrid(2), timeout=600)
+    one = runs[1].get(f"{TP2}:one")[0]
+    tp2 = runs[2].get(f"{TP2}:tp2")
     assert tp2[0] == tp2[1], "the ranks of the tp group disagree"
     assert tp2[0]["indices"] == one["indices"]
     got = tp2[0]
@@ -80,19 +100,17 @@ def test_tp2_run_matches_one_process(tiny_chat_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_dp2_tp2_on_4_ranks(tiny_chat_model, tmp_path):
+def test_dp2_tp2_on_4_ranks(runs):
     """Two data replicas of a tp2 group: each replica's engine follows its shards, the replicas get
     different prompts, and the 4-rank run (ZeRO-2 over the replicas) equals one process with the
     same global batch (and so does hybrid with tp_size=1 on 2 ranks)."""
-    ranks = spawn(w.follow_tp_weights, 4, str(tiny_chat_model), str(tmp_path / "follow"), 2, timeout=900)
+    ranks = runs[4].get(f"{DP2TP2}:follow")
     for r in ranks:
         assert r["diff"] < 1e-4 and max(r["gaps"]) < 1e-4 and len(r["gaps"]) == 5, r
         assert r["same_group"] and r["same_shards"] and r["gathered"] == ["model.embed_tokens.weight"], r
         assert "same prompts" in r["refused"] and "other weights" in r["stale"], r
-    one = spawn(w.grpo_losses, 1, str(tiny_chat_model), str(tmp_path / "one"), "train.micro_batch_size=4",
-                timeout=600)[0]
-    many = spawn(w.grpo_losses, 4, str(tiny_chat_model), str(tmp_path / "many"), "train.plugin=hybrid",
-                 "train.plugin_options={tp_size: 2, zero_stage: 2}", timeout=900)  # ZeRO-2 over the 2 replicas
+    one = runs[1].get(f"{DP2TP2}:one")[0]
+    many = runs[4].get(f"{DP2TP2}:many")  # ZeRO-2 over the 2 replicas
     indices = [m.pop("indices") for m in many]
     assert indices[0] == indices[1] and indices[2] == indices[3]  # a tp group is one data replica ...
     for step, (a, b) in enumerate(zip(indices[0], indices[2])):  # ... and the replicas split the batch
@@ -103,6 +121,6 @@ def test_dp2_tp2_on_4_ranks(tiny_chat_model, tmp_path):
     assert _close(got["losses"], one["losses"], 1e-6), (got["losses"], one["losses"])
     assert _close(got["after"], one["after"]), (got["after"], one["after"])
     # hybrid with tp_size=1 (plain data parallelism, the engine reads the user's model whole): the same run
-    dp2 = spawn(w.grpo_losses, 2, str(tiny_chat_model), str(tmp_path / "dp2"), *w.hybrid(1), timeout=600)[0]
+    dp2 = runs[2].get(f"{DP2TP2}:dp2")[0]
     assert dp2["rewards"] == one["rewards"] and max(dp2["gaps"]) < 1e-4
     assert _close(dp2["losses"], one["losses"], 1e-6) and _close(dp2["after"], one["after"])
