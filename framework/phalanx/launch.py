@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from phalanx.malloc import keep_freed_memory
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -57,7 +59,9 @@ def choose_device_and_backend(local_rank: int) -> tuple[torch.device, str]:
 
 
 def set_cpu_threads(local_world_size: int, threads: int | None = None) -> int:
-    """Give each rank an equal share of the cores so ranks on one host do not oversubscribe."""
+    """Give each rank an equal share of the cores so ranks on one host do not oversubscribe.
+    OMP_NUM_THREADS is not read (`phalanx run` and torchrun set it to 1 for every rank before this
+    share is known): PHALANX_THREADS or `threads` set the count."""
     if threads is None:
         threads = _env_int("PHALANX_THREADS", 0) or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
     torch.set_num_threads(threads)
@@ -118,6 +122,8 @@ def launch(
     device, default_backend = choose_device_and_backend(local_rank)
     backend = backend or default_backend
     set_cpu_threads(local_world_size, threads)
+    if device.type == "cpu":
+        keep_freed_memory()  # phalanx.malloc: large blocks reused step to step, not faulted in again
     timeout = _dt.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:

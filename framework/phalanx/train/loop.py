@@ -47,6 +47,7 @@ from phalanx.launch import context, seed_everything
 from phalanx.observe import (MetricsWriter, ProgressBar, ThroughputMeter, WandbRun, get_logger,
                              measure_matmul_flops, plot_loss_curve)
 from phalanx.checkpoint.writer import CheckpointSaveError, CheckpointWriter
+from phalanx.malloc import give_back_freed_memory
 from phalanx.train.checkpointing import existing_checkpoints, remove_partial_saves, resume_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.data import MicroBatches, check_dataset, check_first_sample, default_collate
@@ -220,6 +221,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
                                  tokens_seen=tokens_seen,
                                  extra={"wandb_run_id": wandb.id if wandb else state.extra.get("wandb_run_id"),
                                         "train_config": config_to_dict(cfg), "lr_scale": nonfinite.lr_scale})
+        give_back_freed_memory()  # the steps' kept blocks go back before the save's own peak
         with track("checkpoint snapshot"):
             writer.save(checkpoint_path(output_dir, at_step), at_step, model_b, optim_b, scheduler, train_state,
                         tokenizer=tokenizer, hooks_writer=_hooks_writer(hooks) if hooks else None)
@@ -319,6 +321,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
             last_eval = run_eval(step)
     finally:
         writer.close()
+        give_back_freed_memory()
         if dog is not None:
             dog.stop()
         bar.close()
