@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from phalanx.json_collectives import broadcast_json
 from phalanx.launch import barrier
 
 MANIFEST = "manifest.json"
@@ -91,10 +92,10 @@ def _is_main() -> bool:
 def atomic_directory(path: str | Path, manifest_extra: dict | None = None) -> Iterator[Path]:
     """All ranks write into the yielded temporary directory; it becomes `path` atomically."""
     path = Path(path)
-    token = [uuid.uuid4().hex[:8]]
+    token = uuid.uuid4().hex[:8]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(token, src=0)
-    tmp = path.parent / f"{path.name}.tmp-{token[0]}"
+        token = broadcast_json(token, src=0)  # rank 0's; JSON, not a pickled object
+    tmp = path.parent / f"{path.name}.tmp-{token}"
     if _is_main():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir(parents=True, exist_ok=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -225,37 +226,71 @@ def spreads(model: nn.Module) -> bool:
     return not (isinstance(model, PreTrainedModel) and _needs_transformers_writer(model))
 
 
+class SpreadOwners:
+    """Which rank keeps each tensor of a `SpreadModelCopy`, decided the same way on every rank
+    from what every rank knows (the tensors' names, shapes and dtypes in one order), so no rank
+    has to tell the others.
+
+    Each tensor goes to the rank that holds the fewest bytes so far. When only some ranks have
+    the tensor already (`holders`: e.g. the ranks of the pipeline stage that gathered it), the
+    least-loaded of them keeps it unless that takes it past `cap` (about total/N), in which case
+    the least-loaded rank of all does and the tensor is sent there: few tensors move, and no rank
+    ends above cap plus one tensor (the least-loaded rank holds at most the average so far)."""
+
+    def __init__(self, world: int, cap: int | None = None):
+        self.world = world
+        self.cap = cap
+        self.held = [0] * world
+        self.owner_of: dict[str, int] = {}
+        self.numel = 0
+        self.dtype: torch.dtype | None = None
+
+    def assign(self, name: str, shape: Iterable[int], dtype: torch.dtype, holders: Iterable[int] | None = None) -> int:
+        """The owner of tensor `name` (call in the same order on every rank)."""
+        numel = math.prod(shape)
+        size = numel * dtype.itemsize
+        least = min(range(self.world), key=lambda r: (self.held[r], r))
+        owner = least
+        if holders is not None:
+            best = min(holders, key=lambda r: (self.held[r], r))
+            if self.cap is None or self.held[best] + size <= self.cap:
+                owner = best
+        self.held[owner] += size
+        self.owner_of[name] = owner
+        self.numel += numel
+        if self.dtype is None and dtype.is_floating_point:
+            self.dtype = dtype
+        return owner
+
+    def copy(self, tensors: dict[str, torch.Tensor]) -> SpreadModelCopy:
+        """The spread copy of which this rank keeps `tensors`: a file per owning rank,
+        `model-0000i-of-0000n.safetensors` in rank order (`model.safetensors` if one rank owns all)."""
+        owners = sorted(set(self.owner_of.values()))
+        if len(owners) <= 1:
+            files = {name: SINGLE for name in self.owner_of}
+        else:
+            file_of = {r: f"model-{i:05d}-of-{len(owners):05d}.safetensors" for i, r in enumerate(owners, start=1)}
+            files = {name: file_of[r] for name, r in self.owner_of.items()}
+        return SpreadModelCopy(files=files, tensors=tensors, total_bytes=sum(self.held), numel=self.numel,
+                               dtype=self.dtype)
+
+
 def spread_model_copy(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], rank: int,
                       world: int) -> SpreadModelCopy:
     """Walk `(name, full tensor)` pairs that EVERY rank receives (a plugin's
     `iter_full_model_state` where `full_state_on_every_rank`): each tensor goes to the rank that
-    holds the fewest bytes so far (every rank makes the same choice), which keeps a copy. Tied
-    aliases and ignored keys are dropped as `save_hf_model` drops them."""
+    holds the fewest bytes so far (`SpreadOwners`), which keeps a copy. Tied aliases and ignored
+    keys are dropped as `save_hf_model` drops them."""
     skipped = _names_not_saved(model)
-    held = [0] * world
-    owner_of: dict[str, int] = {}
+    owners = SpreadOwners(world)
     tensors: dict[str, torch.Tensor] = {}
-    numel, dtype = 0, None
     for name, tensor in pairs:
         if name in skipped:
             continue
-        size = tensor.numel() * tensor.element_size()
-        owner = min(range(world), key=lambda r: (held[r], r))
-        held[owner] += size
-        owner_of[name] = owner
-        numel += tensor.numel()
-        if dtype is None and tensor.is_floating_point():
-            dtype = tensor.dtype
-        if owner == rank:
+        if owners.assign(name, tensor.shape, tensor.dtype) == rank:
             tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
         del tensor
-    owners = sorted(set(owner_of.values()))
-    if len(owners) <= 1:
-        files = {name: SINGLE for name in owner_of}
-    else:
-        file_of = {r: f"model-{i:05d}-of-{len(owners):05d}.safetensors" for i, r in enumerate(owners, start=1)}
-        files = {name: file_of[r] for name, r in owner_of.items()}
-    return SpreadModelCopy(files=files, tensors=tensors, total_bytes=sum(held), numel=numel, dtype=dtype)
+    return owners.copy(tensors)
 
 
 def write_spread_model(model: nn.Module | None, spread: SpreadModelCopy, directory: str | Path, rank: int,

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from phalanx.checkpoint.atomic import CheckpointError
+from phalanx.json_collectives import all_gather_json
 
 INDEX = "index.json"
 FORMAT = "phalanx-optim-fragments/1"
@@ -88,14 +89,11 @@ def fragment_tensors(frags: OptimizerFragments, rank: int, *, copy: bool = False
 
 
 def fragment_index(frags: OptimizerFragments, local: dict[str, Any]) -> dict[str, Any] | None:
-    """Collective: gather every rank's `local` description; rank 0 gets the index, others None."""
+    """Collective: gather every rank's `local` description (as JSON, `all_gather_json`: names,
+    ranges, file names and scalars, no pickle); rank 0 gets the index, others None."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    gathered: list[Any] = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
+    gathered = all_gather_json(local) if world > 1 else [local]
     if rank != 0:
         return None
     params: dict[str, Any] = {}

@@ -9,9 +9,12 @@ A save has two halves:
    the plugin gathers one tensor at a time and rank 0 writes the safetensors files as they fill
    (`phalanx.checkpoint.hf`), so no rank ever holds the whole model. An asynchronous one keeps a
    copy until its background write, spread over the ranks where every rank receives the gathered
-   tensors (DDP, ZeRO, FSDP, Gemini: `Plugin.full_state_on_every_rank`): each rank keeps about
-   1/N of the model and writes it as one file of the sharded export (`hf.spread_model_copy`);
-   otherwise (HybridParallelPlugin, models transformers renames on save) rank 0 keeps all of it;
+   tensors (DDP, ZeRO, FSDP, Gemini: `Plugin.full_state_on_every_rank`; `hf.spread_model_copy`)
+   or that moves each tensor to the rank keeping it (HybridParallelPlugin:
+   `Plugin.spreads_model_copy`): each rank keeps about 1/N of the model and writes it as one file
+   of the sharded export; only models transformers renames on save are kept whole on rank 0.
+   The small metadata that crosses ranks (the temporary directory's name, the optimizer index)
+   is JSON in uint8 tensors (`phalanx.json_collectives`), never a pickled object;
 2. **write and commit** (no collectives): each rank writes its files into the temporary directory
    and reports "ok" or its error through the process group's key-value store; rank 0 waits for
    every report, then writes the manifest and renames the directory into place (or deletes it if
@@ -47,6 +50,7 @@ from phalanx.checkpoint.hf import (SpreadModelCopy, quiet_hf_progress, save_hf_m
 from phalanx.checkpoint.optimizer import INDEX as OPTIM_INDEX
 from phalanx.checkpoint.optimizer import fragment_index, fragment_tensors
 from phalanx.checkpoint.train_state import TrainState, list_checkpoints, rng_state, write_rng_state
+from phalanx.json_collectives import broadcast_json
 from phalanx.observe import get_logger
 
 MODEL_DIR, OPTIM_DIR = "model", "optimizer"  # the layout Booster.load_checkpoint reads
@@ -178,7 +182,7 @@ class CheckpointWriter:
             except OSError as exc:
                 box[1] = _describe(exc)
         if self.world > 1:
-            dist.broadcast_object_list(box, src=0)
+            box = broadcast_json(box, src=0)
         token, error = box
         snap = _Snapshot(step=step, path=path, tmp=path.parent / f"{path.name}.tmp-{token}", token=token, error=error)
 
@@ -188,11 +192,14 @@ class CheckpointWriter:
         shared_error = snap.error  # the same on every rank (broadcast above): collectives follow it
         if copy:
             # Asynchronous: a copy of the model until the background write, spread over the ranks
-            # where the plugin hands every rank every tensor, else whole on rank 0.
+            # where the plugin hands every rank every tensor or spreads the copy itself, else
+            # whole on rank 0.
             plugin = self.booster.plugin
             if plugin.full_state_on_every_rank and spreads(unwrap_model(model)):
                 snap.model_spread = spread_model_copy(unwrap_model(model), plugin.iter_full_model_state(model),
                                                       self.rank, self.world)  # collective
+            elif plugin.spreads_model_copy and spreads(unwrap_model(model)):
+                snap.model_spread = plugin.spread_model_copy(model)  # collective
             else:
                 state = plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
                 if self.rank == 0:

@@ -12,27 +12,27 @@ from pathlib import Path
 import torch.distributed as dist
 
 from phalanx.checkpoint.train_state import CHECKPOINT_DIR, latest_checkpoint, list_checkpoints
+from phalanx.json_collectives import broadcast_json
 from phalanx.launch import barrier
 
 
-def _from_rank0(value):
+def from_rank0(value):
+    """Rank 0's `value` (JSON data: paths as text, numbers, lists) on every rank."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_json(value, src=0)
     return value
 
 
 def resume_checkpoint(output_dir: str | Path) -> Path | None:
     """The latest complete checkpoint under output_dir (rank 0's view, broadcast)."""
     found = latest_checkpoint(output_dir) if dist.get_rank() == 0 else None
-    found = _from_rank0(str(found) if found else None)
+    found = from_rank0(str(found) if found else None)
     return Path(found) if found else None
 
 
 def existing_checkpoints(output_dir: str | Path) -> list[int]:
     steps = [step for step, _ in list_checkpoints(output_dir)] if dist.get_rank() == 0 else []
-    return _from_rank0(steps)
+    return from_rank0(steps)
 
 
 def remove_partial_saves(output_dir: str | Path) -> list[Path]:

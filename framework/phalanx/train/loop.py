@@ -48,7 +48,7 @@ from phalanx.observe import (MetricsWriter, ProgressBar, ThroughputMeter, WandbR
                              measure_matmul_flops, plot_loss_curve)
 from phalanx.checkpoint.writer import CheckpointSaveError, CheckpointWriter
 from phalanx.malloc import give_back_freed_memory
-from phalanx.train.checkpointing import existing_checkpoints, remove_partial_saves, resume_checkpoint
+from phalanx.train.checkpointing import existing_checkpoints, from_rank0, remove_partial_saves, resume_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.data import MicroBatches, check_dataset, check_first_sample, default_collate
 from phalanx.train.evaluate import eval_mode, eval_results
@@ -333,7 +333,7 @@ def fit(cfg: TrainConfig, model: nn.Module, train_dataset: Any, collate_fn: Call
     if main and cfg.plot:
         plot = plot_loss_curve(output_dir / METRICS_FILE, output_dir / PLOT_FILE,
                                title=f"{type(model).__name__} ({cfg.plugin}, {cfg.precision})")
-    plot = _from_rank0(str(plot) if plot else None)
+    plot = from_rank0(str(plot) if plot else None)
     summary = meter.summary()
     if summary["tokens_per_s"] is not None:
         log.info(f"done at step {step}: {summary['tokens_per_s']:.0f} tokens/s"
@@ -422,11 +422,3 @@ def _log_line(record: Mapping[str, Any]) -> str:
 def _is_tty() -> bool:
     import sys
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-
-
-def _from_rank0(value):
-    if dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value

@@ -45,6 +45,11 @@ class Plugin(ABC):
     # asynchronous checkpoint then keeps its copy of the model spread over the ranks (1/N each,
     # `phalanx.checkpoint.hf.spread_model_copy`) instead of whole on rank 0.
     full_state_on_every_rank: bool = False
+    # True when the plugin's stream does not reach every rank but the plugin builds that spread
+    # copy itself: `spread_model_copy(model) -> phalanx.checkpoint.hf.SpreadModelCopy`, a collective
+    # that moves each tensor to the rank keeping it (HybridParallelPlugin: a pipeline stage's
+    # tensors reach only that stage's ranks). With neither flag the copy is whole on rank 0.
+    spreads_model_copy: bool = False
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None):
         self.precision = check_precision(precision)

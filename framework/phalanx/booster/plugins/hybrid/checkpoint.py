@@ -10,10 +10,16 @@ tensor-parallel pieces: that tensor only. A tensor of another stage is sent by t
 writer knows its name, full shape and dtype from a manifest that rank sent once per save (JSON
 text in a uint8 tensor). A tied embedding is written once, from the first stage. No pickle on the
 way; the writer holds one tensor at a time (plus what `save_hf_model` buffers for its file).
+
+An asynchronous checkpoint keeps a copy of the model until its background write; that copy is
+spread over every rank instead (`spread_model_copy`): each tensor is kept by one rank, chosen alike
+on every rank (`phalanx.checkpoint.hf.SpreadOwners`), about 1/N of the model each, and each rank
+writes its own file of the sharded export.
 """
 from __future__ import annotations
 
-import json
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -24,8 +30,10 @@ from torch import nn
 from phalanx.booster.plugins.base import unwrap_model
 from phalanx.booster.plugins.hybrid.boost import hybrid_state
 from phalanx.booster.state import BoostedState
+from phalanx.checkpoint.hf import SpreadModelCopy, SpreadOwners, _names_not_saved
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
+from phalanx.json_collectives import all_gather_json, recv_json, send_json
 from phalanx.launch import collective
 from phalanx.pipeline import tie_aliases
 from phalanx.pipeline.params import with_tied_aliases
@@ -87,20 +95,6 @@ class _Masters:
         return self.copies.get(name, tensor)
 
 
-def _send_bytes(data: bytes, dst: int, device: torch.device) -> None:
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst)
-    dist.send(payload, dst)
-
-
-def _recv_bytes(src: int, device: torch.device) -> bytes:
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    dist.recv(size, src)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(payload, src)
-    return payload.cpu().numpy().tobytes()
-
-
 class HybridCheckpointIO:
     """The checkpoint hooks of HybridParallelPlugin (plugin.py), whose ranks and groups they read."""
 
@@ -121,8 +115,7 @@ class HybridCheckpointIO:
                 if is_writer:
                     remote = self._receive_manifests()
                 elif stage_head:
-                    sent = [e.to_json() for e, _, _, send in local if send]
-                    _send_bytes(json.dumps(sent).encode(), WRITER, self.device)
+                    send_json([e.to_json() for e, _, _, send in local if send], WRITER, self.device)
         work = [(e, (name, tensor, send)) for e, name, tensor, send in local] + [(e, src) for e, src in remote]
         for entry, source in sorted(work, key=lambda item: item[0].order):
             if isinstance(source, int):  # the writer, a tensor of another stage
@@ -165,8 +158,69 @@ class HybridCheckpointIO:
         remote = []
         for r in range(1, self.pp_size):
             src = dist.get_global_rank(self.pp_group, r)
-            remote += [(_Entry.from_json(item), src) for item in json.loads(_recv_bytes(src, self.device))]
+            remote += [(_Entry.from_json(item), src) for item in recv_json(src, self.device)]
         return remote
+
+    # ------------------------------------------------------------------ an asynchronous save's copy
+    # `Plugin.spreads_model_copy`: the stream reaches the writer only (`full_state_on_every_rank`
+    # stays False), so the spread copy moves each tensor to its owner itself.
+    spreads_model_copy = True
+
+    def spread_model_copy(self, model: nn.Module) -> SpreadModelCopy:
+        """The copy of the full model that an asynchronous checkpoint keeps until its background
+        write, spread over every rank (about 1/N each, never the whole model on one rank), so that
+        each rank writes its own file of the sharded export (`hf.write_spread_model`). A collective.
+
+        Every rank learns every tensor's entry (with pp, each stage's (dp0, sp0, tp0) rank adds its
+        stage's list to one JSON all-gather), then walks them in the stream's order, choosing each
+        one's owner with `SpreadOwners` (the same choice on every rank, nothing more to exchange;
+        the ranks of the stage holding the tensor are preferred). The stage's ranks gather the
+        tensor as the stream does; an owner among them keeps its copy, an owner in another stage
+        receives it point to point from the stage's rank with its own (dp, sp, tp) coordinates."""
+        boosted = hybrid_state(model)
+        hf = unwrap_model(model)
+        masters = _Masters(boosted.optimizer, hf, self.device)
+        skipped = _names_not_saved(hf)  # a tied parameter's later names (never an entry's), ignored keys
+        mine = [(e, name, tensor) for e, name, tensor, send in self._local_entries(boosted, hf, masters)
+                if send and e.name not in skipped]
+        local = {e.name: (name, tensor) for e, name, tensor in mine}
+        entries = self._spread_entries([e for e, _, _ in mine])
+        grid = self.mesh.mesh  # global ranks by (pp, dp, sp, tp)
+        stages = [grid[p].flatten().tolist() for p in range(self.pp_size)]
+        coords = {int(grid[idx]): idx for idx in itertools.product(*map(range, grid.shape))}
+        rank, world = dist.get_rank(), dist.get_world_size()
+        total = sum(math.prod(e.shape) * e.dtype.itemsize for e in entries)
+        owners = SpreadOwners(world, cap=-(-total // world))
+        kept: dict[str, torch.Tensor] = {}
+        for entry in entries:
+            stage = entry.order[1]
+            owner = owners.assign(entry.name, entry.shape, entry.dtype, holders=stages[stage])
+            sender = int(grid[(stage, *coords[owner][1:])])  # when the owner is in another stage
+            if stage == self.pp_rank:
+                name, tensor = local[entry.name]
+                value = full_tensor(name, masters.value(name, tensor), boosted.plan)  # a fresh CPU tensor
+                if owner == rank:
+                    kept[entry.name] = value.contiguous()
+                elif rank == sender and owner not in stages[stage]:
+                    with collective("pp.spread_send"):
+                        dist.send(value.to(self.device).contiguous(), owner)
+                del value
+            elif owner == rank:
+                value = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                with collective("pp.spread_recv"):
+                    dist.recv(value, sender)
+                kept[entry.name] = value.cpu()
+        return owners.copy(kept)
+
+    def _spread_entries(self, mine: list[_Entry]) -> list[_Entry]:
+        """Every tensor the export holds, in the stream's order, on every rank: without pp every
+        rank has them all; with pp each stage's (dp0, sp0, tp0) rank contributes its stage's."""
+        if self.pp_size > 1:
+            head = not (self.dp_rank or self.sp_rank or self.tp_rank)
+            with collective("pp.spread_manifest"):
+                parts = all_gather_json([e.to_json() for e in mine] if head else None, device=self.device)
+            mine = [_Entry.from_json(item) for part in parts if part for item in part]
+        return sorted(mine, key=lambda e: e.order)
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """`iter_full_model_state` as a dict (complete on the writer). Without pp, a tied
