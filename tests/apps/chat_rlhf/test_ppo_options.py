@@ -129,3 +129,37 @@ def test_diagnose_spread_by_hand():
     assert r["between_std"] == pytest.approx(2.0) and r["within_std"] == pytest.approx(1.0)
     assert r["std"] == pytest.approx(5 ** 0.5) and r["within_share"] == pytest.approx(0.2)
     assert correlation(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 2.0, 1.0])) == pytest.approx(-1.0)
+
+
+def test_diagnose_best_of_k_by_hand():
+    """Best of the first k samples, averaged over prompts, for k = 1, 2, 4 (3 samples: k = 1, 2)."""
+    from apps.chat_rlhf.ppo_diagnose import best_of_k
+    scores = torch.tensor([[1.0, 3.0, 2.0, 0.0], [4.0, 0.0, 1.0, 6.0]])
+    assert best_of_k(scores) == {1: 2.5, 2: 3.5, 4: 4.5}
+    assert best_of_k(scores[:, :3]) == {1: 2.5, 2: 3.5}
+
+
+def test_diagnose_heldout_samples_the_heldout_prompts(tiny_chat_model, tmp_path):
+    """--heldout samples the first N held-out prompts (default: training prompts), and the report
+    compares the samples' mean and the best of n with the greedy answers, prompt by prompt."""
+    import json
+
+    from apps.chat_rlhf.models import load_tokenizer
+    from apps.chat_rlhf.ppo import load_ppo_prompts
+    from apps.chat_rlhf.ppo_diagnose import main
+    overrides = [f"model={tiny_chat_model}", "data.num_train=6", "data.num_heldout=3", "ppo.max_new_tokens=4",
+                 "ppo.rewards=[test_ppo:length_reward]", f"train.output_dir={tmp_path}"]
+    config = "apps/chat_rlhf/configs/ppo.yaml"
+    train, held, _, _ = load_ppo_prompts(load_ppo_config(config, overrides).data, load_tokenizer(str(tiny_chat_model)))
+    for flag, expected in ((["--heldout"], held[:2]), ([], train[:2])):
+        report = main(["--config", config, "--prompts", "2", "--samples", "2", *flag, *overrides])
+        rows = [json.loads(x) for x in (tmp_path / "diagnose.jsonl").read_text().splitlines()]
+        greedy = [r for r in rows if r["sample"] == "greedy"]
+        assert [r["prompt_text"] for r in greedy] == [r["prompt"] for r in expected]
+        assert report["split"] == ("heldout" if flag else "train") and len(rows) == 2 * 2 + 2
+        vs = report["best_of_n_vs_greedy"]
+        assert vs["n"] == 2 and vs["mean_diff"] == pytest.approx(report["best_of_n_mean"] - report["greedy_mean"])
+        assert report["sample_mean_vs_greedy"]["mean_diff"] == pytest.approx(report["sample_mean"] -
+                                                                            report["greedy_mean"])
+        assert report["best_of_k_mean"][2] == pytest.approx(report["best_of_n_mean"])
+    assert held[0]["prompt"] != train[0]["prompt"]
