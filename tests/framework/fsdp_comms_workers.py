@@ -41,12 +41,14 @@ def overlapped_reduce_gradients() -> dict:
     from phalanx.testing import tiny_llama
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    deferred = {"n": 0}
+    deferred = {"n": 0, "most_pending": 0}
     add = fsdp_comms.PendingReduces.add
 
     def counting_add(self, *args):
         deferred["n"] += 1
-        return add(self, *args)
+        out = add(self, *args)
+        deferred["most_pending"] = max(deferred["most_pending"], len(self._items))
+        return out
 
     fsdp_comms.PendingReduces.add = counting_add
     g = torch.Generator().manual_seed(7)
@@ -68,5 +70,5 @@ def overlapped_reduce_gradients() -> dict:
         return max((a[k] - b[k]).abs().max().item() for k in a)
 
     (one0, two0, _), (one1, two1, n) = grads[False], grads[True]
-    return {"deferred": n, "first": diff(one0, one1), "accumulated": diff(two0, two1),
+    return {"deferred": n, "most_pending": deferred["most_pending"], "first": diff(one0, one1), "accumulated": diff(two0, two1),
             "nonzero": max(t.abs().max().item() for t in one1.values())}

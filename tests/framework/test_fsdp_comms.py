@@ -27,3 +27,6 @@ def test_overlapped_gradient_reduce_is_exact_and_deferred():
         # the first backward defers every block's reduce (the root runs last, synchronously); the
         # accumulating one defers none
         assert r["deferred"] == 2, (rank, r)  # tiny_llama has 2 blocks
+        # ... but holds at most one block's full-size reduce input at a time (the next one's
+        # arrival finishes it): FSDP2's own memory, not every block's input until backward ends
+        assert r["most_pending"] == 1, (rank, r)

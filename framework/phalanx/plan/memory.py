@@ -6,7 +6,8 @@ The peak is taken over the two phases of a step, on top of what lives through th
 (parameters, persistent gradient buffers, optimizer state):
   forward/backward — saved activations and the loss' logits at the start of backward, or the
   gradients built during backward at its end (activations are freed as gradients appear, so
-  the larger of the two), plus the buffers the plugin gathers or reduces through;
+  the larger of the two), plus the buffers the plugin gathers or reduces through (FSDP, whose
+  root keeps its whole gradients to the end of backward, takes the largest of three moments);
   optimizer step — the gradients the step consumes plus the optimizer's temporaries.
 """
 from __future__ import annotations
@@ -149,6 +150,9 @@ class _Parts:
     early: float = 0.0           # gradient buffers allocated whole at backward's first reduction
     backward_extra: float = 0.0  # buffers alive only during forward/backward
     step_extra: float = 0.0      # temporaries alive only during the optimizer step
+    # (what lies under backward_extra at backward's peak: "activations" or "gradients", bytes), where
+    # the plugin works its backward peak out itself (FSDP); None: the larger of saved and built
+    backward_floor: tuple[str, float] | None = None
 
 
 def _replicated(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
@@ -190,18 +194,47 @@ def _zero(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
     return out
 
 
-def _fsdp(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
-    """FSDP2 on every block and the root, fp32 sharded parameters, compute-dtype gathers."""
-    p, shard, block = work.p, math.ceil(local.params / layout.world), local.layer
+def _fsdp(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload, act: dict) -> _Parts:
+    """FSDP2 on every block and the root, fp32 sharded parameters, compute-dtype gathers, fp32
+    gradient reduction (reduce-scatter input in fp32, output viewed as the sharded gradient).
+    The root (embedding, final norm, head) stays gathered through forward and backward, and its
+    gradients stay whole until its reduce-scatter, the last of backward, so backward's peak is
+    the largest of three moments (`_fsdp_backward_peak`)."""
+    shard = math.ceil(local.params / layout.world)
     out = _Parts()
     out.device["parameters"] = FP32 * shard
     out.device["optimizer"] = ADAM_STATES * FP32 * shard
     out.built = FP32 * shard
-    # the root (embedding, final norm, head) stays gathered through forward and backward; two
-    # blocks gathered (current + prefetched); one block's gradients and their fp32 reduce-scatter input
-    out.backward_extra = p * local.root + 2 * p * block + (p + FP32) * block
+    out.backward_floor, out.backward_extra = _fsdp_backward_peak(spec, local, layout, work, act)
     out.step_extra = ADAM_TEMPS * FP32 * math.ceil(local.largest / layout.world)
     return out
+
+
+def _fsdp_backward_peak(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload,
+                        act: dict) -> tuple[tuple[str, float], float]:
+    """((what lies under the buffers, its bytes), the buffers) at the largest of
+      start of backward: every saved activation and the loss' working set; the root gathered,
+        the last block (kept gathered after forward) and the next one prefetched;
+      through the blocks: the layers' activations (the loss' working set is gone) or the blocks'
+        gradient shards made so far; the root gathered, the LM head's whole gradient (made
+        first, kept until the root's reduce), two blocks gathered, one block's gradients and
+        their fp32 reduce-scatter input, and the previous block's, which FSDP2 keeps until the
+        next reduce (`reduce_scatter_max_input_buffers`, 1), in place of the current one's
+        gradients once those are copied in;
+      end of backward: the blocks' gradient shards (the root's own shard is made after its
+        reduce); the root's whole gradients (the embedding's, the last made) with, before the
+        root reshards, its gathered parameters and the last block's reduce-scatter input, after
+        it, their fp32 reduce-scatter input.
+    Every term is in the model's shapes; p = bytes of the compute dtype."""
+    p, root, block = work.p, local.root, local.layer
+    blocks_built = FP32 * math.ceil((local.params - root) / layout.world)
+    head_grad = p * math.ceil(spec.vocab_size / layout.tp) * spec.hidden_size
+    start = (("activations", act["activations"] + act["loss"]), p * root + 2 * p * block)
+    floor = (("activations", act["activations"]) if act["activations"] >= blocks_built
+             else ("gradients", blocks_built))
+    through = (floor, p * root + head_grad + 2 * p * block + (p + FP32) * block)
+    end = (("gradients", blocks_built), p * root + max(p * root + FP32 * block, FP32 * root))
+    return max(start, through, end, key=lambda moment: moment[0][1] + moment[1])
 
 
 def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) -> _Parts:
@@ -243,7 +276,7 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatche
     elif layout.plugin in ("zero", "hybrid"):
         parts = _zero(local, layout, work)
     elif layout.plugin == "fsdp":
-        parts = _fsdp(local, layout, work)
+        parts = _fsdp(spec, local, layout, work, act)
     elif layout.plugin == "gemini":
         parts = _gemini(spec, local, layout, work)
     else:
@@ -252,16 +285,17 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatche
         parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.hidden_size
 
     saved = act["activations"] + act["loss"]
-    backward = max(saved, parts.built) + parts.early + parts.backward_extra
+    if parts.backward_floor is None:
+        floor = ("activations", saved) if saved >= parts.built else ("gradients", parts.built)
+    else:
+        floor = parts.backward_floor
+    backward = floor[1] + parts.early + parts.backward_extra
     step = parts.built + parts.early + parts.step_extra
     device = dict(parts.device, activations=0.0, temporaries=0.0)
     device["gradients"] += parts.early
     if backward >= step:
         phase = "backward"
-        if saved >= parts.built:
-            device["activations"] = saved
-        else:
-            device["gradients"] += parts.built
+        device[floor[0]] += floor[1]
         device["buffers"] += parts.backward_extra
     else:
         phase = "step"
