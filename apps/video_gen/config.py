@@ -135,6 +135,7 @@ class VAEConfig:
     temporal_downsample: list[bool] = field(default_factory=lambda: [True])     # 2x temporal (clips of 1 + 2k frames)
     num_res_blocks: int = 1
     l2_weight: float = 1.0
+    foreground_weight: float = 9.0              # extra loss weight of non-black pixels (1 + 9 = 10x; 0: unweighted)
     kl_weight: float = 1.0e-3                   # x KL per element of the input
     temporal_weight: float = 0.5                # L1 between frame-to-frame changes (0: off)
     held_out_clips: int = 16                    # clips scored for the held-out PSNR

@@ -2,9 +2,9 @@
 
     python -m apps.video_gen.train_vae --config apps/video_gen/configs/vae_tiny.yaml
 
-L1 + L2 + KL (+ temporal smoothness) on the unclamped decoder output (see vae.py) through
-`phalanx.train.fit`; the eval is the held-out PSNR, logged next to two content-blind baselines
-(all black: what a dead autoencoder scores; each clip's mean colour).
+L1 + L2 (non-black pixels weighted 10x) + KL (+ temporal smoothness) on the unclamped decoder
+output (see vae.py) through `phalanx.train.fit`; the eval is the held-out PSNR, logged next to two
+content-blind baselines (all black: what a dead autoencoder scores; each clip's mean colour).
 Rank 0 saves the autoencoder as a diffusers directory (<output_dir>/vae), which
 `AutoencoderKLWan.from_pretrained`, `vae.pretrained_dir` or `vae.from_dir` (latent training in
 `apps.video_gen.train`) opens; its config carries latents_mean / latents_std measured on the
