@@ -559,6 +559,19 @@ def stream_save_suite(directory: str, layouts: dict, families=("llama", "gpt2"))
     return out
 
 
+def mid_sized_llama(hidden: int = 256, layers: int = 8, vocab: int = 1024):
+    """The memory tests' Llama of many mid-sized tensors (defaults: 6.3M parameters, 24.1 MiB in
+    fp32, the largest tensors 1 MiB), seeded alike on every rank, and its tensors' fp32 bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=688, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return model, [p.numel() * 4 for p in model.parameters()]
+
+
 def save_peak_suite(directory: str, layout: dict, hidden: int = 256, layers: int = 8, vocab: int = 1024,
                     shard_bytes: int = 2**20) -> dict:
     """The resident memory the hybrid save adds at its peak on each rank (`peak_memory`: the
@@ -566,18 +579,11 @@ def save_peak_suite(directory: str, layout: dict, hidden: int = 256, layers: int
     (8 layers of hidden 256: 6.3M parameters, 24.1 MiB in fp32, the largest tensors 1 MiB):
     `Booster.save_model` streamed with 1 MiB files, and the gather the old save began with
     (`legacy_full_state_dict`, before any file was written). None where it cannot be measured."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import peak_memory
 
     if not peak_memory.available():
         return None
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=688, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    sizes = [p.numel() * 4 for p in model.parameters()]
+    model, sizes = mid_sized_llama(hidden, layers, vocab)
     booster, model, _ = boost("llama", layout, model=model, kind="adamw")
     out = {"model": sum(sizes), "largest": max(sizes), "shard": shard_bytes}
     dist.barrier()

@@ -158,14 +158,7 @@ def spread_size_suite(directory: str, layout: dict, hidden: int = 256, layers: i
     """The bytes each rank keeps in an asynchronous snapshot of a Llama of many mid-sized tensors
     (test_hybrid_save's memory model: 6.3M parameters, 24.1 MiB in fp32, the largest tensors
     1 MiB), saved after boosting (no step: the optimizer has no state yet)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=688, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    sizes = [p.numel() * 4 for p in model.parameters()]
+    model, sizes = hw.mid_sized_llama(hidden, layers, vocab)
     booster, model, optimizer = hw.boost("llama", layout, model=model, kind="adamw")
     r = _save_both_ways(booster, model, optimizer, Path(directory))
     return {**r, "model": sum(sizes), "largest": max(sizes)}
