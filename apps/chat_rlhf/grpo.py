@@ -234,7 +234,7 @@ class DataReplicas:
         if data_replica(model) != (self.rank, self.count):
             raise RuntimeError(f"the training layout puts this rank in data replica {data_replica(model)} (rank, "
                                f"count) but the rollouts assume {(self.rank, self.count)} (tp_size={self.tp}, tp "
-                               "innermost); GRPO supports tensor parallelism with pp_size=1 and sp_size=1 only")
+                               "innermost); GRPO and PPO support tensor parallelism with pp_size=1 and sp_size=1 only")
 
 
 def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_new: int, penalty: float, buffer: int
@@ -499,9 +499,33 @@ def rollout_tp_size(train: TrainConfig) -> int:
                           "execute_pipeline); use pp_size=1 with tp_size and data parallelism")
     if sp > 1 or opts.get("sequence_parallelism"):
         raise ConfigError(f"train.plugin_options sp_size={sp}, sequence_parallelism="
-                          f"{opts.get('sequence_parallelism')!r}: GRPO's completion batches are short and of any "
+                          f"{opts.get('sequence_parallelism')!r}: online RL's completion batches are short and of any "
                           "length; sequence parallelism is not wired for online RL: use tp_size (and dp) only")
     return tp
+
+
+def build_engine(policy: torch.nn.Module, tokenizer, sampling, e: EngineSettings, *, seed: int, tp_size: int,
+                 prompts: dict[str, Sequence[list[int]]]) -> RolloutEngine:
+    """The colocated engine over the (not yet boosted) `policy`, GRPO's and PPO's alike: `sampling`
+    has max_new_tokens, temperature, top_p and top_k (GRPOSettings, PPOSettings); `tp_size` from
+    `rollout_tp_size`. Every prompt set in `prompts` ({what: token ids}) is checked to fit first."""
+    engine = RolloutEngine.build(policy, tokenizer, max_new_tokens=sampling.max_new_tokens,
+                                 max_model_len=e.max_model_len, temperature=sampling.temperature,
+                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, max_num_seqs=e.max_num_seqs,
+                                 block_size=e.block_size, kv_cache_memory_gib=e.kv_cache_memory_gib, tp_size=tp_size)
+    for what, ids in prompts.items():
+        engine.check_prompts(ids, what)
+    return engine
+
+
+def seeded_rollouts(engine: RolloutEngine, prompt_ids: Sequence[list[int]], n: int, seed: int
+                    ) -> Callable[[list[int], int], Rollout]:
+    """`rollout_fn(indices, step)`: n samples of each prompt on the engine, each seeded by where it
+    is in the run (`sample_seed`), so a resumed run and every rank of a tp group sample alike."""
+    def rollout_fn(indices: list[int], step: int) -> Rollout:
+        seeds = [sample_seed(seed, step, i, j) for i in indices for j in range(n)]
+        return engine.generate([prompt_ids[i] for i in indices], n, seeds=seeds)
+    return rollout_fn
 
 
 def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
@@ -518,21 +542,13 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     if not train_records:
         raise ValueError(f"no training prompts in {cfg.data.source!r}")
     train_ids, heldout_ids = encode_prompts(tokenizer, train_records), encode_prompts(tokenizer, heldout_records)
-    engine = RolloutEngine.build(model, tokenizer, max_new_tokens=s.max_new_tokens, max_model_len=e.max_model_len,
-                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=cfg.train.seed,
-                                 max_num_seqs=e.max_num_seqs, block_size=e.block_size,
-                                 kv_cache_memory_gib=e.kv_cache_memory_gib, tp_size=tp_size)
-    engine.check_prompts(train_ids, "training prompt")
-    engine.check_prompts(heldout_ids, "held-out prompt")
+    engine = build_engine(model, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
+                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids})
     reference = None
     if s.kl_coef > 0:
         import copy
         reference = copy.deepcopy(model).eval().requires_grad_(False)
-
-    def rollout_fn(indices: list[int], step: int) -> Rollout:
-        seeds = [sample_seed(cfg.train.seed, step, i, j) for i in indices for j in range(s.num_generations)]
-        return engine.generate([train_ids[i] for i in indices], s.num_generations, seeds=seeds)
-
+    rollout_fn = seeded_rollouts(engine, train_ids, s.num_generations, cfg.train.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loss = GRPOLoss(s, train_records, train_ids, rewards, rollout_fn, pad, reference=reference, seed=cfg.train.seed)
     loss.replicas = DataReplicas(tp_size)

@@ -32,6 +32,11 @@ The engine gets the actor's weights when the buffer is exhausted (before
 the next rollout) and before a held-out evaluation, not after every step: nothing reads the engine
 in between, and a sync gathers the full weights. Checkpoints carry the step, the KL controller,
 the guard and, mid-cycle, each rank's buffer (safetensors), so a resumed run continues exactly.
+
+Under `train.plugin=hybrid` (tensor parallelism, pp_size=1, as GRPO) the plugin splits the actor
+inside `ActorCritic` (`actor_critic_policy`), the critic and value head stay replicated, the engine
+runs tensor-parallel on the same group and syncs from the actor's shards, the ranks of a tp group
+share one rollout, and every global sum counts each group once (`DataReplicas`).
 """
 from __future__ import annotations
 
@@ -53,10 +58,11 @@ from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
 from .data import drop_long_prompts
-from .grpo import (DataSettings, EngineSettings, GRPOLoss, GRPOSettings, PromptIndices, RLHook, encode_prompts,
-                   global_sum, load_prompt_sets, plot_rl_curves, sample_seed)
+from .grpo import (DataReplicas, DataSettings, EngineSettings, GRPOLoss, GRPOSettings, PromptIndices, RLHook,
+                   build_engine, encode_prompts, global_sum, load_prompt_sets, plot_rl_curves, rollout_tp_size,
+                   seeded_rollouts)
 from .rewards import RewardSet
-from .rollout import RolloutEngine, completion_batch, completion_logprobs, padded
+from .rollout import RolloutEngine, completion_batch, completion_logprobs, padded, submodule_weights
 
 
 @dataclass
@@ -169,9 +175,10 @@ class ActorCritic(nn.Module):
         self.config = actor.config  # step-FLOP estimate and the engine read the actor's
 
     def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int, actor_hidden=None,
-                critic_hidden=None):
+                critic_hidden=None, use_cache: bool = False):
         """actor_hidden / critic_hidden: the frozen trunk's cached output, fed as inputs_embeds (the
-        caller makes the lower blocks pass it through, `FrozenTrunk.skipping`)."""
+        caller makes the lower blocks pass it through, `FrozenTrunk.skipping`). use_cache: accepted
+        (HybridParallelPlugin's wrapper passes it) and ignored: training keeps no KV cache."""
         def inputs(hidden):
             return {"input_ids": input_ids} if hidden is None else {"inputs_embeds": hidden}
         logits = self.actor(**inputs(actor_hidden), attention_mask=attention_mask, position_ids=position_ids,
@@ -180,15 +187,42 @@ class ActorCritic(nn.Module):
                              use_cache=False).last_hidden_state[:, -logits_to_keep:]
         return logits, self.value_head(hidden).squeeze(-1)
 
+    def split_actor_only(self) -> None:
+        """Make HybridParallelPlugin split this wrapper by `actor_critic_policy`: the policy is
+        registered for a model type of its own, which the wrapper's config (a copy of the actor's)
+        names. The plugin picks a policy by `config.model_type`; passing it as a plugin option
+        instead would put an object in train.plugin_options, which checkpoints save as JSON. The
+        copy's to_dict still names the actor's family (transformers writes the class's model_type)."""
+        from phalanx.shard.policy import register_policy
+        policy = register_policy(actor_critic_policy(self.actor))
+        self.config = copy.copy(self.actor.config)
+        self.config.model_type = policy.model_types[0]
+
 
 def actor_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The actor's tensors under HF names, from any wrapper (DDP `module.`, FSDP, compile)."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        parts = name.split(".")
-        if "actor" in parts:
-            out[".".join(parts[parts.index("actor") + 1:])] = tensor
-    return out
+    return submodule_weights(model.state_dict(), "actor")
+
+
+def actor_critic_policy(actor: nn.Module):
+    """The shard policy of `ActorCritic` for HybridParallelPlugin: the actor's family policy with
+    its paths under `actor.`, so the actor's decoder layers, embedding and LM head are split over
+    the tp group; the critic backbone and the value head stay replicated (every tp rank computes
+    them whole, on the same batch, so their gradients agree without communication)."""
+    from dataclasses import replace as replace_fields
+
+    from phalanx.shard.policy import policy_for
+
+    base = policy_for(actor)
+
+    def under(path):
+        return f"actor.{path}" if path else path
+    return replace_fields(base, family=f"{base.family} actor-critic",
+                          model_types=(f"{actor.config.model_type}-actor-critic",), layers=under(base.layers),
+                          embedding=under(base.embedding), final_norm=under(base.final_norm), head=under(base.head),
+                          position_embeddings=tuple(map(under, base.position_embeddings)),
+                          input_extras=tuple(map(under, base.input_extras)),
+                          output_extras=tuple(map(under, base.output_extras)))
 
 
 # -- the rollout buffer ------------------------------------------------------------------------------
@@ -286,9 +320,10 @@ def rollout_prompts(seed: int, rollout: int, num_prompts: int, per_rank: int, ra
     return perm[slot * size:(slot + 1) * size][rank::world].tolist()
 
 
-def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """x minus the mean, over the (unbiased) std, both over every rank's values."""
-    n, total, sq = global_sum([float(x.numel()), float(x.sum()), float((x.double() ** 2).sum())])
+def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8, sums=global_sum) -> torch.Tensor:
+    """x minus the mean, over the (unbiased) std, both over every rank's values (`sums`: how per-rank
+    sums become global ones; `DataReplicas.sum` counts each tensor-parallel group once)."""
+    n, total, sq = sums([float(x.numel()), float(x.sum()), float((x.double() ** 2).sum())])
     mean = total / max(n, 1.0)
     var = max(sq - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
     return (x - mean) * (var + eps) ** -0.5
@@ -312,13 +347,14 @@ def explained_variance(ret_sum: float, ret_sq: float, res_sum: float, res_sq: fl
     return 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0
 
 
-def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sums=global_sum) -> torch.Tensor:
     """`rl_losses.whiten` with the mean and (unbiased) variance of the masked entries of every
-    rank's rollout, so the advantages are normalised over the whole rollout, not per shard."""
+    rank's rollout, so the advantages are normalised over the whole rollout, not per shard
+    (`sums` as in `standardize_over_ranks`)."""
     m = mask.to(x.dtype)
-    count, total = global_sum([float(m.sum()), float((x * m).sum())])
+    count, total = sums([float(m.sum()), float((x * m).sum())])
     mean = total / max(count, 1.0)
-    (sq,) = global_sum([float((((x - mean) * m) ** 2).sum())])
+    (sq,) = sums([float((((x - mean) * m) ** 2).sum())])
     var = sq / max(count - 1.0, 1.0)
     return (x - mean) * (var + eps) ** -0.5 * m
 
@@ -358,7 +394,8 @@ def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor], trunk
     if cached and trunks is None:
         raise ValueError("a batch with cached frozen-trunk outputs needs the TrunkCache that skips the lower blocks")
     with trunks.skipping() if cached else nullcontext():
-        logits, values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], T + 1, **cached)
+        logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], logits_to_keep=T + 1, **cached)
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     logp = logp_all.gather(-1, batch["input_ids"][:, -T:].unsqueeze(-1)).squeeze(-1) * mask
     with torch.no_grad():
@@ -446,14 +483,15 @@ class PPOLoss(GRPOLoss):
                 hidden[key][rows, start:stop] = sink[0]
         engine_lp = padded(rollout.engine_logprobs, T).to(dev) * mask
         local_gap = float(((logp - engine_lp).abs() * mask).sum())
-        tokens, gap_sum = global_sum([float(mask.sum()), local_gap])
+        sums = self.replicas.sum  # every data replica once (a tp group holds one rollout on each rank)
+        tokens, gap_sum = sums([float(mask.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
         raw_scores = scores
         if s.score_baseline == "prompt":
             scores = prompt_centred(scores, s.num_generations)
         if s.normalize_scores:
-            scores = standardize_over_ranks(scores)
+            scores = standardize_over_ranks(scores, sums=sums)
         ref_lp, _ = completion_logprobs(self.reference, tb)
         kl = (engine_lp - ref_lp) * mask  # per-token KL sample of the sampling policy against the reference
         self.kl_coef_used = self.kl.value
@@ -463,8 +501,8 @@ class PPOLoss(GRPOLoss):
         adv, returns = L.gae(rewards, values, mask, gamma=s.gamma, lam=s.lam)
         residual = (returns - values) * mask  # what the critic's rollout-time values missed (explained variance)
         if s.whiten_advantages:
-            adv = whiten_over_ranks(adv, mask)
-        (kl_total,) = global_sum([float(kl.sum())])
+            adv = whiten_over_ranks(adv, mask, sums=sums)
+        (kl_total,) = sums([float(kl.sum())])
         self.kl.update(kl_total / max(tokens, 1.0), 1)  # once per rollout, with the rollout's mean KL
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         self.rollouts += 1
@@ -486,7 +524,7 @@ class PPOLoss(GRPOLoss):
         mask = mb["completion_mask"].float()
         logp, values, entropy = actor_critic_outputs(model, mb, self.trunks)
         local = float(mask.sum())
-        (tokens,) = global_sum([local])
+        (tokens,) = self.replicas.sum([local])
         tokens = max(tokens, 1.0)
         pg, clip = L.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_low=s.clip, clip_high=s.clip,
                                  token_total=tokens)
@@ -501,8 +539,8 @@ class PPOLoss(GRPOLoss):
                     "policy_loss_sum": float(pg) * tokens, "value_loss_sum": float(vf) * tokens}
         for k, v in sums.items():
             self.step_sums[k] += v
-        # fit averages gradients over data-parallel ranks; both terms are global means, so scale back up.
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        # fit averages gradients over data-parallel replicas; both terms are global means, so scale back up.
+        world = self.replicas.count
         # In a critic warm-up the policy term stays in the graph with weight 0: every rank's actor then
         # gets (zero) gradients, and AdamW (no weight decay on a zero moment) leaves the actor as it is.
         return (pg * (1.0 if train_policy else 0.0) + s.vf_coef * vf) * world
@@ -521,10 +559,7 @@ class ActorSync:
         self.engine = engine
 
     def sync(self, model: nn.Module) -> float:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            self.engine.llm.load_weights(actor_weights(model), strict=True)
-        return time.perf_counter() - t0
+        return self.engine.sync(model, submodule="actor")
 
 
 class PPOHook(RLHook):
@@ -548,12 +583,12 @@ class PPOHook(RLHook):
 
     def after_step(self, step: int) -> None:
         loss, s = self.loss, self.loss.s
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = loss.replicas.count
         started = loss.stats.started
         loss.step = step
         epoch, slot = loss.position(step)
         sync_s = self.sync_engine() if (step % s.steps_per_rollout == 0) else 0.0
-        v = dict(zip(STEP_SUMS, global_sum([loss.step_sums[k] for k in STEP_SUMS])))
+        v = dict(zip(STEP_SUMS, loss.replicas.sum([loss.step_sums[k] for k in STEP_SUMS])))
         tokens = max(v["tokens"], 1.0)
         record: dict[str, Any] = {
             "step": step, "ppo_epoch": epoch, "mini_batch": slot, "new_rollout": bool(loss.rollout_sums),
@@ -564,7 +599,7 @@ class PPOHook(RLHook):
             "entropy": v["entropy_sum"] / tokens, "kl_coef": loss.kl.value, "time_sync_s": sync_s,
             "policy_trained": not loss.critic_warmup(step - (step - 1) % s.steps_per_rollout)}
         if loss.rollout_sums:
-            r = dict(zip(ROLLOUT_SUMS, global_sum([loss.rollout_sums[k] for k in ROLLOUT_SUMS])))
+            r = dict(zip(ROLLOUT_SUMS, loss.replicas.sum([loss.rollout_sums[k] for k in ROLLOUT_SUMS])))
             samples = max(r["samples"], 1.0)
             mean = r["reward_sum"] / samples
             record.update({
@@ -720,7 +755,7 @@ def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rew
 
 def trained_prompt_indices(cfg: "PPOConfig", num_prompts: int) -> list[int]:
     """The training prompts the rollouts of a `train.max_steps` run use, all ranks together, sorted."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = DataReplicas(rollout_tp_size(cfg.train)).count
     rollouts = -(-cfg.train.max_steps // cfg.ppo.steps_per_rollout)
     size = cfg.train.micro_batch_size * world
     return sorted({i for r in range(rollouts) for i in rollout_prompts(cfg.train.seed, r, num_prompts, size)})
@@ -823,9 +858,7 @@ def build_ppo(cfg: PPOConfig):
 
     from .models import load_policy, load_tokenizer, resolve_model_dir, train_top_layers
     context()
-    if cfg.train.plugin == "hybrid":
-        raise ConfigError("train.plugin=hybrid: online RL here trains with data-parallel layouts (ddp, zero1, zero2, "
-                          "fsdp, gemini); tensor/pipeline-parallel training of the policy is not wired yet")
+    tp_size = rollout_tp_size(cfg.train)  # refuses pp / sp layouts
     check_rollout_split(cfg)
     s, e = cfg.ppo, cfg.engine
     tokenizer = load_tokenizer(cfg.model)
@@ -835,24 +868,19 @@ def build_ppo(cfg: PPOConfig):
     train_top_layers(actor, s.train_layers)  # the frozen bottom needs no gradients or optimizer state
     train_top_layers(critic, s.train_layers)
     model = ActorCritic(actor, critic)
+    if cfg.train.plugin == "hybrid":  # the actor splits over the tp group; critic and value head stay whole
+        model.split_actor_only()
     rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
     from phalanx.observe import get_logger
     train_records, heldout_records, train_ids, heldout_ids = load_ppo_prompts(cfg.data, tokenizer,
                                                                               get_logger("apps.chat_rlhf"))
-    engine = RolloutEngine.build(actor, tokenizer, max_new_tokens=s.max_new_tokens, max_model_len=e.max_model_len,
-                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=cfg.train.seed,
-                                 max_num_seqs=e.max_num_seqs, block_size=e.block_size,
-                                 kv_cache_memory_gib=e.kv_cache_memory_gib)
-    engine.check_prompts(train_ids, "training prompt")
-    engine.check_prompts(heldout_ids, "held-out prompt")
-
-    def rollout_fn(indices, step):
-        seeds = [sample_seed(cfg.train.seed, step, i, j) for i in indices for j in range(s.num_generations)]
-        return engine.generate([train_ids[i] for i in indices], s.num_generations, seeds=seeds)
-
-    loss = PPOLoss(s, train_records, train_ids, rewards, rollout_fn,
+    engine = build_engine(actor, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
+                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids})
+    loss = PPOLoss(s, train_records, train_ids, rewards, seeded_rollouts(engine, train_ids, s.num_generations,
+                                                                         cfg.train.seed),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,
                    seed=cfg.train.seed)
+    loss.replicas = DataReplicas(tp_size)
     if s.cache_frozen_trunk:  # after the reference copy and the engine: it patches this actor's blocks
         loss.trunks = TrunkCache(actor, critic, s.train_layers)
     hook = PPOHook(loss, ActorSync(engine), cfg.train.output_dir)

@@ -131,8 +131,10 @@ class RolloutEngine:
                                "seeds or lengths): under tensor parallelism every rank of a tp group must be given "
                                "the same prompts (one data replica) and the same sampling seeds")
 
-    def sync(self, model: torch.nn.Module) -> float:
+    def sync(self, model: torch.nn.Module, submodule: str = "") -> float:
         """Copy the trained weights into the engine (in memory); returns the seconds it took.
+        `submodule`: the policy is that submodule of the trained model (PPO's `actor` inside its
+        actor-critic wrapper); "" for the model itself.
 
         Under HybridParallelPlugin each rank moves its own training shards into its engine shards
         over the trainer's tp group (the first sync adopts that group); otherwise the state dict
@@ -141,17 +143,18 @@ class RolloutEngine:
         with torch.no_grad():
             plan = tensor_parallel_plan(model)
             if plan is not None:
-                self.load_tp_shards(model, plan)
+                self.load_tp_shards(model, plan, submodule)
             else:
                 if self.tp_size > 1:
                     raise ValueError(f"this engine runs tensor-parallel (tp_size={self.tp_size}) but the model was not "
                                      "boosted by HybridParallelPlugin with that tp_size")
-                self.llm.load_weights(_weights_of(model), strict=True)
+                self.llm.load_weights(_weights_of(model, submodule), strict=True)
         self.sync_s = time.perf_counter() - t0
         return self.sync_s
 
-    def load_tp_shards(self, model: torch.nn.Module, plan) -> list[str]:
-        """Shard-to-shard copy from a tensor-parallel trainer; returns the names it had to gather."""
+    def load_tp_shards(self, model: torch.nn.Module, plan, submodule: str = "") -> list[str]:
+        """Shard-to-shard copy from a tensor-parallel trainer (of `submodule` of it, if given);
+        returns the names it had to gather."""
         from phalanx.booster.plugins.base import unwrap_model
         from phalanx.inference.weights import tp_shard_source
         if plan.size != self.tp_size:
@@ -159,19 +162,45 @@ class RolloutEngine:
                              "build the engine with the training layout's tp_size")
         if self.llm.tp.group is not plan.group:
             self.llm.tp.adopt(plan.group)
-        source = tp_shard_source(unwrap_model(model), plan, self.llm.runner.model)
+        policy = unwrap_model(model)
+        if submodule:
+            policy, plan = policy.get_submodule(submodule), submodule_plan(plan, submodule)
+        source = tp_shard_source(policy, plan, self.llm.runner.model)
         self.llm.load_weights(source, strict=True)
         self.gathered = source.gathered
         return source.gathered
 
 
-def _weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _weights_of(model: torch.nn.Module, submodule: str = "") -> dict[str, torch.Tensor]:
     """The state dict to read whole: the user's model under HybridParallelPlugin(tp_size=1) (its
-    wrapper's names carry the plugin's module path), the boosted model's otherwise."""
+    wrapper's names carry the plugin's module path), the boosted model's otherwise; only
+    `submodule`'s tensors, under their names inside it, when one is named."""
     from phalanx.booster.plugins.base import unwrap_model
     from phalanx.booster.state import boosted_state
     state = boosted_state(model)
-    return unwrap_model(model).state_dict() if getattr(state, "plan", None) is not None else model.state_dict()
+    weights = unwrap_model(model).state_dict() if getattr(state, "plan", None) is not None else model.state_dict()
+    return submodule_weights(weights, submodule) if submodule else weights
+
+
+def submodule_weights(state: dict[str, torch.Tensor], submodule: str) -> dict[str, torch.Tensor]:
+    """The tensors of `state` under the module named `submodule` (a single name, e.g. `actor`),
+    renamed to their names inside it, whatever wrapper prefixes (DDP `module.`, FSDP, compile)
+    come before it."""
+    out = {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if submodule in parts:
+            out[".".join(parts[parts.index(submodule) + 1:])] = tensor
+    return out
+
+
+def submodule_plan(plan, submodule: str):
+    """The `TPPlan` of `submodule` of the planned model: its parameters' specs under their names
+    inside it (same group, rank and heads), for reading that submodule's shards on their own."""
+    import dataclasses
+    lead = submodule + "."
+    return dataclasses.replace(plan, params={name[len(lead):]: shard for name, shard in plan.params.items()
+                                             if name.startswith(lead)})
 
 
 def tensor_parallel_plan(model: torch.nn.Module):

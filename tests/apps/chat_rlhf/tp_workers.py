@@ -22,13 +22,14 @@ def hybrid(tp: int = 2) -> list[str]:
     return ["train.plugin=hybrid", f"train.plugin_options={{tp_size: {tp}}}"]
 
 
-def engine_vs_trainer(run) -> tuple[float, list[list[int]]]:
-    """Max |engine - trainer| log-prob of fresh samples (4 per rank) under the boosted model."""
+def engine_vs_trainer(run, policy=None) -> tuple[float, list[list[int]]]:
+    """Max |engine - trainer| log-prob of fresh samples (4 per rank) under the boosted model (or
+    `policy`, the trained causal LM inside it, e.g. PPO's actor)."""
     from apps.chat_rlhf.rollout import completion_batch, completion_logprobs, padded
     rollout = run.engine.generate(run.loss.prompt_ids[:2], 2, seeds=[1, 2, 3, 4])
     batch = completion_batch(rollout.prompt_ids, rollout.completion_ids, pad_id=run.tokenizer.pad_token_id)
     with torch.no_grad():
-        logp, _ = completion_logprobs(run.hook.model, batch)
+        logp, _ = completion_logprobs(run.hook.model if policy is None else policy, batch)
     engine = padded(rollout.engine_logprobs, logp.shape[1])
     return ((logp - engine).abs() * batch["completion_mask"]).max().item(), rollout.completion_ids
 
@@ -109,6 +110,60 @@ def grpo_losses(model_dir: str, out_dir: str, *extra: str) -> dict:
             "lengths": [r["completion_len"] for r in run.hook.history],
             "kl": [r["kl"] for r in run.hook.history], "gaps": [r["logprob_gap"] for r in run.hook.history],
             "before": fixed_logprobs(load_policy(model_dir), run), "after": fixed_logprobs(run.hook.model, run)}
+
+
+# -- PPO under tensor parallelism -----------------------------------------------------------------
+def ppo_cfg(model: str, out: str, *extra: str):
+    from apps.chat_rlhf.ppo import load_ppo_config
+    return load_ppo_config(None, [f"model={model}", "data.num_train=16", "data.num_heldout=0",
+                                  "ppo.num_generations=2", "ppo.max_new_tokens=6", "ppo.ppo_epochs=1",
+                                  "ppo.num_mini_batches=2", "ppo.rewards=[tp_workers:short_reward]",
+                                  "train.micro_batch_size=2", f"train.output_dir={out}", "train.lr=1e-2",
+                                  "train.min_lr_ratio=1.0", "engine.max_model_len=96", "train.progress_bar=false",
+                                  "train.plot=false", "train.resume=false", "train.peak_tflops=0", *extra])
+
+
+def ppo_update(model_dir: str, out_dir: str, *extra: str) -> dict:
+    """One PPO update (one rollout of fixed completions, two mini-batch steps) on any layout: the
+    step losses, the trained actor's log-probs and the critic's values on fixed completions
+    (fingerprints of every trained weight), and, after the engine's syncs (at bind and after the
+    update), the largest |engine - trainer| log-prob of live samples."""
+    from types import SimpleNamespace
+
+    from fixed_rollouts import seeded_rollout_fn
+
+    from apps.chat_rlhf.ppo import actor_critic_outputs, build_ppo
+    from apps.chat_rlhf.rollout import completion_batch
+    from phalanx.booster.plugins.base import unwrap_model
+    from phalanx.train import fit
+
+    cfg = ppo_cfg(model_dir, out_dir, "train.max_steps=2", *extra)
+    model, tokenizer, records, loss, hook, _, engine = build_ppo(cfg)
+    loss.rollout_fn = seeded_rollout_fn(loss.reference, tokenizer, loss.prompt_ids, cfg.ppo.num_generations)
+    from apps.chat_rlhf.grpo import PromptIndices
+    try:
+        result = fit(cfg.train, model, PromptIndices(len(records)), loss_fn=loss, tokenizer=tokenizer, hooks=[hook])
+    finally:
+        hook.close()
+    batch = completion_batch(loss.prompt_ids[:2], [[5, 17, 40, 33], [9, 12, 200]], pad_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, values, _ = actor_critic_outputs(hook.model, batch)
+    actor = unwrap_model(hook.model).actor
+    run = SimpleNamespace(engine=engine, loss=loss, tokenizer=tokenizer, hook=hook)
+    gap, _ = engine_vs_trainer(run, actor)
+    return {"indices": loss.rollout_indices, "losses": result.losses, "logp": logp.tolist(),
+            "values": values.tolist(), "gap": gap, "engine_tp": engine.tp_size, "engine_step": hook.engine_step,
+            "gathered": engine.gathered, "rollout_gap": [r["logprob_gap"] for r in hook.history if "logprob_gap" in r],
+            "initial_logp": fixed_actor_logprobs(model_dir, batch)}
+
+
+def fixed_actor_logprobs(model_dir: str, batch) -> list[list[float]]:
+    """The initial actor's log-probs of a batch (to show the update moved the policy)."""
+    from apps.chat_rlhf.models import load_policy
+    from apps.chat_rlhf.rollout import completion_logprobs
+    with torch.no_grad():
+        logp, _ = completion_logprobs(load_policy(model_dir), batch)
+    return logp.tolist()
 
 
 # -- measurement: shard-to-shard sync against gathering the full state dict ------------------------
