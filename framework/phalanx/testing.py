@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+import atexit
 import importlib.util
 
 import torch
@@ -84,6 +85,10 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, th
             pickle.dump(("error", traceback.format_exc()), f)
     finally:
         launch_mod.shutdown() if payload[0] == "ok" else None
+        # A rank forked by the fork server ends with os._exit, which skips the interpreter's exit
+        # handlers: run them here as a normally exiting process would (temporary directories and
+        # other finalizers registered with atexit / weakref.finalize). Cleared once run.
+        atexit._run_exitfuncs()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, threads: int = 1,

@@ -8,3 +8,15 @@ def report_env(names: list[str]) -> dict:
 
     return {"env": {n: os.environ.get(n) for n in names}, "rank": dist.get_rank(),
             "transformers_preloaded": "transformers" in sys.modules}
+
+
+_KEPT = []
+
+
+def scratch_directory() -> str:
+    """A temporary directory the rank keeps until it exits (cleaned by its exit handlers)."""
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="phalanx-spawn-scratch-")
+    _KEPT.append(scratch)
+    return scratch.name

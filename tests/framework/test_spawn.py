@@ -6,7 +6,7 @@ import os
 import pytest
 
 from phalanx.testing import spawn
-from spawn_env_workers import report_env
+from spawn_env_workers import report_env, scratch_directory
 
 
 def test_ranks_get_the_callers_environment_at_spawn_time(monkeypatch):
@@ -31,3 +31,10 @@ def test_fresh_interpreters_on_request(monkeypatch):
     monkeypatch.setenv("PHALANX_SPAWN_METHOD", "fork")
     with pytest.raises(ValueError, match="PHALANX_SPAWN_METHOD='fork'"):
         spawn(report_env, 1, [])
+
+
+def test_a_ranks_exit_handlers_run():
+    """A forked rank leaves through os._exit; its atexit handlers (here a TemporaryDirectory's
+    cleanup) still run before `spawn` returns."""
+    for path in spawn(scratch_directory, 2):
+        assert not os.path.exists(path), path
