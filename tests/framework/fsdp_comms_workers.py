@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.booster.plugins.fsdp_comms import AllReduceScatter, BroadcastAllGather
+from phalanx.booster.plugins.fsdp_comms import GLOO_EXCHANGES, BroadcastAllGather, GlooReduceScatter
 
 
 def compare_with_torch_collectives() -> dict[str, float]:
@@ -25,9 +25,10 @@ def compare_with_torch_collectives() -> dict[str, float]:
         full = torch.randn(world * 41, generator=gen)
         want = torch.empty(41)
         dist.reduce_scatter_tensor(want, full.clone(), op=op, group=group)
-        got = torch.full((41,), float("nan"))
-        AllReduceScatter()(got, full.clone(), group, op)
-        out[f"reduce_scatter_{name}"] = (got - want).abs().max().item()
+        for exchange in GLOO_EXCHANGES:
+            got = torch.full((41,), float("nan"))
+            GlooReduceScatter(exchange=exchange)(got, full.clone(), group, op)
+            out[f"reduce_scatter_{name}_{exchange}"] = (got - want).abs().max().item()
     return out
 
 

@@ -33,6 +33,13 @@ def bf16_reference():
 
 PLUGINS, WORLDS = ("ddp", "fsdp"), (2, 4)
 EQUIVALENCE, CHECKPOINT = "test_plugin_matches_single_process", "test_checkpoint_moves_between_plugins_and_world_sizes"
+CLIPPING = "test_clipping_matches_single_process"
+MAX_NORM = 0.05  # below every step's gradient norm here: every step clips
+
+
+@pytest.fixture(scope="module")
+def clipped_reference():
+    return cases.single_process_reference(max_norm=MAX_NORM)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,8 @@ def spawned(request, tmp_path_factory):
             precisions = ("fp32", "bf16") if world == 2 else ("fp32",)
             by_world[world][f"{EQUIVALENCE}[{world}-{name}]"] = (cases.equivalence_suite,
                                                                  (name, precisions, world == 2), {})
+    for name in PLUGINS:
+        by_world[2][f"{CLIPPING}[{name}]"] = (cases.equivalence_suite, (name, ("fp32",), False, MAX_NORM), {})
     by_world[2][f"{CHECKPOINT}:save"] = (cases.train_and_checkpoint, ("fsdp", ckpt), {})
     by_world[1][f"{CHECKPOINT}:ddp1"] = (cases.resume_and_continue, ("ddp", ckpt), {})
     by_world[4][f"{CHECKPOINT}:fsdp4"] = (cases.resume_and_continue, ("fsdp", ckpt), {})
@@ -70,6 +79,14 @@ def test_plugin_matches_single_process(name, world, reference, bf16_reference, s
         _assert_close(result["bf16"], bf16_reference, BF16_LOSS_RTOL, BF16_UPDATE_RTOL, f"{where}, bf16")
     if "accumulate" in result:  # 2 micro-batches with no_sync == the big batch
         _assert_close(result["accumulate"], reference, FP32_LOSS_RTOL, ADAMW_UPDATE_RTOL, f"{where}, accumulation")
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_clipping_matches_single_process(name, clipped_reference, spawned):
+    """Clipping by the global norm (the factor applied inside torch's fused AdamW kernel,
+    `phalanx.zero.fused_step`) against torch's clip_grad_norm_ before a plain AdamW step."""
+    result = spawned[1][2].get(f"{CLIPPING}[{name}]")[0]
+    _assert_close(result["fp32"], clipped_reference, FP32_LOSS_RTOL, ADAMW_UPDATE_RTOL, f"{name}, clipped")
 
 
 def test_checkpoint_moves_between_plugins_and_world_sizes(spawned):

@@ -15,6 +15,7 @@ import torch
 import zero_workers as zw
 from phalanx.testing import (ADAMW_UPDATE_RTOL, LOW_PRECISION_RTOL, Diff, check, rel_diff, rounding_rtol, spawn,
                              update_diff)
+from phalanx.zero.flat_group import FlatParamGroup
 from phalanx.zero.partition import FlatLayout, bucket_slots
 
 TOKENS = zw.GLOBAL_BATCH * zw.SEQ  # the longest reduction behind a loss or a weight gradient
@@ -113,6 +114,33 @@ def test_buckets_follow_reverse_model_order_with_whole_parameters():
         assert all(x.end == y.offset for x, y in itertools.pairwise(b))
 
 
+@pytest.mark.parametrize("world, sizes, bucket, exchanged", [
+    (2, [4, 4, 10, 2, 2], 8, [True, True, True]),  # 2 ranks: a receive buffer is at most 2 x bucket
+    # 4 ranks, 24 elements (6 per rank): [0..8) splits 6+2 (4 x 6 > 2 x 8: all-reduce), [8..18)
+    # 4+6 (4 x 6 > 20: all-reduce), [18..24) lies in rank 3 (all-reduce)
+    (4, [4, 4, 10, 2, 2, 2], 10, [False, False, False]),
+    # 4 ranks, 16 elements of one parameter: split 4+4+4+4 (4 x 4 <= 2 x 16: all-to-all)
+    (4, [16], 16, [True]),
+    # 4 ranks, 24 elements: [0..16) splits 6+6+4 (4 x 6 <= 32: all-to-all), [16..24) 2+6 (24 > 16)
+    (4, [16, 4, 4], 16, [True, False]),
+])
+def test_all_to_all_only_where_its_receive_buffer_fits(world, sizes, bucket, exchanged):
+    """gloo's reduction is an all-to-all (the bytes of a reduce-scatter), but a rank receives
+    world copies of its part of a bucket: a bucket lying mostly in one rank's range is
+    all-reduced in place instead, so no receive buffer exceeds twice the bucket."""
+    from phalanx.zero.reducer import GradReducer
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    group = FlatParamGroup(params, rank=0, world_size=world, process_group=None)
+    reducer = GradReducer([group], stage=2, bucket_numel=bucket, overlap=False, process_group=None, rank=0,
+                          world_size=world, collective="all_to_all")
+    got = [b.exchange for b in sorted(reducer.buckets, key=lambda b: b.lo)]
+    assert got == exchanged
+    for b in reducer.buckets:
+        if b.exchange:
+            assert world * max(hi - lo for lo, hi in group.layout.split_by_rank(b.lo, b.hi)) <= 2 * (b.hi - b.lo)
+
+
 # ---------------------------------------------------------------------------- configuration errors
 @pytest.mark.parametrize("factory", [
     lambda ps: torch.optim.LBFGS(ps),
@@ -154,6 +182,7 @@ def test_fp32_matches_single_process(world, stage, references, request):
 
 @pytest.mark.parametrize("config", ["s2_fp32_no_overlap", "s2_fp32_one_bucket", "s2_fp32_prefetch",
                                     "s1_fp32_reduce_scatter", "s2_fp32_reduce_scatter",
+                                    "s1_fp32_all_reduce", "s2_fp32_all_reduce",
                                     "s2_accum_every_microstep_reduce_scatter"])
 def test_fp32_matches_without_overlap_and_with_one_bucket(config, references, two_ranks):
     """(s2_fp32_prefetch: parameters published during the next forward; the losses, compared

@@ -164,7 +164,10 @@ CONFIGS = {
     "s2_fp32_no_overlap": (2, "fp32", {"overlap_communication": False}, "adamw", {}),
     "s2_fp32_one_bucket": (2, "fp32", {"reduce_bucket_mb": 25.0}, "adamw", {}),
     "s2_fp32_prefetch": (2, "fp32", {"overlap_param_gather": True}, "adamw", {}),
-    # gloo's default is all_reduce: force the reduce-scatter path (NCCL's default) too
+    # gloo's default is all_to_all: force the reduce-scatter path (NCCL's default) and the
+    # all-reduce one too
+    "s1_fp32_all_reduce": (1, "fp32", {"grad_collective": "all_reduce"}, "adamw", {}),
+    "s2_fp32_all_reduce": (2, "fp32", {"grad_collective": "all_reduce"}, "adamw", {}),
     "s1_fp32_reduce_scatter": (1, "fp32", {"grad_collective": "reduce_scatter"}, "adamw", {}),
     "s2_fp32_reduce_scatter": (2, "fp32", {"grad_collective": "reduce_scatter"}, "adamw", {}),
     "s2_bf16_reduce_scatter": (2, "bf16", {"grad_collective": "reduce_scatter"}, "adamw", {}),

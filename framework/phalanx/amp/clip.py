@@ -35,14 +35,24 @@ def global_grad_norm(grads: Iterable[torch.Tensor], group: dist.ProcessGroup | N
     return float(total.item() ** (1.0 / norm_type))
 
 
-def clip_grads_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
-    """Scale gradients in place so their global norm is at most `max_norm`; returns the factor."""
+def clip_coefficient(max_norm: float | None, total_norm: float) -> float:
+    """The factor that brings gradients of global norm `total_norm` to at most `max_norm` (1.0:
+    no clipping needed, or none asked for, or a non-finite norm)."""
     if max_norm is None or max_norm <= 0 or not math.isfinite(total_norm):
         return 1.0
-    coef = max_norm / (total_norm + 1e-6)
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_grads(grads: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiply gradients in place by a clipping factor (nothing to do at 1.0)."""
     if coef < 1.0:
         for g in grads:
             if g is not None:
                 g.detach().mul_(coef)
-        return coef
-    return 1.0
+
+
+def clip_grads_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale gradients in place so their global norm is at most `max_norm`; returns the factor."""
+    coef = clip_coefficient(max_norm, total_norm)
+    clip_grads(grads, coef)
+    return coef

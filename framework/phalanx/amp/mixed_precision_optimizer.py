@@ -17,9 +17,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
+from phalanx.amp.clip import clip_coefficient, clip_grads, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
-from phalanx.zero.fused_step import fused_kernels
+from phalanx.zero.fused_step import fused_step
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
@@ -36,6 +36,7 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
         self.master_of: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.nn.Parameter] = []
         self._use_master = precision != "fp32"
+        self._clip, self._clip_grads = 1.0, []  # the clipping factor `step` applies, and to what
         for group in optimizer.param_groups:
             new_params = []
             for p in group["params"]:
@@ -78,24 +79,33 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
             grads.append(target.grad)
         return grads
 
-    def unscale_and_clip(self) -> bool:
-        """Unscale (fp16), check overflow, clip. Returns False when the step must be skipped."""
+    def unscale_and_clip(self, defer_clip: bool = False) -> bool:
+        """Unscale (fp16), check overflow, take the global norm, clip. Returns False when the
+        step must be skipped. `defer_clip`: leave the clipping factor to `step`, which applies
+        it inside the fused kernel where it can (`fused_step`)."""
         grads = self._move_grads_to_master()
         if not self.scaler.unscale_or_skip(grads, self.grad_group):
             self.last_grad_norm = float("inf")
             return False
         norm = global_grad_norm(grads, self.grad_group, sharded=self.grads_sharded)
         self.last_grad_norm = norm
-        if self.max_norm:
-            clip_grads_by_norm(grads, self.max_norm, norm)
+        return self._clip_or_defer(grads, norm, defer_clip)
+
+    def _clip_or_defer(self, grads: list[torch.Tensor], norm: float, defer: bool) -> bool:
+        coef = clip_coefficient(self.max_norm, norm)
+        if defer:
+            self._clip, self._clip_grads = coef, grads
+        else:
+            clip_grads(grads, coef)
         return True
 
     def step(self, closure=None) -> None:
-        ok = self.unscale_and_clip()
+        ok = self.unscale_and_clip(defer_clip=closure is None)  # a closure makes new gradients: clip now
         self.skipped = not ok
         if ok:
             with self._fast_kernel():
                 self.optim.step(closure) if closure else self.optim.step()
+            self._clip, self._clip_grads = 1.0, []
             if self.scaler.enabled:
                 self.scaler.update(False)
             if self._use_master:
@@ -104,10 +114,13 @@ class MixedPrecisionOptimizer(OptimizerWrapper):
                         p.copy_(self.master_of[id(p)])
 
     def _fast_kernel(self):
-        """The fused kernel for the groups `fusable` accepts, when every parameter is on the CPU."""
+        """The fused kernel for the groups `fusable` accepts, when every parameter is on the CPU,
+        with the clipping factor applied inside it (`fused_step`); elsewhere the gradients are
+        clipped in place and torch's default kernel steps."""
         params = self.master_params()
         if params and all(p.device.type == "cpu" for p in params):
-            return fused_kernels(self.optim, torch.device("cpu"))
+            return fused_step(self.optim, torch.device("cpu"), self._clip_grads, self._clip)
+        clip_grads(self._clip_grads, self._clip)
         return contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -16,7 +16,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from phalanx.amp.clip import clip_grads_by_norm
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
 from phalanx.shard.grads import PartialGradSync, flat_all_reduce, weighted_norm
 from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
@@ -63,7 +62,7 @@ class HybridOptimizer(MixedPrecisionOptimizer):
         self.partial_ids = partial_ids
         self.weights = weights
 
-    def unscale_and_clip(self) -> bool:
+    def unscale_and_clip(self, defer_clip: bool = False) -> bool:
         pairs = []
         for p in self.model_params:
             if not p.requires_grad:
@@ -84,6 +83,4 @@ class HybridOptimizer(MixedPrecisionOptimizer):
         dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         device = grads[0].device if grads else torch.device("cpu")
         self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), device)
-        if self.max_norm:
-            clip_grads_by_norm(grads, self.max_norm, self.last_grad_norm)
-        return True
+        return self._clip_or_defer(grads, self.last_grad_norm, defer_clip)

@@ -20,10 +20,12 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def is_gloo(group: dist.ProcessGroup | None) -> bool:
-    """Whether `group` runs on gloo (the CPU backend). Measured there (2 ranks, 84 MB fp32, CPU
-    time per rank, docs/zero.md): all_reduce 62 ms, reduce_scatter 118, all_gather_into_tensor
-    125, one broadcast per owner of its half 24. So on gloo ZeRO reduces with all-reduce and
-    publishes parameters with broadcasts; elsewhere (NCCL) with reduce-scatter and all-gather."""
+    """Whether `group` runs on gloo (the CPU backend). Measured there (84 MB fp32, wall / CPU ms
+    per rank, 2 ranks; `bench/collectives.py`): all_reduce 84 / 62, reduce_scatter 164 / 148,
+    all_to_all 48 / 42, all_gather_into_tensor 153 / 126, one broadcast per owner of its part
+    32 / 24 (4 ranks: 164 / 76, 311 / 151, 95 / 43, 271 / 135, 69 / 31). So on gloo ZeRO reduces
+    with an all-to-all (each rank then sums the copies of its own part) and publishes parameters
+    with broadcasts; elsewhere (NCCL) with reduce-scatter and all-gather."""
     try:
         return dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError):
@@ -48,6 +50,20 @@ def reduce_scatter_uneven(output: torch.Tensor, parts: Sequence[torch.Tensor], g
     """
     with collective(name):
         return dist.reduce_scatter(output, list(parts), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_to_all_uneven(received: torch.Tensor, tensor: torch.Tensor, send_sizes: Sequence[int], own_numel: int,
+                      group: dist.ProcessGroup | None, name: str):
+    """Start the exchange half of a SUM reduce-scatter: `tensor` is cut into consecutive parts of
+    `send_sizes` (one per rank, uneven, possibly empty), part r goes to rank r, and `received`
+    (world × `own_numel` elements) gets every rank's copy of this rank's part, in rank order;
+    their sum is the reduced part. On gloo this moves the bytes of a reduce-scatter at the speed
+    of gloo's pairwise all-to-all (`is_gloo`), leaving the sum to the caller, who can add the
+    copies straight into where the result is wanted."""
+    world = len(send_sizes)
+    with collective(name):
+        return dist.all_to_all_single(received, tensor, output_split_sizes=[own_numel] * world,
+                                      input_split_sizes=list(send_sizes), group=group, async_op=True)
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, name: str):

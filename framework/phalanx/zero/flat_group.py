@@ -119,20 +119,29 @@ class FlatParamGroup:
         self._written.add(flat_lo)
         return target
 
-    def accumulate_grad(self, flat_lo: int, values: torch.Tensor) -> None:
-        """Add reduced gradient `values` for flat elements `[flat_lo, flat_lo + len)` (inside this
-        rank's range) into the fp32 master gradient (the first reduction of a range since the
-        last step copies), copying device→host when offloading."""
-        if values.numel() == 0:
+    def accumulate_grad(self, flat_lo: int, *values: torch.Tensor) -> None:
+        """Add reduced gradient `values` (one tensor, or several whose sum is the reduced
+        gradient: an all-to-all's copies) for flat elements `[flat_lo, flat_lo + len)` (inside
+        this rank's range) into the fp32 master gradient (the first reduction of a range since
+        the last step writes instead of adding), copying device→host when offloading."""
+        if values[0].numel() == 0:
             return
-        target = self._grad_slice(flat_lo, values.numel())
-        if self.store is not None:  # transfer in the communication dtype, widen on the host
-            self.store.add_to(target, values)
-        elif flat_lo in self._written:
-            target.add_(values)
-        else:
-            target.copy_(values)
+        target = self._grad_slice(flat_lo, values[0].numel())
+        if self.store is not None:  # sum on the device, transfer once in the communication dtype
+            total = values[0] if len(values) == 1 else torch.stack(values).sum(0)
+            self.store.add_to(target, total)
+            return
+        rest = values
+        if flat_lo not in self._written:
+            if len(values) > 1:
+                torch.add(values[0], values[1], out=target)
+                rest = values[2:]
+            else:
+                target.copy_(values[0])
+                rest = ()
             self._written.add(flat_lo)
+        for v in rest:
+            target.add_(v)
 
     # ------------------------------------------------------------------ weights
     def start_publish(self):

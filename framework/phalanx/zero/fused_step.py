@@ -9,14 +9,17 @@ issue 21 it made the optimizer phase several times cheaper (docs/zero.md).
 
 The kernel is switched on only for the duration of `step` (`fused_kernels`), so the param groups
 the user, the LR scheduler and checkpoints see keep the user's `fused`/`foreach` values, and a
-checkpoint written here loads into any plugin unchanged. Groups where the user chose a kernel
+checkpoint written here loads into any plugin unchanged. `fused_step` also applies the gradient
+clipping factor inside the kernel (its `grad_scale` input divides each gradient as the kernel
+reads it, the input torch's GradScaler uses to unscale), which saves the separate pass that
+scales every gradient in place. Groups where the user chose a kernel
 (`fused` or `foreach` not None), asked for `differentiable` or `capturable`, or optimizers that
 are not exactly one of these classes (a subclass may override `step`) keep the user's choice.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -67,3 +70,30 @@ def fused_kernels(optimizer: torch.optim.Optimizer, device: torch.device,
     finally:
         for group in switched:
             group["fused"] = None
+
+
+def _all_fused(optimizer: torch.optim.Optimizer) -> bool:
+    groups = [g for g in optimizer.param_groups if g["params"]]
+    return bool(groups) and all(g.get("fused") for g in groups)
+
+
+@contextlib.contextmanager
+def fused_step(optimizer: torch.optim.Optimizer, device: torch.device, grads: Sequence[torch.Tensor],
+               clip: float = 1.0, kinds: Kinds = FUSED_OPTIMIZERS) -> Iterator[None]:
+    """`fused_kernels`, with the gradients multiplied by `clip` (a clipping factor <= 1) for the
+    step inside: by the fused kernel itself when every group steps fused (`grad_scale` =
+    1 / clip, set on the optimizer only for the step), else by scaling `grads` in place first.
+    An optimizer that already carries a `grad_scale` (a user's GradScaler) is never touched."""
+    with fused_kernels(optimizer, device, kinds):
+        in_kernel = (clip < 1.0 and _all_fused(optimizer) and getattr(optimizer, "grad_scale", None) is None
+                     and getattr(optimizer, "found_inf", None) is None)
+        if in_kernel:
+            optimizer.grad_scale = torch.tensor(1.0 / clip, dtype=torch.float32, device=device)
+        elif clip < 1.0:
+            for g in grads:
+                g.detach().mul_(clip)
+        try:
+            yield
+        finally:
+            if in_kernel:
+                del optimizer.grad_scale

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.amp.clip import clip_grads_by_norm, global_grad_norm
+from phalanx.amp.clip import clip_coefficient, global_grad_norm
 from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.launch import collective
 from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
-from phalanx.zero.fused_step import fused_kernels
+from phalanx.zero.fused_step import fused_step
 from phalanx.zero.offload import HostStore
 from phalanx.zero.prefetch import ParamPrefetch
 from phalanx.zero.reducer import GradReducer
@@ -64,8 +64,10 @@ class ZeroConfig:
         (`ZeroOptimizer(..., model=)`, which ZeroPlugin passes); parameters read between `step`
         and the next forward need `optimizer.wait_for_params()` first.
     grad_collective: how buckets are reduced. "reduce_scatter" moves half the bytes of
-        "all_reduce"; "auto" picks all_reduce on gloo, where torch's reduce-scatter costs twice
-        its all-reduce (docs/zero.md), and reduce_scatter elsewhere.
+        "all_reduce"; "all_to_all" moves the same bytes as the reduce-scatter and each rank adds
+        the copies of its part; "auto" picks all_to_all on gloo, where torch's reduce-scatter
+        costs twice its all-reduce (docs/zero.md; a bucket whose receive buffer would exceed
+        twice the bucket is all-reduced), and reduce_scatter elsewhere.
     """
 
     stage: int = 2
@@ -207,10 +209,8 @@ class ZeroOptimizer(OptimizerWrapper):
                     g.mul_(inv)
                 norm *= inv
             self.last_grad_norm = norm
-            if self.max_norm:
-                clip_grads_by_norm(grads, self.max_norm, norm)
             t2 = clock()
-            with fused_kernels(self.optim, self._master_device):
+            with fused_step(self.optim, self._master_device, grads, clip_coefficient(self.max_norm, norm)):
                 self.optim.step()
             if self.offload is not None:
                 self.offload.adopt_state(self.optim.state)

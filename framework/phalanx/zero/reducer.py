@@ -8,8 +8,10 @@ layers.
 
 Both stages reduce-scatter the bucket, cut at the rank boundaries of the partition, so each
 rank receives only the sum of the part it owns (the same bytes as half an all-reduce; a rank
-never reads the rest of the reduced gradient, so an all-reduce would be wasted work). They
-differ in memory:
+never reads the rest of the reduced gradient, so an all-reduce would be wasted work). On gloo,
+whose reduce-scatter is slow, the same bytes travel by an all-to-all: each rank receives every
+rank's copy of its own part and adds them into its fp32 gradient shard (`grad_collective`,
+`comm.is_gloo`). The stages differ in memory:
 
 - stage 1: the buckets are views of one persistent flat gradient buffer per group, so stage 1
   holds a full gradient buffer (in the model dtype), as ZeRO-1 does, and allocates nothing per
@@ -60,6 +62,7 @@ class _Bucket:
     arrived: set[int] = field(default_factory=set)  # positions in `slots` copied this round
     launched: bool = False
     in_flight: int = 0
+    exchange: bool = False  # reduced by an all-to-all (else an all-reduce or a reduce-scatter)
 
     def view(self, k: int) -> torch.Tensor:
         slot = self.slots[k]
@@ -70,7 +73,19 @@ class _Bucket:
         return len(self.arrived) == len(self.slots)
 
 
-GRAD_COLLECTIVES = ("auto", "all_reduce", "reduce_scatter")
+GRAD_COLLECTIVES = ("auto", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+def _largest_part(bucket: _Bucket) -> int:
+    return max(hi - lo for lo, hi in bucket.group.layout.split_by_rank(bucket.lo, bucket.hi))
+
+
+def _exchange_fits(bucket: _Bucket, world_size: int) -> bool:
+    """Whether an all-to-all's receive buffer (world × the bucket's largest part) stays within
+    twice the bucket. With more than two ranks a bucket that lies mostly in one rank's range
+    would make that rank receive world copies of nearly all of it: such buckets are all-reduced
+    in place instead (every rank decides alike: the parts are the layout's)."""
+    return world_size * _largest_part(bucket) <= 2 * (bucket.hi - bucket.lo)
 _SPARE_BUFFERS = 2  # stage 2: freed bucket buffers kept for the next buckets
 
 
@@ -82,6 +97,7 @@ class _Pending:
     flat_lo: int  # where `result` starts in the group's flat layout
     direct: bool = False  # `result` is already the master gradient's slice: nothing to add
     buffer: torch.Tensor | None = None  # stage 2: the bucket's buffer, reusable once this completes
+    copies: int = 1  # all_to_all: `result` holds this many copies of the part, to be summed
 
 
 @dataclass
@@ -102,7 +118,7 @@ class GradReducer:
         if collective not in GRAD_COLLECTIVES:
             raise ValueError(f"grad_collective={collective!r}: use one of {', '.join(GRAD_COLLECTIVES)}")
         if collective == "auto":
-            collective = "all_reduce" if comm.is_gloo(process_group) else "reduce_scatter"
+            collective = "all_to_all" if comm.is_gloo(process_group) else "reduce_scatter"
         self.collective = collective
         self.stage = stage
         self.group = process_group
@@ -115,6 +131,7 @@ class GradReducer:
         self._next = 0  # index of the next bucket to launch in this round
         self._persistent: dict[int, torch.Tensor] = {}  # stage 1: id(group) -> flat gradient buffer
         self._spare: list[torch.Tensor] = []  # stage 2: freed bucket buffers, reused (see _release)
+        self._spare_received: list[torch.Tensor] = []  # all_to_all: receive buffers, reused
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self.buckets: list[_Bucket] = []
         for g in groups:
@@ -127,6 +144,9 @@ class GradReducer:
         order = model_order or {}
         self.buckets.sort(key=lambda b: -min(order.get(id(p), 0) for p in b.params))
         self._largest_bucket = max((b.hi - b.lo for b in self.buckets), default=0)
+        for b in self.buckets:
+            b.exchange = self.collective == "all_to_all" and world_size > 1 and _exchange_fits(b, world_size)
+        self._largest_exchange = max((world_size * _largest_part(b) for b in self.buckets if b.exchange), default=0)
         for b in self.buckets:
             for k, p in enumerate(b.params):
                 self._where[id(p)] = (b, k)
@@ -256,9 +276,16 @@ class GradReducer:
         direct = False
         if self.world_size == 1:
             work, result = None, buffer[own_lo - bucket.lo:own_hi - bucket.lo]
-        elif self.collective == "all_reduce":
+        elif bucket.exchange:
+            # Every rank's copy of the part this rank owns arrives; `_complete` adds them up.
+            own = own_hi - own_lo
+            result = self._receive_buffer(own * self.world_size, buffer)
+            work = comm.all_to_all_uneven(result, buffer, [b - a for a, b in parts], own, self.group,
+                                          self._op_name)
+        elif self.collective != "reduce_scatter":
             # In place, on the whole bucket; this rank then reads the part it owns. Twice the
-            # bytes of a reduce-scatter, but on gloo the cheaper of the two (comm.is_gloo).
+            # bytes of a reduce-scatter, but on gloo cheaper than its reduce-scatter (comm.is_gloo);
+            # also gloo's choice for a bucket whose all-to-all would not fit (_exchange_fits).
             work = comm.all_reduce_sum(buffer, self.group, self._op_name)
             result = buffer[own_lo - bucket.lo:own_hi - bucket.lo]
         else:
@@ -270,8 +297,9 @@ class GradReducer:
             if not direct:
                 result = torch.empty(own_hi - own_lo, dtype=buffer.dtype, device=buffer.device)
             work = comm.reduce_scatter_uneven(result, views, self.group, self._op_name)
+        copies = self.world_size if bucket.exchange else 1
         self._pending.append(_Pending(bucket, work, result, own_lo, direct,
-                                      buffer if self.stage == 2 else None))
+                                      buffer if self.stage == 2 else None, copies))
         bucket.in_flight += 1
         bucket.launched = True
         bucket.arrived.clear()
@@ -290,7 +318,9 @@ class GradReducer:
 
     def _complete(self, pending: _Pending) -> None:
         comm.wait(pending.work, self._op_name)
-        if not pending.direct:
+        if pending.copies > 1:
+            pending.bucket.group.accumulate_grad(pending.flat_lo, *pending.result.chunk(pending.copies))
+        elif not pending.direct:
             pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
         pending.bucket.in_flight -= 1
         self._release(pending)
@@ -303,6 +333,19 @@ class GradReducer:
             base = pending.buffer._base if pending.buffer._base is not None else pending.buffer
             self._spare.append(base)
         pending.buffer = None
+        if pending.copies > 1 and len(self._spare_received) < _SPARE_BUFFERS:
+            received = pending.result._base if pending.result._base is not None else pending.result
+            self._spare_received.append(received)
+
+    def _receive_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """An all-to-all's receive buffer of `numel` elements: a kept one when one is large
+        enough (each is sized for the largest exchange, at most twice the largest bucket)."""
+        spare = next((t for t in self._spare_received if t.dtype == like.dtype and t.device == like.device
+                      and t.numel() >= numel), None)
+        if spare is not None:
+            self._spare_received.remove(spare)
+            return spare[:numel]
+        return torch.empty(max(numel, self._largest_exchange), dtype=like.dtype, device=like.device)[:numel]
 
     def _end_round(self) -> None:
         self._next = 0

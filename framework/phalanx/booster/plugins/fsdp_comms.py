@@ -1,17 +1,23 @@
 """FSDP2's two collectives, replaced on gloo by the ones gloo runs fast, and overlapped with backward.
 
 FSDP2 all-gathers each block's parameters (`all_gather_single`) and reduce-scatters its gradients
-(`reduce_scatter_single`). On gloo both are slow next to their alternatives (2 ranks, 84 MB fp32,
-CPU time per rank, docs/zero.md): reduce_scatter 118 ms against all_reduce 62, all_gather 125
-against one broadcast per rank 2 × 24. The ZeRO plugin already reduces and publishes that way;
-these classes give FSDP2 the same through its public hooks (`set_custom_reduce_scatter`,
-`set_custom_all_gather`). NCCL keeps FSDP2's own collectives: there the real ones are the fast ones.
+(`reduce_scatter_single`). On gloo both are slow next to their alternatives (84 MB fp32, wall ms
+per rank, 2 ranks, `zero.comm.is_gloo`): reduce_scatter 164 against an all-to-all 48 (each rank
+then adds the copies of its own slice) or an all_reduce 84; all_gather 153 against one broadcast
+per rank, 32 in all. The ZeRO plugin already reduces and publishes that way; these classes give
+FSDP2 the same through its public hooks (`set_custom_reduce_scatter`, `set_custom_all_gather`).
+NCCL keeps FSDP2's own collectives: there the real ones are the fast ones.
+
+The all-to-all moves the bytes of a reduce-scatter (half an all-reduce's) but needs a receive
+buffer as large as the block's gradient input while it runs; `FSDPPlugin(grad_collective=
+"all_reduce")` gives the in-place all-reduce (no extra buffer, twice the bytes), "reduce_scatter"
+FSDP2's own collectives.
 
 **Gradient reduction runs in gloo's thread while backward goes on** (as DDP's bucketed all-reduce
 does). On CPU, FSDP2 has no streams: it calls the reduce-scatter and reads its output at once. But
 in fp32 and bf16 (reduce dtype fp32, op AVG, no post-division, no dtype cast) the sharded gradient
 it makes is a *view* of the reduce output, written nowhere else until the optimizer reads it. So
-`AllReduceScatter` starts the all-reduce asynchronously and defers copying this rank's slice into
+`GlooReduceScatter` starts the exchange asynchronously and defers writing this rank's result into
 that output to `PendingReduces.finish`, which runs at the end of backward (an autograd final
 callback queued by the first deferred reduce, and the root module's reduce, which FSDP2 runs last,
 in its own final callback) and, as a guard, before the optimizer step. Where FSDP2 would read the
@@ -42,25 +48,26 @@ _PLAIN_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
 
 class PendingReduces:
-    """The all-reduces started during one backward whose slices are still to be copied out.
+    """The gradient reductions started during one backward whose results are still to be written
+    into FSDP2's outputs.
 
-    Each holds its block's full-size gradient input until it is finished, so at most `max_in_flight`
-    stay pending: adding one more finishes the oldest. With 1 (default) a block's reduce runs while
-    the next block's backward computes, and the memory is FSDP2's own (it keeps one reduce input,
-    `reduce_scatter_max_input_buffers`); unbounded, the inputs of every block piled up until the end
-    of backward (8 x 44 MiB at 158M parameters, 16 x 177 MiB at 873.5M: docs/plan.md)."""
+    Each holds its block's full-size gradient input (and, for an all-to-all, the full-size receive
+    buffer) until it is finished, so at most `max_in_flight` stay pending: adding one more finishes
+    the oldest. With 1 (default) a block's reduce runs while the next block's backward computes;
+    unbounded, the inputs of every block piled up until the end of backward (8 x 44 MiB at 158M
+    parameters, 16 x 177 MiB at 873.5M: docs/plan.md)."""
 
     def __init__(self, max_in_flight: int = 1) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight}: at least 1 reduce must be allowed in flight")
         self.max_in_flight = max_in_flight
-        self._items: list[tuple[dist.Work, torch.Tensor, torch.Tensor, int, int]] = []
+        self._items: list[_Reduction] = []
         self._callback_queued = False
 
-    def add(self, work: dist.Work, output: torch.Tensor, full: torch.Tensor, world: int, rank: int) -> None:
-        self._items.append((work, output, full, world, rank))
+    def add(self, reduction: "_Reduction") -> None:
+        self._items.append(reduction)
         while len(self._items) > self.max_in_flight:
-            self._finish_one(self._items.pop(0))
+            self._items.pop(0).finish()
         if not self._callback_queued and torch._C._current_graph_task_id() != -1:
             # Inside backward: finish when the autograd engine does (after FSDP2's own final callback).
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
@@ -70,41 +77,72 @@ class PendingReduces:
         return bool(self._items)
 
     def finish(self) -> None:
-        """Wait for every pending all-reduce and copy this rank's slice into FSDP2's output."""
+        """Wait for every pending reduction and write this rank's result into FSDP2's output."""
         items, self._items, self._callback_queued = self._items, [], False
         for item in items:
-            self._finish_one(item)
-
-    @staticmethod
-    def _finish_one(item: tuple[dist.Work, torch.Tensor, torch.Tensor, int, int]) -> None:
-        work, output, full, world, rank = item
-        work.wait()
-        output.copy_(full.view(world, -1)[rank])
+            item.finish()
 
 
-class AllReduceScatter(DefaultReduceScatter):
-    """Reduce-scatter as an in-place all-reduce of the (already full-size, temporary) input,
-    then this rank's slice copied out: the same result, the same memory, half gloo's time.
-    With `pending` (and `module`, the FSDP module whose gradients it reduces) the all-reduce is
+class _Reduction:
+    """One started reduction of a full-size gradient buffer whose sum (or mean) over ranks of this
+    rank's slice goes to `output`. All-reduce: in place, then the slice is copied out. All-to-all:
+    each rank receives every rank's copy of its own slice (`received`, rank-major) and adds them
+    up: the bytes of a reduce-scatter at the speed of gloo's all-to-all (`zero.comm.is_gloo`)."""
+
+    def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, op,
+                 exchange: str) -> None:
+        self.output, self.full, self.op, self.exchange = output, full, op, exchange
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if exchange == "all_to_all":
+            self.received = torch.empty_like(full)
+            self.work = dist.all_to_all_single(self.received, full, group=group, async_op=True)
+        else:
+            self.received = full
+            self.work = dist.all_reduce(full, op=op, group=group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        parts = self.received.view(self.world, -1)
+        if self.exchange != "all_to_all":
+            self.output.copy_(parts[self.rank])
+            return
+        out = self.output.view(-1)
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        if self.op == dist.ReduceOp.AVG:
+            out.div_(self.world)
+        self.full = self.received = None
+
+
+GLOO_EXCHANGES = ("all_to_all", "all_reduce")
+
+
+class GlooReduceScatter(DefaultReduceScatter):
+    """Reduce-scatter on gloo without gloo's slow reduce-scatter: an all-to-all of the (already
+    full-size, temporary) input whose parts each rank then adds up (default), or an in-place
+    all-reduce whose slice is copied out (`exchange="all_reduce"`, twice the bytes). The same
+    result; the all-to-all needs one more full-size buffer, the receive buffer, while it runs.
+    With `pending` (and `module`, the FSDP module whose gradients it reduces) the reduction is
     left running where that is safe (module docstring); `drain=True` (the root, reduced last)
     finishes everything pending after its own reduce."""
 
     def __init__(self, pending: PendingReduces | None = None, module: FSDPModule | None = None,
-                 drain: bool = False) -> None:
+                 drain: bool = False, exchange: str = "all_to_all") -> None:
         super().__init__()
-        self.pending, self.module, self.drain = pending, module, drain
+        if exchange not in GLOO_EXCHANGES:
+            raise ValueError(f"exchange={exchange!r}: use one of {', '.join(GLOO_EXCHANGES)}")
+        self.pending, self.module, self.drain, self.exchange = pending, module, drain, exchange
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         if op not in _PLAIN_OPS:  # PREMUL_SUM and friends: gloo's own reduce-scatter knows them
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        reduction = _Reduction(output_tensor, input_tensor, group, op, self.exchange)
         if self.pending is not None and not self.drain and self._can_defer(output_tensor, op):
-            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=True)
-            self.pending.add(work, output_tensor, input_tensor, world, rank)
+            self.pending.add(reduction)
             return None
-        dist.all_reduce(input_tensor, op=op, group=group)
-        output_tensor.copy_(input_tensor.view(world, -1)[rank])
+        reduction.finish()
         if self.drain and self.pending:
             self.pending.finish()
         return None
@@ -153,7 +191,7 @@ class BroadcastAllGather(DefaultAllGather):
 
 
 def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup,
-                         overlap_reduce: bool = True) -> PendingReduces | None:
+                         overlap_reduce: bool = True, exchange: str = "all_to_all") -> PendingReduces | None:
     """Give every FSDP module the gloo-fast collectives when `group` runs on gloo. `modules` ends
     with the root. Returns the pending-reduce set the optimizer must finish before it reads
     gradients (None when `group` is not gloo or has one rank)."""
@@ -162,6 +200,6 @@ def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup,
     pending = PendingReduces() if overlap_reduce else None
     for i, module in enumerate(modules):
         is_root = i == len(modules) - 1
-        module.set_custom_reduce_scatter(AllReduceScatter(pending, module, drain=is_root))
+        module.set_custom_reduce_scatter(GlooReduceScatter(pending, module, drain=is_root, exchange=exchange))
         module.set_custom_all_gather(BroadcastAllGather())
     return pending
