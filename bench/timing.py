@@ -2,6 +2,8 @@
 module is importable as `timing`)."""
 from __future__ import annotations
 
+import os
+import platform
 import time
 from typing import Callable
 
@@ -48,3 +50,23 @@ def boost_variant(config, layout: dict | None, batch: int, seq: int):
     g = torch.Generator().manual_seed(1234)
     x = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
     return booster, model, optimizer, x.chunk(plugin.dp_size)[plugin.dp_rank]
+
+
+def cpu_kind() -> str:
+    """The CPU's model name (printed with every figure: the machines differ between sessions)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None

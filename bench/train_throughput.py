@@ -59,7 +59,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import torch  # noqa: E402
-from timing import time_round_robin  # bench/timing.py
+from timing import cpu_kind, time_round_robin  # bench/timing.py
 
 PLUGIN_VARIANTS = ("raw_ddp", "raw_fsdp2", "ddp", "fsdp", "zero1", "zero2")
 BASELINE_OF = {"ddp": "raw_ddp", "fsdp": "raw_fsdp2", "zero1": "raw_ddp", "zero2": "raw_ddp"}
@@ -536,18 +536,6 @@ def print_sized_table(rows: dict, variants: list[str]) -> None:
           "communication threads included), what to compare when other processes share the cores. Phases: wall "
           "ms of the slower rank; '-' = not a separate phase (DDP reduces inside backward, FSDP gathers inside "
           "forward and backward); norm = gradient norm + clipping")
-
-
-def cpu_kind() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown"
 
 
 # =============================================================================================

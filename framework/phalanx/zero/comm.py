@@ -20,12 +20,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def is_gloo(group: dist.ProcessGroup | None) -> bool:
-    """Whether `group` runs on gloo (the CPU backend). Measured there (84 MB fp32, wall / CPU ms
-    per rank, 2 ranks; `bench/collectives.py`): all_reduce 84 / 62, reduce_scatter 164 / 148,
-    all_to_all 48 / 42, all_gather_into_tensor 153 / 126, one broadcast per owner of its part
-    32 / 24 (4 ranks: 164 / 76, 311 / 151, 95 / 43, 271 / 135, 69 / 31). So on gloo ZeRO reduces
-    with an all-to-all (each rank then sums the copies of its own part) and publishes parameters
-    with broadcasts; elsewhere (NCCL) with reduce-scatter and all-gather."""
+    """Whether `group` runs on gloo (the CPU backend). Measured there by `bench/collectives.py`
+    (84 MB fp32, the slowest rank's wall / CPU ms, quiet 2-core Xeon): 2 ranks reduce_scatter
+    144 / 120, all_reduce 103 / 85, all_to_all + adding the copies 57 / 47, all_gather 131 / 104,
+    one broadcast per owner 29 / 25; 4 ranks 223 / 100, 215 / 103, 108 / 54, 226 / 112, 79 / 36.
+    So on gloo ZeRO and FSDPPlugin reduce with an all-to-all (each rank then adds the copies of
+    its own part) and publish parameters with broadcasts; elsewhere (NCCL) with reduce-scatter
+    and all-gather."""
     try:
         return dist.get_backend(group) == "gloo"
     except (RuntimeError, ValueError):

@@ -1,10 +1,10 @@
 """FSDP2's two collectives, replaced on gloo by the ones gloo runs fast, and overlapped with backward.
 
 FSDP2 all-gathers each block's parameters (`all_gather_single`) and reduce-scatters its gradients
-(`reduce_scatter_single`). On gloo both are slow next to their alternatives (84 MB fp32, wall ms
-per rank, 2 ranks, `zero.comm.is_gloo`): reduce_scatter 164 against an all-to-all 48 (each rank
-then adds the copies of its own slice) or an all_reduce 84; all_gather 153 against one broadcast
-per rank, 32 in all. The ZeRO plugin already reduces and publishes that way; these classes give
+(`reduce_scatter_single`). On gloo both are slow next to their alternatives (84 MB fp32, wall ms,
+2 ranks, `bench/collectives.py`, `zero.comm.is_gloo`): reduce_scatter 144 against an all-to-all
+with the copies of its own slice added by each rank 57, or an all_reduce 103; all_gather 131
+against one broadcast per rank, 29 in all. The ZeRO plugin already reduces and publishes that way; these classes give
 FSDP2 the same through its public hooks (`set_custom_reduce_scatter`, `set_custom_all_gather`).
 NCCL keeps FSDP2's own collectives: there the real ones are the fast ones.
 
