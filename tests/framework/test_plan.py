@@ -125,14 +125,15 @@ def test_memory_terms_by_hand():
     # the blocks' gradient shards 4·41,088 = 164,352 (more than the layers' activations
     # 8·(2·4,632 + 908) = 81,376; the root's shard is made after its reduce) under the root gathered
     # 4R = 512,256, the head's whole gradient 4·1000·64 = 256,000, two blocks gathered 8B = 328,704,
-    # one block's gradients + fp32 reduce input 8B = 328,704, two all-to-all receive buffers (gloo)
-    # 8B = 328,704: 1,754,368. The start of backward (activations + loss 177,376 + 4R + 8B =
-    # 1,018,336) and its end (164,352 + 4R + max(4R + 8B, 8R) = 1,701,120) are smaller; so is the
-    # step (420,480 + Adam's temporaries of half the embedding 8·32,000 = 676,480).
+    # one block's gradients + fp32 reduce input 8B = 328,704, the pending block's all-to-all
+    # receive buffer (gloo) 4B = 164,352: 1,590,016. The start of backward (activations + loss
+    # 177,376 + 4R + 8B = 1,018,336) and its end (164,352 + 4R + max(4R + 8B, 4R) = 1,517,568; the
+    # root's reduce is in place) are smaller; so is the step (420,480 + Adam's temporaries of half
+    # the embedding 8·32,000 = 676,480).
     assert fsdp.phase == "backward"
     assert fsdp.device["gradients"] == 164_352 and fsdp.device["activations"] == 0
-    assert fsdp.device["buffers"] == 512_256 + 256_000 + 328_704 + 328_704 + 328_704 == 1_754_368
-    assert fsdp.device_total == 420_480 + 840_960 + 164_352 + 1_754_368
+    assert fsdp.device["buffers"] == 512_256 + 256_000 + 328_704 + 328_704 + 164_352 == 1_590_016
+    assert fsdp.device_total == 420_480 + 840_960 + 164_352 + 1_590_016
 
     # activations, fp32, 8 tokens, hf loss. Per layer and token: two norms 2·(4·64 + 4 + 8·64) =
     # 1,544; attention 4·(64 + 64 + 64 + 64) + 4·4 heads = 1,040; MLP 4·4·128 = 2,048 → 4,632.
