@@ -171,6 +171,8 @@ def test_plugin_options_are_validated():
         ZeroPlugin(reduce_bucket_mb=0)
     with pytest.raises(ValueError, match="grad_collective='allreduce'"):
         make_plugin("zero2", grad_collective="allreduce")
+    with pytest.raises(ValueError, match="grad_collective='allreduce'.*all_to_all"):  # FSDPPlugin's own choice
+        make_plugin("fsdp", grad_collective="allreduce")
 
 
 # ---------------------------------------------------------------------------- equivalence (core)

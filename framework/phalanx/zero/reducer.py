@@ -86,7 +86,9 @@ def _exchange_fits(bucket: _Bucket, world_size: int) -> bool:
     would make that rank receive world copies of nearly all of it: such buckets are all-reduced
     in place instead (every rank decides alike: the parts are the layout's)."""
     return world_size * _largest_part(bucket) <= 2 * (bucket.hi - bucket.lo)
-_SPARE_BUFFERS = 2  # stage 2: freed bucket buffers kept for the next buckets
+
+
+_SPARE_BUFFERS = 2  # freed bucket (stage 2) and receive buffers kept for the next buckets
 
 
 @dataclass(eq=False)

@@ -26,7 +26,7 @@ from phalanx.amp.clip import clip_coefficient, clip_grads, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
 from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import Plugin, unwrap_model
-from phalanx.booster.plugins.fsdp_comms import PendingReduces, use_gloo_collectives
+from phalanx.booster.plugins.fsdp_comms import GLOO_EXCHANGES, PendingReduces, use_gloo_collectives
 from phalanx.lazy.materialise import local_rows
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
@@ -129,8 +129,6 @@ class FSDPPlugin(Plugin):
     def __init__(self, precision: str = "fp32", max_norm: float | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, overlap_reduce: bool = True, grad_collective: str = "auto"):
         super().__init__(precision, max_norm)
-        from phalanx.booster.plugins.fsdp_comms import GLOO_EXCHANGES
-
         choices = ("auto", "reduce_scatter", *GLOO_EXCHANGES)
         if grad_collective not in choices:
             raise ValueError(f"FSDPPlugin(grad_collective={grad_collective!r}): use one of {', '.join(choices)}")
