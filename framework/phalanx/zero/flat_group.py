@@ -128,7 +128,7 @@ class FlatParamGroup:
             return
         target = self._grad_slice(flat_lo, values[0].numel())
         if self.store is not None:  # sum on the device, transfer once in the communication dtype
-            total = values[0] if len(values) == 1 else torch.stack(values).sum(0)
+            total = sum(values[1:], values[0])  # a new tensor (values[0] itself is not changed)
             self.store.add_to(target, total)
             return
         rest = values

@@ -89,9 +89,10 @@ def fused_step(optimizer: torch.optim.Optimizer, device: torch.device, grads: Se
                      and getattr(optimizer, "found_inf", None) is None)
         if in_kernel:
             optimizer.grad_scale = torch.tensor(1.0 / clip, dtype=torch.float32, device=device)
-        elif clip < 1.0:
-            for g in grads:
-                g.detach().mul_(clip)
+        else:
+            from phalanx.amp.clip import clip_grads  # here: phalanx.amp imports this module
+
+            clip_grads(grads, clip)
         try:
             yield
         finally:

@@ -92,6 +92,7 @@ class _Reduction:
 
     def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, op,
                  exchange: str) -> None:
+        # `full` is kept referenced until `finish`: gloo reads it while the exchange runs
         self.output, self.full, self.op, self.exchange = output, full, op, exchange
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if exchange == "all_to_all":
@@ -106,13 +107,13 @@ class _Reduction:
         parts = self.received.view(self.world, -1)
         if self.exchange != "all_to_all":
             self.output.copy_(parts[self.rank])
-            return
-        out = self.output.view(-1)
-        torch.add(parts[0], parts[1], out=out)
-        for part in parts[2:]:
-            out.add_(part)
-        if self.op == dist.ReduceOp.AVG:
-            out.div_(self.world)
+        else:
+            out = self.output.view(-1)
+            torch.add(parts[0], parts[1], out=out)
+            for part in parts[2:]:
+                out.add_(part)
+            if self.op == dist.ReduceOp.AVG:
+                out.div_(self.world)
         self.full = self.received = None
 
 
