@@ -110,11 +110,12 @@ def test_memory_terms_by_hand():
     assert ddp.device["gradients"] == 2 * n
     assert ddp.device["optimizer"] == 12 * n == 2_522_880
 
-    # ZeRO-2, fp32, 4 ranks: master shard + moments of ceil(210,240 / 4) = 52,560 elements
+    # ZeRO-2, fp32, 4 ranks: the moments of ceil(210,240 / 4) = 52,560 elements (the fp32
+    # master is the rank's own slice of the parameters)
     z2 = estimate_memory(spec, Layout("zero", 4, zero_stage=2), fp32)
-    assert z2.device["optimizer"] == 12 * 52_560 == 630_720
+    assert z2.device["optimizer"] == 8 * 52_560 == 420_480
     assert z2.device["parameters"] == 4 * n
-    # ...moved to the host with offload, with the fp32 gradient shard
+    # ...moved to the host with offload, with a separate master shard and the fp32 gradient shard
     z2o = estimate_memory(spec, Layout("zero", 4, zero_stage=2, offload_optim=True), fp32)
     assert z2o.device["optimizer"] == 0 and z2o.host["optimizer"] == 630_720 and z2o.host["gradients"] == 210_240
 
@@ -126,14 +127,14 @@ def test_memory_terms_by_hand():
     # 8·(2·4,632 + 908) = 81,376; the root's shard is made after its reduce) under the root gathered
     # 4R = 512,256, the head's whole gradient 4·1000·64 = 256,000, two blocks gathered 8B = 328,704,
     # one block's gradients + fp32 reduce input 8B = 328,704, the pending block's all-to-all
-    # receive buffer (gloo) 4B = 164,352: 1,590,016. The start of backward (activations + loss
-    # 177,376 + 4R + 8B = 1,018,336) and its end (164,352 + 4R + max(4R + 8B, 4R) = 1,517,568; the
-    # root's reduce is in place) are smaller; so is the step (420,480 + Adam's temporaries of half
-    # the embedding 8·32,000 = 676,480).
+    # receive buffer (gloo; two ranks: only the other rank's copy) 2B = 82,176: 1,507,840. The
+    # start of backward (activations + loss 177,376 + 4R + 8B = 1,018,336) and its end (164,352 +
+    # 4R + max(4R + 6B, 4R) = 1,435,392; the root's reduce is in place) are smaller; so is the
+    # step (420,480 + Adam's temporaries of half the embedding 8·32,000 = 676,480).
     assert fsdp.phase == "backward"
     assert fsdp.device["gradients"] == 164_352 and fsdp.device["activations"] == 0
-    assert fsdp.device["buffers"] == 512_256 + 256_000 + 328_704 + 328_704 + 164_352 == 1_590_016
-    assert fsdp.device_total == 420_480 + 840_960 + 164_352 + 1_590_016
+    assert fsdp.device["buffers"] == 512_256 + 256_000 + 328_704 + 328_704 + 82_176 == 1_507_840
+    assert fsdp.device_total == 420_480 + 840_960 + 164_352 + 1_507_840
 
     # activations, fp32, 8 tokens, hf loss. Per layer and token: two norms 2·(4·64 + 4 + 8·64) =
     # 1,544; attention 4·(64 + 64 + 64 + 64) + 4·4 heads = 1,040; MLP 4·4·128 = 2,048 → 4,632.

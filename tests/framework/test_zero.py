@@ -8,6 +8,7 @@ stated here with the values measured on AVX-512 and AVX2 kernels.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -139,6 +140,21 @@ def test_all_to_all_only_where_its_receive_buffer_fits(world, sizes, bucket, exc
     for b in reducer.buckets:
         if b.exchange:
             assert world * max(hi - lo for lo, hi in group.layout.split_by_rank(b.lo, b.hi)) <= 2 * (b.hi - b.lo)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_own_part_exchange_sums_to_the_reduce_scatter(world):
+    """gloo's reduce-scatter as an all-to-all (`zero.comm.OwnPartExchange`), with uneven and
+    empty parts: the copies left on each rank sum to its part of the reduction; a rank whose part
+    lies at an end of the tensor keeps it out of the exchange (no copy to itself, a receive
+    buffer one part smaller), one in the middle receives its own copy too."""
+    for rank, result in enumerate(spawn(zw.own_part_exchange_suite, world)):
+        for sizes, r in result.items():
+            assert r["equal"], (world, rank, sizes)
+            assert r["kept_out"] == r["at_an_end"], (world, rank, sizes, r)
+            part = json.loads(sizes)[rank]
+            assert r["copies"] == (world if part else 0)
+            assert r["received"] == part * (world - 1 if r["kept_out"] else world)
 
 
 # ---------------------------------------------------------------------------- configuration errors

@@ -425,3 +425,32 @@ def four_rank_suite(configs: list[str], zero_dir: str, ddp_dir: str) -> dict:
     out["resume_zero2"] = _resume(zero(2), zero_dir).train(range(SAVE_AT, STEPS)).result()
     out["resume_from_ddp"] = _resume(zero(1), ddp_dir).train(range(SAVE_AT, STEPS)).result()
     return out
+
+
+# ---------------------------------------------------------------------------- the gloo exchange
+EXCHANGE_SIZES = {2: [[10, 0], [0, 10], [3, 7], [6, 6]], 4: [[4, 0, 0, 6], [0, 5, 5, 0], [2, 3, 4, 5], [0, 0, 8, 0]]}
+
+
+def own_part_exchange_suite() -> dict:
+    """Per split (rank r's part of a tensor that every rank holds a different copy of): whether the
+    copies `OwnPartExchange` leaves on this rank sum to the reduce-scatter's result, and whether
+    this rank's own part stayed out of the exchange (it must exactly when it lies at an end)."""
+    from phalanx.zero.comm import OwnPartExchange
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for sizes in EXCHANGE_SIZES[world]:
+        base = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(1))
+        mine = base * (rank + 1)
+        lo = sum(sizes[:rank])
+        exchange = OwnPartExchange(mine, sizes, rank, None, "test.exchange")
+        exchange.wait()
+        copies = exchange.copies()
+        want = base[lo:lo + sizes[rank]] * sum(range(1, world + 1))
+        got = torch.stack(copies).sum(0)
+        out[str(sizes)] = {"equal": torch.allclose(got, want, rtol=1e-6, atol=1e-6),
+                           "copies": len(copies) if sizes[rank] else 0,
+                           "kept_out": exchange.own is not None,
+                           "at_an_end": sizes[rank] > 0 and (lo == 0 or lo + sizes[rank] == sum(sizes)),
+                           "received": exchange.received.numel()}
+    return out

@@ -182,7 +182,9 @@ def _zero(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
         out.backward_extra = min(p * n, 2 * work.bucket_mb * 2**20)  # buckets in flight
         out.backward_extra += p * local.largest  # autograd's .grad before the hook copies it
     side = out.host if layout.offload_optim else out.device
-    side["optimizer"] = FP32 * shard + ADAM_STATES * FP32 * shard  # master shard + moments
+    # master shard + moments; an fp32 model's master is its own slice of the parameters
+    shares_master = p == FP32 and not layout.offload_optim
+    side["optimizer"] = (ADAM_STATES if shares_master else 1 + ADAM_STATES) * FP32 * shard
     if layout.offload_optim:
         out.host["gradients"] = FP32 * shard
         out.host["temporaries"] = ADAM_TEMPS * FP32 * shard  # the update runs on the host
@@ -235,9 +237,12 @@ def _fsdp_backward_peak(spec: ModelSpec, local: LocalModel, layout: Layout, work
     # On gloo a block's reduce-scatter is an all-to-all into a receive buffer as large as its input
     # (fsdp_comms): the pending block's through the blocks (measured at 158M: +0.8 of an fp32 block),
     # the last block's beside its input at the end; the root's reduce is an in-place all-reduce.
-    # (Conservative by those buffers on NCCL.)
-    through = (floor, p * root + head_grad + 2 * p * block + (p + FP32) * block + FP32 * block)
-    end = (("gradients", blocks_built), p * root + max(p * root + 2 * FP32 * block, FP32 * root))
+    # A rank whose slice is at either end of the input leaves it out of the exchange
+    # (`zero.comm.OwnPartExchange`): with two ranks the buffer is half the input; with more, the
+    # ranks in the middle receive every copy. (Conservative by those buffers on NCCL.)
+    receive = FP32 * block / 2 if layout.world == 2 else FP32 * block
+    through = (floor, p * root + head_grad + 2 * p * block + (p + FP32) * block + receive)
+    end = (("gradients", blocks_built), p * root + max(p * root + FP32 * block + receive, FP32 * root))
     return max(start, through, end, key=lambda moment: moment[0][1] + moment[1])
 
 

@@ -7,7 +7,9 @@
 - This rank keeps an fp32 *master* copy of the slice it owns, as a standalone `nn.Parameter`
   that replaces the group's params in the user's torch optimizer, so the optimizer's state is
   created for the slice only (1/N of the memory). Its `.grad` is the reduced fp32 gradient of
-  the slice.
+  the slice. For an fp32 model without offload the master *is* the flat buffer's own slice
+  (`master_is_view`): no second copy of it, and the step updates the rank's own parameters in
+  place, so publishing only has to move the other ranks' parts.
 - With CPU offload (`store`, a `phalanx.zero.offload.HostStore`) the master shard, its gradient
   and (therefore) the optimizer state live in host memory: gradients are copied device→host as
   they arrive from the reduction, the updated shard host→device before the all-gather, both
@@ -47,8 +49,12 @@ class FlatParamGroup:
 
         self.flat = self._flatten(params)
         lo, hi = self.shard_range
-        master = self._fp32_shard()
-        master.copy_(self.flat[lo:hi])
+        self.master_is_view = self.dtype == torch.float32 and store is None
+        if self.master_is_view:
+            master = self.flat[lo:hi]
+        else:
+            master = self._fp32_shard()
+            master.copy_(self.flat[lo:hi])
         self.master = nn.Parameter(master)
         self._written: set[int] = set()  # starts of the ranges of master.grad written since the step
         self._grad_storage: torch.Tensor | None = None  # master.grad's memory, kept between steps
@@ -151,6 +157,11 @@ class FlatParamGroup:
         Returns (works, shard): keep the shard alive until the works are waited on."""
         if self.layout.world_size > 1 and comm.is_gloo(self.group):
             return self.start_publish_range(0, self.layout.padded_numel, "zero.broadcast_params"), None
+        if self.master_is_view:  # the own part is already in place: an in-place all-gather
+            if self.layout.world_size == 1:
+                return [], None
+            shard = self.master.detach()
+            return [comm.all_gather_into(self.flat, shard, self.group, "zero.all_gather_params")], shard
         if self.store is not None:
             shard = self.store.to_device(self.master.detach(), self.device, self.dtype)
         else:
@@ -169,7 +180,7 @@ class FlatParamGroup:
         for r, (a, b) in enumerate(self.layout.split_by_rank(lo, hi)):
             if a == b:
                 continue
-            if r == self.rank:
+            if r == self.rank and not self.master_is_view:
                 values = self.master.detach()[a - own_lo:b - own_lo]
                 if self.store is not None:
                     values = self.store.to_device(values, self.device, self.dtype)

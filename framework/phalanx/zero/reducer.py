@@ -94,12 +94,11 @@ _SPARE_BUFFERS = 2  # freed bucket (stage 2) and receive buffers kept for the ne
 @dataclass(eq=False)
 class _Pending:
     bucket: _Bucket
-    work: object  # a torch.distributed Work, or None on one rank
-    result: torch.Tensor  # this rank's reduced part of the bucket
+    work: object  # a torch.distributed Work, a comm.OwnPartExchange, or None on one rank
+    result: torch.Tensor  # this rank's reduced part of the bucket (an exchange: its receive buffer)
     flat_lo: int  # where `result` starts in the group's flat layout
     direct: bool = False  # `result` is already the master gradient's slice: nothing to add
     buffer: torch.Tensor | None = None  # stage 2: the bucket's buffer, reusable once this completes
-    copies: int = 1  # all_to_all: `result` holds this many copies of the part, to be summed
 
 
 @dataclass
@@ -280,10 +279,9 @@ class GradReducer:
             work, result = None, buffer[own_lo - bucket.lo:own_hi - bucket.lo]
         elif bucket.exchange:
             # Every rank's copy of the part this rank owns arrives; `_complete` adds them up.
-            own = own_hi - own_lo
-            result = self._receive_buffer(own * self.world_size, buffer)
-            work = comm.all_to_all_uneven(result, buffer, [b - a for a, b in parts], own, self.group,
-                                          self._op_name)
+            work = comm.OwnPartExchange(buffer, [b - a for a, b in parts], self.rank, self.group, self._op_name,
+                                        receive=lambda numel: self._receive_buffer(numel, buffer))
+            result = work.received
         elif self.collective != "reduce_scatter":
             # In place, on the whole bucket; this rank then reads the part it owns. Twice the
             # bytes of a reduce-scatter, but on gloo cheaper than its reduce-scatter (comm.is_gloo);
@@ -299,9 +297,7 @@ class GradReducer:
             if not direct:
                 result = torch.empty(own_hi - own_lo, dtype=buffer.dtype, device=buffer.device)
             work = comm.reduce_scatter_uneven(result, views, self.group, self._op_name)
-        copies = self.world_size if bucket.exchange else 1
-        self._pending.append(_Pending(bucket, work, result, own_lo, direct,
-                                      buffer if self.stage == 2 else None, copies))
+        self._pending.append(_Pending(bucket, work, result, own_lo, direct, buffer if self.stage == 2 else None))
         bucket.in_flight += 1
         bucket.launched = True
         bucket.arrived.clear()
@@ -319,11 +315,14 @@ class GradReducer:
             self._complete(self._pending.popleft())
 
     def _complete(self, pending: _Pending) -> None:
-        comm.wait(pending.work, self._op_name)
-        if pending.copies > 1:
-            pending.bucket.group.accumulate_grad(pending.flat_lo, *pending.result.chunk(pending.copies))
+        if isinstance(pending.work, comm.OwnPartExchange):
+            pending.work.wait()
+            pending.bucket.group.accumulate_grad(pending.flat_lo, *pending.work.copies())
         elif not pending.direct:
+            comm.wait(pending.work, self._op_name)
             pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
+        else:
+            comm.wait(pending.work, self._op_name)
         pending.bucket.in_flight -= 1
         self._release(pending)
 
@@ -335,7 +334,7 @@ class GradReducer:
             base = pending.buffer._base if pending.buffer._base is not None else pending.buffer
             self._spare.append(base)
         pending.buffer = None
-        if pending.copies > 1 and len(self._spare_received) < _SPARE_BUFFERS:
+        if isinstance(pending.work, comm.OwnPartExchange) and len(self._spare_received) < _SPARE_BUFFERS:
             received = pending.result._base if pending.result._base is not None else pending.result
             self._spare_received.append(received)
 

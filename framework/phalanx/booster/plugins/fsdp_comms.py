@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from phalanx.zero.comm import equal_ranges, is_gloo, start_broadcast_into_place
+from phalanx.zero.comm import OwnPartExchange, equal_ranges, is_gloo, start_broadcast_into_place
 
 # ReduceOps that all_reduce on gloo applies exactly as reduce_scatter would (FSDP2 asks for AVG in
 # fp32/bf16 and SUM with its own pre/post division in fp16).
@@ -87,8 +87,9 @@ class PendingReduces:
 class _Reduction:
     """One started reduction of a full-size gradient buffer whose sum (or mean) over ranks of this
     rank's slice goes to `output`. All-reduce: in place, then the slice is copied out. All-to-all:
-    each rank receives every rank's copy of its own slice (`received`, rank-major) and adds them
-    up: the bytes of a reduce-scatter at the speed of gloo's all-to-all (`zero.comm.is_gloo`)."""
+    each rank receives every other rank's copy of its own slice and adds them to its own
+    (`zero.comm.OwnPartExchange`): the bytes of a reduce-scatter at the speed of gloo's
+    all-to-all (`zero.comm.is_gloo`)."""
 
     def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, op,
                  exchange: str) -> None:
@@ -96,25 +97,24 @@ class _Reduction:
         self.output, self.full, self.op, self.exchange = output, full, op, exchange
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if exchange == "all_to_all":
-            self.received = torch.empty_like(full)
-            self.work = dist.all_to_all_single(self.received, full, group=group, async_op=True)
+            sizes = [full.numel() // self.world] * self.world
+            self.work = OwnPartExchange(full.view(-1), sizes, self.rank, group, "fsdp.reduce_scatter")
         else:
-            self.received = full
             self.work = dist.all_reduce(full, op=op, group=group, async_op=True)
 
     def finish(self) -> None:
         self.work.wait()
-        parts = self.received.view(self.world, -1)
         if self.exchange != "all_to_all":
-            self.output.copy_(parts[self.rank])
+            self.output.copy_(self.full.view(self.world, -1)[self.rank])
         else:
             out = self.output.view(-1)
-            torch.add(parts[0], parts[1], out=out)
-            for part in parts[2:]:
-                out.add_(part)
+            copies = self.work.copies()
+            torch.add(copies[0], copies[1], out=out)
+            for copy in copies[2:]:
+                out.add_(copy)
             if self.op == dist.ReduceOp.AVG:
                 out.div_(self.world)
-        self.full = self.received = None
+        self.full = self.work = None
 
 
 GLOO_EXCHANGES = ("all_to_all", "all_reduce")
