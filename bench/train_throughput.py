@@ -259,10 +259,11 @@ def print_plugin_table(rows: dict, missing: list[str]) -> None:
 # Part 3: the plugins on a real-sized model (--model medium|large)
 
 SIZED_VARIANTS = ("ddp", "ddp_fused", "ddp_loop", "raw_ddp", "zero1", "zero2", "zero2_allreduce", "zero2_prefetch",
-                  "fsdp", "fsdp_sync", "fsdp_allreduce",
+                  "fsdp", "fsdp_sync", "fsdp_allreduce", "fsdp_noprefetch",
                   "raw_fsdp2", "ds_zero1", "ds_zero2")
 SIZED_LABELS = {**LABELS, "ddp_fused": "DDPPlugin, fused AdamW",
                 "ddp_loop": "DDPPlugin, per-tensor AdamW", "zero2_prefetch": "ZeRO-2, gather in fwd",
+                "fsdp_noprefetch": "FSDPPlugin, no fwd prefetch",
                 "zero2_allreduce": "ZeRO-2, all-reduce", "fsdp_allreduce": "FSDPPlugin, all-reduce",
                 "fsdp_sync": "FSDPPlugin, sync reduce",
                 "ds_zero1": "DeepSpeed ZeRO-1", "ds_zero2": "DeepSpeed ZeRO-2"}
@@ -385,14 +386,17 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     # AdamW(foreach=False), torch's per-tensor loop: DDPPlugin's CPU step before that date.
     # zero2_prefetch: ZeroPlugin(overlap_param_gather=True), the parameter publication overlapped
     # with the next forward. zero2_allreduce: ZeroPlugin(grad_collective="all_reduce"), gloo's
-    # default before 2026-12-03 (now an all-to-all, the bytes of a reduce-scatter); fsdp_allreduce the same
-    # for FSDPPlugin. fsdp_sync: FSDPPlugin(overlap_reduce=False), each block's gradient
-    # all-reduce waited for on the compute thread (the default leaves it running during backward).
+    # default before 2026-12-03 (now an all-to-all, the bytes of a reduce-scatter); fsdp_allreduce the
+    # same for FSDPPlugin. fsdp_noprefetch: FSDPPlugin(forward_prefetch=False), each block gathered
+    # only when it starts (the default before 2026-12-03, session 11). fsdp_sync:
+    # FSDPPlugin(overlap_reduce=False), each block's gradient all-reduce waited for on the compute
+    # thread (the default leaves it running during backward).
     options = ({"overlap_param_gather": True} if name == "zero2_prefetch" else
+               {"forward_prefetch": False} if name == "fsdp_noprefetch" else
                {"grad_collective": "all_reduce"} if name in ("zero2_allreduce", "fsdp_allreduce") else
                {"overlap_reduce": False} if name == "fsdp_sync" else {})
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_loop").removesuffix("_prefetch")
-                         .removesuffix("_sync").removesuffix("_allreduce"),
+    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_loop").removesuffix("_noprefetch")
+                         .removesuffix("_prefetch").removesuffix("_sync").removesuffix("_allreduce"),
                          precision=precision, max_norm=1.0, **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None,

@@ -73,3 +73,41 @@ def overlapped_reduce_gradients() -> dict:
     (one0, two0, _), (one1, two1, n) = grads[False], grads[True]
     return {"deferred": n, "most_pending": deferred["most_pending"], "first": diff(one0, one1), "accumulated": diff(two0, two1),
             "nonzero": max(t.abs().max().item() for t in one1.values())}
+
+
+def forward_prefetch_gathers() -> dict:
+    """FSDPPlugin with and without `forward_prefetch`: how many all-gathers have started when the
+    first block's forward runs (with the prefetch, the second block's has too), and the loss and
+    gradients of one step (the prefetch changes when parameters arrive, not the arithmetic)."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import FSDPPlugin, fsdp_comms
+    from phalanx.booster.plugins.fsdp import transformer_blocks
+    from phalanx.testing import tiny_llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = {"n": 0}
+    call = fsdp_comms.BroadcastAllGather.__call__
+
+    def counting_call(self, *args, **kwargs):
+        started["n"] += 1
+        return call(self, *args, **kwargs)
+
+    fsdp_comms.BroadcastAllGather.__call__ = counting_call
+    batch = torch.randint(0, 128, (2 * world, 16), generator=torch.Generator().manual_seed(3)).chunk(world)[rank]
+    out = {}
+    for prefetch in (False, True):
+        model = tiny_llama(seed=0)
+        blocks = transformer_blocks(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt, *_ = Booster(plugin=FSDPPlugin(forward_prefetch=prefetch)).boost(model, opt)
+        seen = []
+        blocks[0].register_forward_pre_hook(lambda *_: seen.append(started["n"]))  # after FSDP2's own hook
+        started["n"] = 0
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        out[prefetch] = {"gathers_at_first_block": seen[0], "loss": loss.item(),
+                         "grads": {n: p.grad.full_tensor().clone() for n, p in model.module.named_parameters()}}
+    fsdp_comms.BroadcastAllGather.__call__ = call
+    grads_diff = max((out[True]["grads"][k] - out[False]["grads"][k]).abs().max().item() for k in out[True]["grads"])
+    return {"gathers": (out[False]["gathers_at_first_block"], out[True]["gathers_at_first_block"]),
+            "loss_diff": abs(out[True]["loss"] - out[False]["loss"]), "grads_diff": grads_diff}

@@ -31,3 +31,12 @@ def test_overlapped_gradient_reduce_is_exact_and_deferred():
         # ... but holds at most one block's full-size reduce input at a time (the next one's
         # arrival finishes it): FSDP2's own memory, not every block's input until backward ends
         assert r["most_pending"] == 1, (rank, r)
+
+
+def test_forward_prefetch_starts_the_next_blocks_gather_and_changes_no_number():
+    """`FSDPPlugin(forward_prefetch=True)` (the default): when the first block computes, the root's,
+    its own and the second block's all-gathers have started (without: the first two only); the
+    loss and gradients are bit-identical either way."""
+    for rank, r in enumerate(spawn(workers.forward_prefetch_gathers, 2)):
+        assert r["gathers"] == (2, 3), (rank, r)
+        assert r["loss_diff"] == 0.0 and r["grads_diff"] == 0.0, (rank, r)

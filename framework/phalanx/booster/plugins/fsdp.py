@@ -1,7 +1,8 @@
 """FSDPPlugin: torch FSDP2 (`fully_shard`) on every transformer block, then the root.
 
 Parameters, gradients and optimizer states are sharded over the data-parallel ranks (ZeRO-3
-style); each block's parameters are all-gathered just before it runs. Mixed precision uses FSDP2's
+style); each block's parameters are all-gathered while the block before it runs (forward prefetch,
+on by default) or just before it runs. Mixed precision uses FSDP2's
 `MixedPrecisionPolicy` (bf16/fp16 compute, fp32 sharded master parameters and gradient reduction).
 
 A lazy model (`phalanx.lazy`, built on the meta device) is sharded while still on the meta
@@ -127,7 +128,8 @@ class FSDPPlugin(Plugin):
     full_state_on_every_rank = True
 
     def __init__(self, precision: str = "fp32", max_norm: float | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, overlap_reduce: bool = True, grad_collective: str = "auto"):
+                 cpu_offload: bool = False, overlap_reduce: bool = True, grad_collective: str = "auto",
+                 forward_prefetch: bool = True):
         super().__init__(precision, max_norm)
         choices = ("auto", "reduce_scatter", *GLOO_EXCHANGES)
         if grad_collective not in choices:
@@ -138,6 +140,7 @@ class FSDPPlugin(Plugin):
         # How gradients are reduced on gloo: "auto" = an all-to-all (fsdp_comms); "reduce_scatter"
         # keeps FSDP2's own collectives. NCCL always keeps FSDP2's own.
         self.grad_collective = grad_collective
+        self.forward_prefetch = forward_prefetch
 
     def setup(self) -> None:
         super().setup()
@@ -183,6 +186,12 @@ class FSDPPlugin(Plugin):
         if self.grad_collective != "reduce_scatter":
             exchange = "all_to_all" if self.grad_collective == "auto" else self.grad_collective
             self.pending_reduces = use_gloo_collectives([*blocks, model], self.dp_group, self.overlap_reduce, exchange)
+        if self.forward_prefetch:
+            # Each block starts the next one's all-gather before it computes (on gloo the broadcasts
+            # run in gloo's threads meanwhile: `BroadcastAllGather` returns them unwaited). One more
+            # block gathered during forward, fewer than at the start of backward (docs/plan.md).
+            for block, following in zip(blocks, blocks[1:]):
+                block.set_modules_to_forward_prefetch([following])
         if source is not None:
             lazy.materialise_fsdp_shards(hf_model, source, self.device, buffers)
         return self.boosted(ModelWrapper(model, model), param_names=old_names)

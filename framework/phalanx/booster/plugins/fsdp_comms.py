@@ -27,12 +27,12 @@ accumulate into existing sharded gradients (no `zero_grad` / `set_to_none=False`
 a reduce dtype other than the parameters' dtype.
 
 The all-gather returns a work handle (`_Works`, the broadcasts still in flight), which FSDP2 waits
-on only when it copies the result out, so a gather FSDP2 prefetches (its backward prefetch of the
-next block in reverse order) runs in gloo's thread while the current block computes. An explicit
-forward prefetch of the next block (`set_modules_to_forward_prefetch`) was measured and left out: on
-the large bench model (2 ranks, 2 cores, AVX512-BF16 EPYC) it made the step slower, fp32 3,922
-against 3,663 ms and bf16 2,172 against 2,026 (its gathers compete with backward's for the two
-cores); docs/zero.md.
+on only when it copies the result out, so a gather FSDP2 prefetches runs in gloo's thread while
+the current block computes: its backward prefetch of the next block in reverse order, and the
+forward prefetch `FSDPPlugin(forward_prefetch=True)` sets up (each block prefetching the next).
+The forward prefetch was measured slower in session 6 (large bench model, EPYC, when each block's
+reduce still ran on the compute thread: its gathers competed with backward's); with the reduces
+deferred and exchanged it is faster on both bench models (docs/zero.md, session 11).
 """
 from __future__ import annotations
 
