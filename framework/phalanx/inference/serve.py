@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_STOP = threading.Event()
+
+
 def _interrupt(signum, frame):
-    """SIGINT and SIGTERM stop the server the same way. Only the first one: under torchrun a
-    worker can get SIGINT twice (from the terminal's process group and from the agent passing it
-    on), and a second KeyboardInterrupt inside the shutdown left the HTTP thread running into the
-    interpreter's exit (a traceback from uvicorn's thread)."""
+    """SIGINT and SIGTERM stop the server the same way: they set the event `serve_forever` waits
+    on (no exception raised into whatever the main thread is doing: a KeyboardInterrupt inside
+    `Thread.join` can leave the HTTP thread marked finished while it runs, `OpenAIServer.serve_forever`).
+    Only the first one counts: under torchrun a worker can get SIGINT twice (from the terminal's
+    process group and from the agent passing it on)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    _STOP.set()
 
 
 def serve_main(argv: list[str]) -> int:
@@ -100,7 +105,7 @@ def serve_main(argv: list[str]) -> int:
           "requests in flight"
           f"{', API key required' if server.api_key else ''}); Ctrl-C stops", flush=True)
     try:
-        server.serve_forever()
+        server.serve_forever(stop=_STOP)
     except KeyboardInterrupt:
         pass
     return 0

@@ -446,12 +446,17 @@ class OpenAIServer:
             raise
         return self
 
-    def serve_forever(self) -> None:
-        """Serve until KeyboardInterrupt (the caller maps SIGINT/SIGTERM onto it)."""
+    def serve_forever(self, stop: threading.Event | None = None) -> None:
+        """Serve until `stop` is set (`phalanx serve` sets it from its SIGINT/SIGTERM handler) or a
+        KeyboardInterrupt arrives. The wait is on the event, not on the HTTP thread: Python 3.11's
+        `Thread.join` interrupted by a KeyboardInterrupt can mark the still-running thread as
+        finished (its `_wait_for_tstate_lock` releases the running thread's own lock), and then
+        `shutdown` did not wait for uvicorn, which was still running into the interpreter's exit."""
+        stop = stop or threading.Event()
         try:
             self.start()
-            while self._thread.is_alive():
-                self._thread.join(timeout=0.5)
+            while not stop.wait(timeout=0.5) and self._thread.is_alive():
+                pass
         finally:
             self.shutdown()
 

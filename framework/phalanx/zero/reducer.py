@@ -315,14 +315,11 @@ class GradReducer:
             self._complete(self._pending.popleft())
 
     def _complete(self, pending: _Pending) -> None:
+        comm.wait(pending.work, self._op_name)
         if isinstance(pending.work, comm.OwnPartExchange):
-            pending.work.wait()
             pending.bucket.group.accumulate_grad(pending.flat_lo, *pending.work.copies())
         elif not pending.direct:
-            comm.wait(pending.work, self._op_name)
             pending.bucket.group.accumulate_grad(pending.flat_lo, pending.result)
-        else:
-            comm.wait(pending.work, self._op_name)
         pending.bucket.in_flight -= 1
         self._release(pending)
 
