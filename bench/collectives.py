@@ -6,8 +6,9 @@ gloo ranks (one thread each) it times, per rank, the median wall and CPU millise
 
 - reduce (every rank ends with the sum of its 1/world part): torch's `reduce_scatter_single`
   (the peer it replaces), `all_reduce` (in place, then read the part: twice the bytes), and
-  `all_to_all_single` (a reduce-scatter's bytes; then the copies are added: shown with one `add`
-  per copy into a preallocated result, what the ZeRO reducer and `fsdp_comms` do);
+  an all-to-all (a reduce-scatter's bytes; then the copies are added into a preallocated result:
+  `phalanx.zero.comm.OwnPartExchange` and `sum_into`, what the ZeRO reducer and `fsdp_comms` do,
+  a rank's own part kept out of the exchange where it lies at an end);
 - gather (every rank ends with the whole buffer): torch's `all_gather_single` (the peer) and one
   broadcast per owner of its part straight into place.
 
@@ -34,6 +35,8 @@ def rank_main(numel: int, reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from phalanx.zero.comm import OwnPartExchange, sum_into
+
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     numel -= numel % world
@@ -53,12 +56,10 @@ def rank_main(numel: int, reps: int) -> dict:
         dist.all_reduce(scratch)
         result.copy_(scratch[rank * part:(rank + 1) * part])
 
-    def all_to_all():
-        dist.all_to_all_single(received, x)
-        copies = received.view(world, part)
-        torch.add(copies[0], copies[1], out=result)
-        for c in copies[2:]:
-            result.add_(c)
+    def all_to_all():  # the plugins' own exchange and sum (phalanx.zero.comm)
+        exchange = OwnPartExchange(x, [part] * world, rank, None, "bench.all_to_all", receive=lambda n: received[:n])
+        exchange.wait()
+        sum_into(result, exchange.copies())
 
     def all_gather():
         torch_all_gather(full, x[rank * part:(rank + 1) * part])

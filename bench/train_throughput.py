@@ -312,6 +312,17 @@ def _state_bytes(optimizer) -> int:
     return total
 
 
+# bench variant -> (make_plugin name, plugin options); the others are the plugin's own name
+PLUGIN_VARIANTS = {
+    "ddp_fused": ("ddp", {}), "ddp_loop": ("ddp", {}),  # the optimizer differs (build_sized_variant)
+    "zero2_prefetch": ("zero2", {"overlap_param_gather": True}),
+    "zero2_allreduce": ("zero2", {"grad_collective": "all_reduce"}),
+    "fsdp_allreduce": ("fsdp", {"grad_collective": "all_reduce"}),
+    "fsdp_noprefetch": ("fsdp", {"forward_prefetch": False}),
+    "fsdp_sync": ("fsdp", {"overlap_reduce": False}),
+}
+
+
 def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: str = "fp32"):
     """(step, state_optimizer) where `step()` runs one training step and returns its phases in
     seconds (forward, backward, reduce, norm, optimizer, gather; None where the phase is not
@@ -391,13 +402,8 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     # only when it starts (the default before 2026-12-03, session 11). fsdp_sync:
     # FSDPPlugin(overlap_reduce=False), each block's gradient all-reduce waited for on the compute
     # thread (the default leaves it running during backward).
-    options = ({"overlap_param_gather": True} if name == "zero2_prefetch" else
-               {"forward_prefetch": False} if name == "fsdp_noprefetch" else
-               {"grad_collective": "all_reduce"} if name in ("zero2_allreduce", "fsdp_allreduce") else
-               {"overlap_reduce": False} if name == "fsdp_sync" else {})
-    plugin = make_plugin(name.removesuffix("_fused").removesuffix("_loop").removesuffix("_noprefetch")
-                         .removesuffix("_prefetch").removesuffix("_sync").removesuffix("_allreduce"),
-                         precision=precision, max_norm=1.0, **options)
+    plugin_name, options = PLUGIN_VARIANTS.get(name, (name, {}))
+    plugin = make_plugin(plugin_name, precision=precision, max_norm=1.0, **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None,
                             foreach=False if name.endswith("_loop") else None)

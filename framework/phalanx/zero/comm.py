@@ -24,6 +24,9 @@ def is_gloo(group: dist.ProcessGroup | None) -> bool:
     (84 MB fp32, the slowest rank's wall / CPU ms, quiet 2-core Xeon): 2 ranks reduce_scatter
     144 / 120, all_reduce 103 / 85, all_to_all + adding the copies 57 / 47, all_gather 131 / 104,
     one broadcast per owner 29 / 25; 4 ranks 223 / 100, 215 / 103, 108 / 54, 226 / 112, 79 / 36.
+    With each rank's own part kept out of the exchange (`OwnPartExchange`, session 11) the
+    all-to-all + add measured 42 / 38 on 2 ranks (reduce_scatter 99 / 85 in that run) and 97 / 48
+    on 4 (213 / 100).
     So on gloo ZeRO and FSDPPlugin reduce with an all-to-all (each rank then adds the copies of
     its own part) and publish parameters with broadcasts; elsewhere (NCCL) with reduce-scatter
     and all-gather."""
@@ -103,6 +106,17 @@ class OwnPartExchange:
             return [self.received[:0]]
         received = list(self.received.split(self.part))
         return ([self.own] if self.own is not None else []) + received
+
+
+def sum_into(out: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Write the sum of `values` (an exchange's copies) into `out`: the first two in one `add`,
+    the rest added in place (summing through a [k, n] view cost as much as the exchange)."""
+    if len(values) == 1:
+        return out.copy_(values[0])
+    torch.add(values[0], values[1], out=out)
+    for value in values[2:]:
+        out.add_(value)
+    return out
 
 
 def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, name: str):

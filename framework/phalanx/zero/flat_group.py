@@ -137,16 +137,11 @@ class FlatParamGroup:
             total = sum(values[1:], values[0])  # a new tensor (values[0] itself is not changed)
             self.store.add_to(target, total)
             return
-        rest = values
         if flat_lo not in self._written:
-            if len(values) > 1:
-                torch.add(values[0], values[1], out=target)
-                rest = values[2:]
-            else:
-                target.copy_(values[0])
-                rest = ()
+            comm.sum_into(target, values)
             self._written.add(flat_lo)
-        for v in rest:
+            return
+        for v in values:
             target.add_(v)
 
     # ------------------------------------------------------------------ weights

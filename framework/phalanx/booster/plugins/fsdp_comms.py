@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from phalanx.zero.comm import OwnPartExchange, equal_ranges, is_gloo, start_broadcast_into_place
+from phalanx.zero.comm import OwnPartExchange, equal_ranges, is_gloo, start_broadcast_into_place, sum_into
 
 # ReduceOps that all_reduce on gloo applies exactly as reduce_scatter would (FSDP2 asks for AVG in
 # fp32/bf16 and SUM with its own pre/post division in fp16).
@@ -107,11 +107,7 @@ class _Reduction:
         if self.exchange != "all_to_all":
             self.output.copy_(self.full.view(self.world, -1)[self.rank])
         else:
-            out = self.output.view(-1)
-            copies = self.work.copies()
-            torch.add(copies[0], copies[1], out=out)
-            for copy in copies[2:]:
-                out.add_(copy)
+            out = sum_into(self.output.view(-1), self.work.copies())
             if self.op == dist.ReduceOp.AVG:
                 out.div_(self.world)
         self.full = self.work = None
