@@ -312,8 +312,8 @@ def _state_bytes(optimizer) -> int:
     return total
 
 
-# bench variant -> (make_plugin name, plugin options); the others are the plugin's own name
-PLUGIN_VARIANTS = {
+# sized bench variant -> (make_plugin name, plugin options); the others are the plugin's own name
+SIZED_PLUGIN_OPTIONS = {
     "ddp_fused": ("ddp", {}), "ddp_loop": ("ddp", {}),  # the optimizer differs (build_sized_variant)
     "zero2_prefetch": ("zero2", {"overlap_param_gather": True}),
     "zero2_allreduce": ("zero2", {"grad_collective": "all_reduce"}),
@@ -402,7 +402,7 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     # only when it starts (the default before 2026-12-03, session 11). fsdp_sync:
     # FSDPPlugin(overlap_reduce=False), each block's gradient all-reduce waited for on the compute
     # thread (the default leaves it running during backward).
-    plugin_name, options = PLUGIN_VARIANTS.get(name, (name, {}))
+    plugin_name, options = SIZED_PLUGIN_OPTIONS.get(name, (name, {}))
     plugin = make_plugin(plugin_name, precision=precision, max_norm=1.0, **options)
     booster = Booster(plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=name.endswith("_fused") or None,
