@@ -1,6 +1,7 @@
 """Check `phalanx plan`'s memory estimate against the measured peak per rank.
 
-Trains a Llama for 3 AdamW steps under each layout on gloo ranks of this machine (fp32, the
+Trains a Llama for 3 AdamW steps under each layout on gloo ranks of this machine (fp32, or
+`--precision bf16`: bf16 compute with fp32 masters, meant for a CPU with native bf16; the
 model's own loss) and measures each rank's peak resident memory above its baseline (after a
 warm-up, before the model is built: phalanx.plan.measure); prints the plan's estimate
 (phalanx.plan.estimate_for_run) beside the worst rank's peak. Target: within 15%.
@@ -8,6 +9,7 @@ warm-up, before the model is built: phalanx.plan.measure); prints the plan's est
     python bench/plan_validate.py                # 2 ranks, every layout (~3 min on 2 idle cores)
     python bench/plan_validate.py --world 4 --only ddp,zero2,fsdp
     python bench/plan_validate.py --quick        # a smaller model and fewer layouts
+    python bench/plan_validate.py --quick --only fsdp,zero2 --precision bf16
 
 On a CPU-only machine "device" is the kernel's RssAnon and "host" its RssShmem (the pool that
 ZeRO/Gemini offload allocate from, phalanx.hostmem). Timings are not measured here.
@@ -40,7 +42,7 @@ CASES = {
 QUICK = ("ddp", "zero2", "fsdp", "gemini", "hybrid tp2 zero1")
 
 
-def estimate(case: str, world: int, model_kwargs: dict):
+def estimate(case: str, world: int, model_kwargs: dict, precision: str = "fp32"):
     from transformers import LlamaConfig
 
     from phalanx.booster.plugins import make_plugin
@@ -50,17 +52,17 @@ def estimate(case: str, world: int, model_kwargs: dict):
     kwargs = dict(kwargs)
     name = kwargs.pop("name")
     checkpointing = kwargs.pop("checkpointing", False)
-    plugin = make_plugin(name, precision="fp32", **kwargs)
+    plugin = make_plugin(name, precision=precision, **kwargs)
     return estimate_for_run(LlamaConfig(**model_kwargs), plugin, seq, micro_batch, world, loss="hf",
                             checkpointing=checkpointing)
 
 
-def measure(cases: list[str], world: int, model_kwargs: dict) -> list[dict]:
+def measure(cases: list[str], world: int, model_kwargs: dict, precision: str = "fp32") -> list[dict]:
     """All cases in one spawn (starting ranks and importing transformers is the slow part)."""
     from phalanx.plan.measure import measure_many
     from phalanx.testing import spawn
 
-    todo = [(dict(CASES[c][0], precision="fp32"), model_kwargs, CASES[c][1], CASES[c][2]) for c in cases]
+    todo = [(dict(CASES[c][0], precision=precision), model_kwargs, CASES[c][1], CASES[c][2]) for c in cases]
     ranks = spawn(measure_many, world, todo, timeout=1200)
     if "skip" in ranks[0][0]:
         raise SystemExit(ranks[0][0]["skip"])
@@ -73,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--only", default=None, help="comma-separated case names: " + ", ".join(CASES))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     model_kwargs = QUICK_MODEL if args.quick else MODEL
@@ -83,15 +86,15 @@ def main(argv=None) -> int:
     from phalanx.plan import load_spec
     from transformers import LlamaConfig
     n = load_spec(LlamaConfig(**model_kwargs)).total_params()
-    print(f"Llama {n / 1e6:.1f}M parameters, fp32, AdamW, {args.world} gloo ranks, 3 steps; MiB per rank "
+    print(f"Llama {n / 1e6:.1f}M parameters, {args.precision}, AdamW, {args.world} gloo ranks, 3 steps; MiB per rank "
           "(device = RssAnon, host = RssShmem pool)")
     print(f"{'layout':<20} {'seq×mb':>7} {'est dev':>9} {'meas dev':>9} {'err':>7} {'est host':>9} {'meas host':>9} {'err':>7}  ok")
     rows, worst = [], 0.0
     t0 = time.perf_counter()
-    measured = measure(cases, args.world, model_kwargs)
+    measured = measure(cases, args.world, model_kwargs, args.precision)
     print(f"(measured in {time.perf_counter() - t0:.0f} s)")
     for case, got in zip(cases, measured, strict=True):
-        est = estimate(case, args.world, model_kwargs)
+        est = estimate(case, args.world, model_kwargs, args.precision)
         # host: what lives in the pool; the update's temporaries on the host are ordinary allocations
         # (host RAM on a GPU machine, RssAnon here, where they run beside no device work)
         ed = est.memory.device_total
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
         rows.append({"case": case, "world": args.world, "estimate_device": ed, "measured_device": got["device"],
                      "estimate_host": eh, "measured_host": got["host"], "device_parts": est.memory.device,
                      "per_rank_device": got["per_rank_device"]})
-    print(json.dumps({"bench": "plan_validate", "world": args.world, "params": n, "worst_rel_error": worst,
+    print(json.dumps({"bench": "plan_validate", "world": args.world, "precision": args.precision, "params": n, "worst_rel_error": worst,
                       "rows": rows}))
     return 0 if worst <= 0.15 else 1
 

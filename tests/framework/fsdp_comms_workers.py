@@ -111,3 +111,53 @@ def forward_prefetch_gathers() -> dict:
     grads_diff = max((out[True]["grads"][k] - out[False]["grads"][k]).abs().max().item() for k in out[True]["grads"])
     return {"gathers": (out[False]["gathers_at_first_block"], out[True]["gathers_at_first_block"]),
             "loss_diff": abs(out[True]["loss"] - out[False]["loss"]), "grads_diff": grads_diff}
+
+
+def compute_dtype_exchange() -> dict:
+    """bf16 FSDPPlugin on gloo: the dtype of every reduce input (the compute dtype normally, fp32
+    for the reduce after a backward without gradient sync, whose gradients FSDP2 accumulated in
+    fp32), and the gradients after a plain backward and after a no_sync + synced pair, against
+    FSDP2's own fp32 reduce-scatter (`grad_collective="reduce_scatter"`)."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import FSDPPlugin, fsdp_comms
+    from phalanx.testing import tiny_llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen: list[tuple[str, str]] = []
+    call = fsdp_comms.GlooReduceScatter.__call__
+
+    def recording_call(self, output_tensor, input_tensor, group, op, async_op=False):
+        seen.append((str(input_tensor.dtype).removeprefix("torch."), str(output_tensor.dtype).removeprefix("torch.")))
+        return call(self, output_tensor, input_tensor, group, op, async_op)
+
+    fsdp_comms.GlooReduceScatter.__call__ = recording_call
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, 128, (2 * world, 16), generator=g).chunk(world)[rank] for _ in range(3)]
+    out: dict = {}
+    for collective in ("auto", "reduce_scatter"):
+        model = tiny_llama(seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        booster = Booster(plugin=FSDPPlugin(precision="bf16", grad_collective=collective))
+        model, opt, *_ = booster.boost(model, opt)
+        del seen[:]
+        booster.backward(model(input_ids=batches[0], labels=batches[0]).loss, opt)
+        plain = {n: p.grad.full_tensor().clone() for n, p in model.module.named_parameters()}
+        plain_dtypes = list(seen)
+        opt.zero_grad()
+        del seen[:]
+        with booster.no_sync(model, opt):
+            booster.backward(model(input_ids=batches[1], labels=batches[1]).loss, opt)
+        booster.backward(model(input_ids=batches[2], labels=batches[2]).loss, opt)
+        accumulated = {n: p.grad.full_tensor().clone() for n, p in model.module.named_parameters()}
+        out[collective] = {"plain": plain, "accumulated": accumulated, "plain_dtypes": plain_dtypes,
+                           "accumulated_dtypes": list(seen)}
+    fsdp_comms.GlooReduceScatter.__call__ = call
+
+    def diff(a, b):
+        return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)).item() for k in a)
+
+    ours, torch_own = out["auto"], out["reduce_scatter"]
+    return {"plain_dtypes": ours["plain_dtypes"], "accumulated_dtypes": ours["accumulated_dtypes"],
+            "plain_diff": diff(ours["plain"], torch_own["plain"]),
+            "accumulated_diff": diff(ours["accumulated"], torch_own["accumulated"]),
+            "grad_dtype": str(next(iter(ours["plain"].values())).dtype).removeprefix("torch.")}

@@ -40,3 +40,18 @@ def test_forward_prefetch_starts_the_next_blocks_gather_and_changes_no_number():
     for rank, r in enumerate(spawn(workers.forward_prefetch_gathers, 2)):
         assert r["gathers"] == (2, 3), (rank, r)
         assert r["loss_diff"] == 0.0 and r["grads_diff"] == 0.0, (rank, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_gradients_travel_in_bf16_and_are_summed_in_fp32(world):
+    """bf16 FSDPPlugin on gloo: each block's and the root's gradients go into the exchange in bf16
+    (half the bytes, no fp32 copy-in) and are added in fp32: the gradients equal FSDP2's own fp32
+    reduce-scatter (bit for bit on 2 ranks, where both add the same two numbers; to fp32 rounding on
+    4, the order of the adds differs). After a backward without gradient sync FSDP2 holds fp32
+    accumulated gradients: that reduce takes an fp32 input, and the accumulation stays exact."""
+    for rank, r in enumerate(spawn(workers.compute_dtype_exchange, world)):
+        assert r["grad_dtype"] == "float32", (rank, r)
+        assert r["plain_dtypes"] == [("bfloat16", "float32")] * 3, (rank, r)  # 2 blocks + the root
+        assert r["accumulated_dtypes"] == [("float32", "float32")] * 3, (rank, r)
+        tol = 0.0 if world == 2 else 1e-6
+        assert r["plain_diff"] <= tol and r["accumulated_diff"] <= tol, (rank, r)

@@ -222,11 +222,13 @@ def _fsdp_backward_peak(spec: ModelSpec, local: LocalModel, layout: Layout, work
         first, kept until the root's reduce), two blocks gathered, one block's gradients and
         their fp32 reduce-scatter input, and the previous block's, which FSDP2 keeps until the
         next reduce (`reduce_scatter_max_input_buffers`, 1), in place of the current one's
-        gradients once those are copied in; on gloo the pending block's all-to-all receive buffer;
+        gradients once those are copied in; on gloo the pending block's all-to-all receive buffer
+        (mixed precision on gloo: input and receive buffer in the compute dtype);
       end of backward: the blocks' gradient shards (the root's own shard is made after its
         reduce); the root's whole gradients (the embedding's, the last made) with, before the
         root reshards, its gathered parameters and the last block's reduce-scatter input and
-        receive buffer, after it, their fp32 reduce-scatter input (an in-place all-reduce).
+        receive buffer, after it, their fp32 reduce-scatter input (an in-place all-reduce; in
+        mixed precision on gloo a compute-dtype input and receive buffer, no larger).
     Every term is in the model's shapes; p = bytes of the compute dtype."""
     p, root, block = work.p, local.root, local.layer
     blocks_built = FP32 * math.ceil((local.params - root) / layout.world)
@@ -241,8 +243,11 @@ def _fsdp_backward_peak(spec: ModelSpec, local: LocalModel, layout: Layout, work
     # (`zero.comm.OwnPartExchange`): with two ranks the buffer is half the input; with more, the
     # ranks in the middle receive every copy. (Conservative by those buffers on NCCL.)
     receive = FP32 * block / 2 if layout.world == 2 else FP32 * block
-    through = (floor, p * root + head_grad + 2 * p * block + (p + FP32) * block + receive)
-    end = (("gradients", blocks_built), p * root + max(p * root + FP32 * block + receive, FP32 * root))
+    # Mixed precision on gloo: the input and receive buffer hold the compute dtype (p * block and
+    # half or all of that again: fsdp_comms.GlooReduceScatter), never more than NCCL's fp32 input.
+    reduce_buffers = FP32 * block if work.mixed else FP32 * block + receive
+    through = (floor, p * root + head_grad + 2 * p * block + p * block + reduce_buffers)
+    end = (("gradients", blocks_built), p * root + max(p * root + reduce_buffers, FP32 * root))
     return max(start, through, end, key=lambda moment: moment[0][1] + moment[1])
 
 

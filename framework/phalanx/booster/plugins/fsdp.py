@@ -185,7 +185,9 @@ class FSDPPlugin(Plugin):
         self.pending_reduces = None
         if self.grad_collective != "reduce_scatter":
             exchange = "all_to_all" if self.grad_collective == "auto" else self.grad_collective
-            self.pending_reduces = use_gloo_collectives([*blocks, model], self.dp_group, self.overlap_reduce, exchange)
+            low = dtype_of(self.precision) if self.precision != "fp32" else None
+            self.pending_reduces = use_gloo_collectives([*blocks, model], self.dp_group, self.overlap_reduce, exchange,
+                                                        exchange_dtype=low)
         if self.forward_prefetch:
             # Each block starts the next one's all-gather before it computes (on gloo the broadcasts
             # run in gloo's threads meanwhile: `BroadcastAllGather` returns them unwaited). One more

@@ -36,6 +36,8 @@ deferred and exchanged it is faster on both bench models (docs/zero.md, session 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -89,7 +91,9 @@ class _Reduction:
     rank's slice goes to `output`. All-reduce: in place, then the slice is copied out. All-to-all:
     each rank receives every other rank's copy of its own slice and adds them to its own
     (`zero.comm.OwnPartExchange`): the bytes of a reduce-scatter at the speed of gloo's
-    all-to-all (`zero.comm.is_gloo`)."""
+    all-to-all (`zero.comm.is_gloo`). The copies may travel in a lower precision than `output`
+    (the compute dtype the gradients were made in: `GlooReduceScatter`); they are added in
+    `output`'s dtype."""
 
     def __init__(self, output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, op,
                  exchange: str) -> None:
@@ -104,10 +108,17 @@ class _Reduction:
 
     def finish(self) -> None:
         self.work.wait()
+        out = self.output.view(-1)
         if self.exchange != "all_to_all":
-            self.output.copy_(self.full.view(self.world, -1)[self.rank])
+            out.copy_(self.full.view(self.world, -1)[self.rank])
         else:
-            out = sum_into(self.output.view(-1), self.work.copies())
+            copies = self.work.copies()
+            if copies[0].dtype == out.dtype:
+                sum_into(out, copies)
+            else:  # widen first, then add: the sum of low-precision copies made in output's dtype
+                out.copy_(copies[0])
+                for value in copies[1:]:
+                    out.add_(value)
             if self.op == dist.ReduceOp.AVG:
                 out.div_(self.world)
         self.full = self.work = None
@@ -120,23 +131,64 @@ class GlooReduceScatter(DefaultReduceScatter):
     """Reduce-scatter on gloo without gloo's slow reduce-scatter: an all-to-all of the (already
     full-size, temporary) input whose parts each rank then adds up (default), or an in-place
     all-reduce whose slice is copied out (`exchange="all_reduce"`, twice the bytes). The same
-    result; the all-to-all needs one more full-size buffer, the receive buffer, while it runs.
+    result; the all-to-all needs one more buffer, the receive buffer, while it runs.
     With `pending` (and `module`, the FSDP module whose gradients it reduces) the reduction is
     left running where that is safe (module docstring); `drain=True` (the root, reduced last)
-    finishes everything pending after its own reduce."""
+    finishes everything pending after its own reduce.
+
+    `exchange_dtype` (mixed precision, the compute dtype): FSDP2 casts the block's gradients,
+    made in the compute dtype, up to the fp32 reduce dtype to build the reduce-scatter input; here
+    the input is allocated in the compute dtype instead (`allocate`), so the gradients are copied
+    into it unchanged and the all-to-all moves half the bytes; each rank adds the copies of its
+    slice in fp32 into the fp32 output. Every value is exactly what an fp32 exchange would carry
+    (a bf16 gradient widened to fp32 is the same number), so the result is bit-identical to
+    reducing in fp32, and the root, whose in-place all-reduce would add in the compute dtype,
+    exchanges by all-to-all too (its input plus receive buffer, 2 + 1 bytes per element on two
+    ranks, 2 + 2 on more, is at most the fp32 input's 4). The input stays fp32 whenever the
+    gradients may not be in the compute dtype: after a backward without gradient sync (FSDP2 then
+    accumulates them in fp32: `mark_accumulating`), with a custom divide factor, or summed
+    reductions."""
 
     def __init__(self, pending: PendingReduces | None = None, module: FSDPModule | None = None,
-                 drain: bool = False, exchange: str = "all_to_all") -> None:
+                 drain: bool = False, exchange: str = "all_to_all", exchange_dtype: torch.dtype | None = None,
+                 world: int = 1) -> None:
         super().__init__()
         if exchange not in GLOO_EXCHANGES:
             raise ValueError(f"exchange={exchange!r}: use one of {', '.join(GLOO_EXCHANGES)}")
         self.pending, self.module, self.drain, self.exchange = pending, module, drain, exchange
+        self.exchange_dtype, self.world = exchange_dtype, world
+        self.accumulating = False  # a backward ran without gradient sync since the last reduce
+        self._input_numel: int | None = None
+
+    def mark_accumulating(self) -> None:
+        """Gradient sync was switched off: the next reduce may get fp32 accumulated gradients."""
+        self.accumulating = True
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP2 allocates the reduce-scatter input (world x the output's size), then the output."""
+        numel = math.prod(size)
+        if self._input_numel is not None and numel * self.world == self._input_numel:
+            self._input_numel = None  # the output: the reduce dtype FSDP2 asks for
+            return torch.empty(*size, dtype=dtype, device=device)
+        self._input_numel = numel
+        return torch.empty(*size, dtype=self._input_dtype(dtype), device=device)
+
+    def _input_dtype(self, reduce_dtype: torch.dtype) -> torch.dtype:
+        if self.exchange_dtype is None or self.accumulating or self.module is None:
+            return reduce_dtype
+        groups = _param_groups(self.module)
+        if any(g.gradient_divide_factor is not None or g.force_sum_reduction_for_comms for g in groups):
+            return reduce_dtype
+        return self.exchange_dtype
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
+        self.accumulating = False  # FSDP2 hands every accumulated gradient to this reduce
         if op not in _PLAIN_OPS:  # PREMUL_SUM and friends: gloo's own reduce-scatter knows them
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        reduction = _Reduction(output_tensor, input_tensor, group, op, self.exchange)
+        # a low-precision input is summed after the exchange, in the output's dtype: never all-reduced
+        exchange = "all_to_all" if input_tensor.dtype != output_tensor.dtype else self.exchange
+        reduction = _Reduction(output_tensor, input_tensor, group, op, exchange)
         if self.pending is not None and not self.drain and self._can_defer(output_tensor, op):
             self.pending.add(reduction)
             return None
@@ -189,19 +241,48 @@ class BroadcastAllGather(DefaultAllGather):
 
 
 def use_gloo_collectives(modules: list[FSDPModule], group: dist.ProcessGroup,
-                         overlap_reduce: bool = True, exchange: str = "all_to_all") -> PendingReduces | None:
+                         overlap_reduce: bool = True, exchange: str = "all_to_all",
+                         exchange_dtype: torch.dtype | None = None) -> PendingReduces | None:
     """Give every FSDP module the gloo-fast collectives when `group` runs on gloo. `modules` ends
-    with the root. Returns the pending-reduce set the optimizer must finish before it reads
-    gradients (None when `group` is not gloo or has one rank)."""
+    with the root. `exchange_dtype`: the compute dtype of a mixed-precision model, in which the
+    all-to-all carries the gradients (`GlooReduceScatter`). Returns the pending-reduce set the
+    optimizer must finish before it reads gradients (None when `group` is not gloo or has one
+    rank)."""
     if not is_gloo(group) or dist.get_world_size(group) < 2:
         return None
     pending = PendingReduces() if overlap_reduce else None
+    world = dist.get_world_size(group)
+    low = exchange_dtype if exchange == "all_to_all" else None  # an all-reduce would add in that dtype
+    reducers: dict[FSDPModule, GlooReduceScatter] = {}
     for i, module in enumerate(modules):
         is_root = i == len(modules) - 1
         # The root's reduce (embeddings and LM head, the largest, at the end of backward where memory
-        # peaks) is an in-place all-reduce: an all-to-all's receive buffer there would add the root's
-        # whole fp32 gradient to the peak (+241 MiB per rank at 158M parameters, vocabulary 32000).
+        # peaks) is an in-place all-reduce when its input is fp32: an all-to-all's receive buffer
+        # there would add half to all of the root's fp32 gradient to the peak (+241 MiB per rank at
+        # 158M parameters, vocabulary 32000). A compute-dtype input goes by all-to-all (it must be
+        # added in fp32), whose input and receive buffer are no larger than the fp32 input.
         own = "all_reduce" if is_root and len(modules) > 1 else exchange
-        module.set_custom_reduce_scatter(GlooReduceScatter(pending, module, drain=is_root, exchange=own))
+        reducer = GlooReduceScatter(pending, module, drain=is_root, exchange=own, exchange_dtype=low, world=world)
+        module.set_custom_reduce_scatter(reducer)
         module.set_custom_all_gather(BroadcastAllGather())
+        reducers[module] = reducer
+    if low is not None:
+        for module in modules:
+            _tell_when_sync_is_off(module, reducers)
     return pending
+
+
+def _tell_when_sync_is_off(module: FSDPModule, reducers: dict) -> None:
+    """Wrap `module.set_requires_gradient_sync` so that switching sync off marks the reducers it
+    reaches as accumulating: FSDP2 then keeps the unsynced gradients in fp32 (its reduce dtype),
+    and the next reduce must take them in an fp32 input (`GlooReduceScatter`)."""
+    original = module.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        if not requires_gradient_sync:
+            for sub in (module.modules() if recurse else [module]):
+                if sub in reducers:
+                    reducers[sub].mark_accumulating()
+        original(requires_gradient_sync, recurse=recurse)
+
+    module.set_requires_gradient_sync = set_requires_gradient_sync
