@@ -39,6 +39,12 @@ Part 3 (`--model medium|large`, or both: `--model medium,large`) -- the plugins 
 
     python bench/train_throughput.py --model medium --launches 3
     python bench/train_throughput.py --model medium,large --steps-sized 8
+    python bench/train_throughput.py --model medium --variants ddp,fsdp --interleave --steps-sized 25
+
+`--interleave` builds every variant in the same two ranks and steps them in turn (step i of each,
+the order reversed every other round), so a machine whose speed drifts during the run (shared
+hosts: up to 1.5x within a session) slows all variants alike; every variant stays resident, so
+keep it to the medium model or a few variants of the large one.
 
 Prints the tables and one `BENCH_JSON {...}` line.
 """
@@ -459,6 +465,40 @@ def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int,
     return out
 
 
+def rank_sized_interleaved(variants: list[str], size: str, batch: int, seq: int, steps: int,
+                           precision: str = "fp32") -> dict:
+    """Per rank, as `rank_sized`, but every variant is built first and the steps go round-robin
+    (step i of each variant, in reverse order every other round): a machine whose speed drifts
+    during the run slows every variant alike, so their ratios hold where sequential runs differed
+    by up to 1.5x (session 12). Every variant's model and optimizer state stay resident at once:
+    fine for the medium model, about 2 GiB per variant and rank for the large one."""
+    import torch.distributed as dist
+
+    built = {}
+    for name in variants:
+        try:
+            built[name] = build_sized_variant(name, size, batch, seq, precision)
+        except Exception as err:  # an optional peer (DeepSpeed) that cannot run here
+            if not name.startswith("ds_"):
+                raise
+            built[name] = err
+    out = {name: ({"error": f"{type(b).__name__}: {b}"[:200]} if isinstance(b, Exception) else
+                  {"wall": [], "cpu": [], "phases": []}) for name, b in built.items()}
+    runnable = [name for name in variants if not isinstance(built[name], Exception)]
+    for i in range(steps):
+        for name in (runnable if i % 2 == 0 else runnable[::-1]):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            out[name]["phases"].append(built[name][0]())
+            c1 = time.process_time()
+            dist.barrier()
+            out[name]["wall"].append(time.perf_counter() - t0)
+            out[name]["cpu"].append(c1 - c0)
+    for name in runnable:  # the optimizer state exists after the first step
+        out[name]["state_bytes"] = _state_bytes(built[name][1])
+    return out
+
+
 def _median_after_first(values: list[float]) -> float:
     """The median of steps 2..N (step 1 pays the lazy set-up: optimizer state, buffers)."""
     return statistics.median(values[1:] if len(values) > 1 else values)
@@ -474,7 +514,8 @@ def run_sized(args, size: str) -> dict:
     variants = [v for v in SIZED_VARIANTS if v in chosen and (not v.startswith("ds_") or deepspeed_available())]
     print(f"\n== plugins on the {size} Llama (hidden {MODEL_SIZES[size][0]}, {MODEL_SIZES[size][1]} layers, vocab 8192): "
           f"2 gloo ranks x 1 thread, {args.batch_sized} x {args.seq_sized} tokens/rank, AdamW {args.precision_sized}, clip 1.0, "
-          f"median of steps 2..{args.steps_sized}, {args.launches} launch(es) ==", flush=True)
+          f"median of steps 2..{args.steps_sized}, {args.launches} launch(es)"
+          f"{', variants interleaved step by step' if args.interleave else ''} ==", flush=True)
     if not deepspeed_available():
         print("   DeepSpeed not installed: its ZeRO-1/2 columns are left out (optional peer)", flush=True)
     launches = []
@@ -482,7 +523,8 @@ def run_sized(args, size: str) -> dict:
         order = variants[i % len(variants):] + variants[:i % len(variants)]  # rotate: load drift hits all alike
         load0 = _loadavg()
         t0 = time.perf_counter()
-        per_rank = spawn(rank_sized, 2, order, size, args.batch_sized, args.seq_sized, args.steps_sized,
+        body = rank_sized_interleaved if args.interleave else rank_sized
+        per_rank = spawn(body, 2, order, size, args.batch_sized, args.seq_sized, args.steps_sized,
                          args.precision_sized, timeout=3600, threads=1)
         print(f"   launch {i + 1}: {time.perf_counter() - t0:.0f} s, load average {load0} -> {_loadavg()}", flush=True)
         launches.append(per_rank)
@@ -688,6 +730,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="models part: medium, large or medium,large (real-sized Llama, per-phase split)")
     parser.add_argument("--launches", type=int, default=1, help="models part: fresh launches (median of medians)")
     parser.add_argument("--steps-sized", type=int, default=20, help="models part: steps per variant (median of 2..N)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="models part: build every variant in the same ranks and step them in turn (ratios "
+                             "that hold on a machine whose speed drifts; all variants resident at once)")
     parser.add_argument("--variants", default=None,
                         help=f"models part: comma-separated subset of {','.join(SIZED_VARIANTS)}")
     parser.add_argument("--batch-sized", type=int, default=4, help="models part: sequences per rank")
