@@ -434,33 +434,46 @@ def build_sized_variant(name: str, size: str, batch: int, seq: int, precision: s
     return plugin_step, wrapped.optim
 
 
+def _build_or_error(name: str, size: str, batch: int, seq: int, precision: str):
+    """(step, state_optimizer), or {"error": ...} for an optional peer (DeepSpeed) that cannot run here."""
+    try:
+        return build_sized_variant(name, size, batch, seq, precision)
+    except Exception as err:
+        if not name.startswith("ds_"):
+            raise
+        return {"error": f"{type(err).__name__}: {err}"[:200]}
+
+
+def _timed_step(step, record: dict) -> None:
+    """One step between barriers (the slower rank sets the pace): its wall and CPU time and phases."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    record["phases"].append(step())
+    c1 = time.process_time()
+    dist.barrier()
+    record["wall"].append(time.perf_counter() - t0)
+    record["cpu"].append(c1 - c0)
+
+
 def rank_sized(variants: list[str], size: str, batch: int, seq: int, steps: int, precision: str = "fp32") -> dict:
     """Per rank: each variant alone (built, `steps` steps, freed); per-step wall time (barrier to
     barrier: the slower rank sets the pace) and this rank's phases."""
     import gc
 
-    import torch.distributed as dist
-
     out = {}
     for name in variants:
-        try:
-            step, state_opt = build_sized_variant(name, size, batch, seq, precision)
-        except Exception as err:  # an optional peer (DeepSpeed) that cannot run here
-            if not name.startswith("ds_"):
-                raise
-            out[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
+        built = _build_or_error(name, size, batch, seq, precision)
+        if isinstance(built, dict):
+            out[name] = built
             continue
-        wall, cpu, phases = [], [], []
+        step, state_opt = built
+        out[name] = record = {"wall": [], "cpu": [], "phases": []}
         for _ in range(steps):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            phases.append(step())
-            c1 = time.process_time()
-            dist.barrier()
-            wall.append(time.perf_counter() - t0)
-            cpu.append(c1 - c0)
-        out[name] = {"wall": wall, "cpu": cpu, "phases": phases, "state_bytes": _state_bytes(state_opt)}
-        del step, state_opt
+            _timed_step(step, record)
+        record["state_bytes"] = _state_bytes(state_opt)
+        del built, step, state_opt
         gc.collect()
     return out
 
@@ -472,28 +485,12 @@ def rank_sized_interleaved(variants: list[str], size: str, batch: int, seq: int,
     during the run slows every variant alike, so their ratios hold where sequential runs differed
     by up to 1.5x (session 12). Every variant's model and optimizer state stay resident at once:
     fine for the medium model, about 2 GiB per variant and rank for the large one."""
-    import torch.distributed as dist
-
-    built = {}
-    for name in variants:
-        try:
-            built[name] = build_sized_variant(name, size, batch, seq, precision)
-        except Exception as err:  # an optional peer (DeepSpeed) that cannot run here
-            if not name.startswith("ds_"):
-                raise
-            built[name] = err
-    out = {name: ({"error": f"{type(b).__name__}: {b}"[:200]} if isinstance(b, Exception) else
-                  {"wall": [], "cpu": [], "phases": []}) for name, b in built.items()}
-    runnable = [name for name in variants if not isinstance(built[name], Exception)]
+    built = {name: _build_or_error(name, size, batch, seq, precision) for name in variants}
+    runnable = [name for name in variants if not isinstance(built[name], dict)]
+    out = {name: built[name] if name not in runnable else {"wall": [], "cpu": [], "phases": []} for name in variants}
     for i in range(steps):
         for name in (runnable if i % 2 == 0 else runnable[::-1]):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            out[name]["phases"].append(built[name][0]())
-            c1 = time.process_time()
-            dist.barrier()
-            out[name]["wall"].append(time.perf_counter() - t0)
-            out[name]["cpu"].append(c1 - c0)
+            _timed_step(built[name][0], out[name])
     for name in runnable:  # the optimizer state exists after the first step
         out[name]["state_bytes"] = _state_bytes(built[name][1])
     return out

@@ -157,6 +157,30 @@ def test_own_part_exchange_sums_to_the_reduce_scatter(world):
             assert r["received"] == part * (world - 1 if r["kept_out"] else world)
 
 
+@pytest.mark.parametrize("copies", [1, 2, 4])
+def test_sum_into_adds_low_precision_copies_in_the_outputs_dtype(copies):
+    """`zero.comm.sum_into` (ZeRO's buckets, FSDPPlugin's reduces): bf16 copies summed into an fp32
+    output give the fp32 sum of their values, exactly as if each were widened first (a plain
+    `torch.add` of two bf16 tensors rounds the sum to bf16 even with an fp32 `out`: 1 + 2^-9 -> 1);
+    fp32 copies keep their one-`add` path."""
+    from phalanx.zero.comm import sum_into
+
+    g = torch.Generator().manual_seed(copies)
+    values = [torch.randn(1000, generator=g).bfloat16() for _ in range(copies)]
+    for v in values[1:-1]:
+        v[0] = 0.0
+    values[0][0], values[-1][0] = 1.0, 2.0 ** -9 if copies > 1 else 1.0
+    want = torch.zeros(1000)
+    for v in values:
+        want += v.float()
+    got = sum_into(torch.full((1000,), float("nan")), values)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if copies > 1:
+        assert got[0].item() == 1.0 + 2.0 ** -9
+    fp32 = [v.float() for v in values]
+    assert torch.equal(sum_into(torch.empty(1000), fp32), want)
+
+
 # ---------------------------------------------------------------------------- configuration errors
 @pytest.mark.parametrize("factory", [
     lambda ps: torch.optim.LBFGS(ps),

@@ -110,11 +110,16 @@ class OwnPartExchange:
 
 def sum_into(out: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
     """Write the sum of `values` (an exchange's copies) into `out`: the first two in one `add`,
-    the rest added in place (summing through a [k, n] view cost as much as the exchange)."""
-    if len(values) == 1:
-        return out.copy_(values[0])
-    torch.add(values[0], values[1], out=out)
-    for value in values[2:]:
+    the rest added in place (summing through a [k, n] view cost as much as the exchange). Copies
+    in a lower precision than `out` (bf16 gradients summed into fp32) are widened into `out`
+    first and added there: `torch.add` of two bf16 tensors would round their sum to bf16."""
+    if len(values) == 1 or values[0].dtype != out.dtype:
+        out.copy_(values[0])
+        rest = values[1:]
+    else:
+        torch.add(values[0], values[1], out=out)
+        rest = values[2:]
+    for value in rest:
         out.add_(value)
     return out
 

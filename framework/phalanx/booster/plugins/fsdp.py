@@ -158,8 +158,8 @@ class FSDPPlugin(Plugin):
         else:
             model = model.to(self.device)
         kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
-        if self.precision != "fp32":
-            low = dtype_of(self.precision)
+        low = dtype_of(self.precision) if self.precision != "fp32" else None  # the compute dtype when mixed
+        if low is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if self.cpu_offload:
             if self.device.type == "cpu":
@@ -185,7 +185,6 @@ class FSDPPlugin(Plugin):
         self.pending_reduces = None
         if self.grad_collective != "reduce_scatter":
             exchange = "all_to_all" if self.grad_collective == "auto" else self.grad_collective
-            low = dtype_of(self.precision) if self.precision != "fp32" else None
             self.pending_reduces = use_gloo_collectives([*blocks, model], self.dp_group, self.overlap_reduce, exchange,
                                                         exchange_dtype=low)
         if self.forward_prefetch:

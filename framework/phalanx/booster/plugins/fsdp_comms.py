@@ -112,13 +112,7 @@ class _Reduction:
         if self.exchange != "all_to_all":
             out.copy_(self.full.view(self.world, -1)[self.rank])
         else:
-            copies = self.work.copies()
-            if copies[0].dtype == out.dtype:
-                sum_into(out, copies)
-            else:  # widen first, then add: the sum of low-precision copies made in output's dtype
-                out.copy_(copies[0])
-                for value in copies[1:]:
-                    out.add_(value)
+            sum_into(out, self.work.copies())  # bf16 copies are added in the fp32 output
             if self.op == dist.ReduceOp.AVG:
                 out.div_(self.world)
         self.full = self.work = None
@@ -146,7 +140,7 @@ class GlooReduceScatter(DefaultReduceScatter):
     exchanges by all-to-all too (its input plus receive buffer, 2 + 1 bytes per element on two
     ranks, 2 + 2 on more, is at most the fp32 input's 4). The input stays fp32 whenever the
     gradients may not be in the compute dtype: after a backward without gradient sync (FSDP2 then
-    accumulates them in fp32: `mark_accumulating`), with a custom divide factor, or summed
+    accumulates them in fp32: `accumulating`), with a custom divide factor, or summed
     reductions."""
 
     def __init__(self, pending: PendingReduces | None = None, module: FSDPModule | None = None,
@@ -157,12 +151,9 @@ class GlooReduceScatter(DefaultReduceScatter):
             raise ValueError(f"exchange={exchange!r}: use one of {', '.join(GLOO_EXCHANGES)}")
         self.pending, self.module, self.drain, self.exchange = pending, module, drain, exchange
         self.exchange_dtype, self.world = exchange_dtype, world
-        self.accumulating = False  # a backward ran without gradient sync since the last reduce
+        # gradient sync was switched off since the last reduce: it may get fp32 accumulated gradients
+        self.accumulating = False
         self._input_numel: int | None = None
-
-    def mark_accumulating(self) -> None:
-        """Gradient sync was switched off: the next reduce may get fp32 accumulated gradients."""
-        self.accumulating = True
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """FSDP2 allocates the reduce-scatter input (world x the output's size), then the output."""
@@ -282,7 +273,7 @@ def _tell_when_sync_is_off(module: FSDPModule, reducers: dict) -> None:
         if not requires_gradient_sync:
             for sub in (module.modules() if recurse else [module]):
                 if sub in reducers:
-                    reducers[sub].mark_accumulating()
+                    reducers[sub].accumulating = True
         original(requires_gradient_sync, recurse=recurse)
 
     module.set_requires_gradient_sync = set_requires_gradient_sync
