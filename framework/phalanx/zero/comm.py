@@ -108,12 +108,15 @@ class OwnPartExchange:
         return ([self.own] if self.own is not None else []) + received
 
 
-def sum_into(out: torch.Tensor, values: Sequence[torch.Tensor]) -> torch.Tensor:
+def sum_into(out: torch.Tensor, values: Sequence[torch.Tensor], widen: bool = False) -> torch.Tensor:
     """Write the sum of `values` (an exchange's copies) into `out`: the first two in one `add`,
-    the rest added in place (summing through a [k, n] view cost as much as the exchange). Copies
-    in a lower precision than `out` (bf16 gradients summed into fp32) are widened into `out`
-    first and added there: `torch.add` of two bf16 tensors would round their sum to bf16."""
-    if len(values) == 1 or values[0].dtype != out.dtype:
+    the rest added in place (summing through a [k, n] view cost as much as the exchange). With
+    bf16/fp16 copies and an fp32 `out`, torch computes that first sum in the copies' dtype and
+    rounds it (1 + 2^-9 -> 1 in bf16) before writing `out`: ZeRO's bf16 reduction on gloo rounds
+    like DDP's bf16 all-reduce, and its CPU-offload path (which sums on the device in that dtype
+    before the one device-to-host copy) gives the same numbers. `widen=True` adds in `out`'s
+    dtype instead (FSDPPlugin's bf16 exchange, which must equal an fp32 reduce-scatter)."""
+    if widen or len(values) == 1:
         out.copy_(values[0])
         rest = values[1:]
     else:

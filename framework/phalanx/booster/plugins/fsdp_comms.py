@@ -112,7 +112,7 @@ class _Reduction:
         if self.exchange != "all_to_all":
             out.copy_(self.full.view(self.world, -1)[self.rank])
         else:
-            sum_into(out, self.work.copies())  # bf16 copies are added in the fp32 output
+            sum_into(out, self.work.copies(), widen=True)  # bf16 copies are added in the fp32 output
             if self.op == dist.ReduceOp.AVG:
                 out.div_(self.world)
         self.full = self.work = None
