@@ -42,12 +42,20 @@ def environment_report() -> dict[str, object]:
         report["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
-    cuda = torch.cuda.is_available()
-    report["cuda"] = torch.version.cuda if cuda else "not available"
-    report["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    report["backends"] = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available() and cuda,
+    from phalanx_kernels.accelerator import EMULATED_TYPE, accelerator_type, device_module, display, emulated
+
+    kind = accelerator_type()
+    cuda = kind is not None
+    report["cuda"] = torch.version.cuda if kind == "cuda" else ("emulated (PHALANX_EMULATE_GPU=1)" if emulated()
+                                                                 else "not available")
+    gpus = device_module(kind) if cuda else None
+    report["gpus"] = ([f"{display(torch.device(kind, i))}: {gpus.get_device_name(i)}" for i in range(gpus.device_count())]
+                      if cuda else [])
+    report["backends"] = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available() and kind == "cuda",
                           "mpi": dist.is_mpi_available()}
-    report["default_backend"] = "nccl" if cuda else "gloo"
+    if emulated():
+        report["backends"]["nccl (emulated by gloo)"] = True
+    report["default_backend"] = {"cuda": "nccl", EMULATED_TYPE: "nccl (emulated by gloo)"}.get(kind, "gloo")
     report.update(_precision_report(cuda))
     report["triton_kernels"] = _triton_status(cuda)
     return report
@@ -73,6 +81,10 @@ def _triton_status(cuda: bool) -> str:
         importlib.import_module("triton")
     except ImportError:
         return "not installed (kernels use their torch references)"
+    from phalanx_kernels.accelerator import emulated
+
+    if emulated():
+        return "Triton interpreter on the emulated GPU (dispatched as on CUDA, computed on the CPU)"
     if cuda:
         return "compiled kernels on CUDA"
     return "no GPU driver: kernels use torch references (Triton runs only under TRITON_INTERPRET=1, for tests)"

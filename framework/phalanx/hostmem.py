@@ -17,12 +17,14 @@ import weakref
 
 import torch
 
+from phalanx_kernels.accelerator import available as accelerator_available
+
 _PAGE = mmap.PAGESIZE
 _POOL: dict[int, int] = {}  # start address of each live pool mapping -> its size in bytes
 
 
 def _cpu_only() -> bool:
-    return not torch.cuda.is_available()
+    return not accelerator_available()
 
 
 def host_empty(numel: int, dtype: torch.dtype = torch.float32, *, zero: bool = False,

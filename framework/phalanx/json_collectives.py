@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.launch import collective
+from phalanx.launch import collective, uses_nccl_path
+from phalanx_kernels.accelerator import current_device
 
 
 def _device(group: dist.ProcessGroup | None, device: torch.device | None) -> torch.device:
@@ -24,8 +25,8 @@ def _device(group: dist.ProcessGroup | None, device: torch.device | None) -> tor
     tensors), else the CPU."""
     if device is not None:
         return torch.device(device)
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    if uses_nccl_path(dist.get_backend(group)):
+        return current_device()
     return torch.device("cpu")
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.malloc import keep_freed_memory
+from phalanx_kernels.accelerator import EMULATED_TYPE, accelerator_type, device_module, display
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,25 @@ def _env_int(name: str, default: int) -> int:
 
 
 def choose_device_and_backend(local_rank: int) -> tuple[torch.device, str]:
-    """CUDA with NCCL when a GPU is visible, else CPU with gloo (never a mixed backend string:
-    'cpu:gloo,cuda:nccl' fails on machines without NCCL)."""
-    if torch.cuda.is_available():
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
+    """The accelerator with its collective backend when there is one (CUDA with NCCL; the emulated
+    GPU with its NCCL path, see phalanx.emulate), else CPU with gloo (never a mixed backend string
+    on a real GPU: 'cpu:gloo,cuda:nccl' fails on machines without NCCL)."""
+    kind = accelerator_type()
+    if kind is None:
+        return torch.device("cpu"), "gloo"
+    module = device_module(kind)
+    index = local_rank % module.device_count()
+    module.set_device(index)
+    if kind == "cuda":
         return torch.device("cuda", index), "nccl"
-    return torch.device("cpu"), "gloo"
+    from phalanx.emulate.collectives import BACKEND
+
+    return torch.device(kind, index), BACKEND
+
+
+def uses_nccl_path(backend: str) -> bool:
+    """Whether collectives of this backend take device tensors only (NCCL, and the emulated GPU's)."""
+    return backend == "nccl" or EMULATED_TYPE in backend
 
 
 def set_cpu_threads(local_world_size: int, threads: int | None = None) -> int:
@@ -127,7 +140,7 @@ def launch(
     timeout = _dt.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            kwargs = {"device_id": device} if device.type == "cuda" else {}  # NCCL's eager init: real GPUs only
             store = elastic_attempt_store(world_size, timeout)
             if store is not None:
                 kwargs["store"] = store
@@ -146,6 +159,9 @@ def launch(
         agree_across_ranks()  # one precision decision for all ranks (see its docstring)
     if seed is not None:
         seed_everything(seed, rank)
+    if rank == 0 and device.type == EMULATED_TYPE:
+        print(f"phalanx: {world_size} rank(s), device {display(device)}, backend {backend} (PHALANX_EMULATE_GPU=1)",
+              flush=True)
     _CONTEXT = DistContext(rank, world_size, local_rank, local_world_size, device, backend)
     return _CONTEXT
 

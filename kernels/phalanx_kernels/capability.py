@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx_kernels.accelerator import available, current_device, device_module, is_accelerator
+
 _OVERRIDE_ENV = "PHALANX_CPU_BF16"
 # bf16 counts as native when its matmul is at most this many times slower than fp32's. Native
 # bf16 with AMX is 2-4x faster, without AMX 1.6-2x slower (a Xeon under KVM); emulation is 30-100x
@@ -104,9 +106,9 @@ def _measured_cpu_bf16_support() -> CpuBf16Support:
 
 def native_bf16(device: torch.device | str | None = None) -> bool:
     """Whether `device` (default: CUDA if present, else CPU) computes bf16 at full speed."""
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    device = torch.device(device) if device is not None else current_device()
+    if is_accelerator(device):
+        return available() and device_module(device).is_bf16_supported()
     if device.type == "cpu":
         return cpu_bf16_support().native
     return False  # meta and other devices: assume nothing
@@ -155,7 +157,7 @@ def agree_across_ranks(group=None) -> CpuBf16Support:
 def bf16_is_fastest(device: torch.device | str | None = None) -> bool:
     """Whether bf16 is the faster training dtype on `device`: native there and, on CPU, measured
     faster than fp32 (what `precision="auto"` picks bf16 on)."""
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else current_device()
     if device.type == "cpu":
         support = cpu_bf16_support()
         return support.native and support.faster_than_fp32

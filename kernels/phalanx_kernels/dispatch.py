@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from phalanx_kernels.accelerator import is_accelerator
+
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
 
@@ -60,12 +62,12 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     if _backend == "torch":
         return False
     if _backend == "auto":
-        return bool(present) and all(t.is_cuda for t in present) and triton_available()
+        return bool(present) and all(is_accelerator(t) for t in present) and triton_available()
     # forced "triton": fail here with the fix rather than deep inside triton
     if not triton_available():
         raise RuntimeError("kernel backend 'triton' was requested but triton is not installed; "
                            "`pip install triton` or use set_backend('auto')")
-    if any(not t.is_cuda for t in present) and not interpreting():
+    if any(not t.is_cuda for t in present) and not interpreting():  # emulated GPU tensors too: they need the interpreter
         raise RuntimeError("kernel backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
                            "the first kernel call (Triton reads it when kernels are defined)")
     return True

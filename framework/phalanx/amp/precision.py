@@ -12,6 +12,8 @@ import warnings
 
 import torch
 
+from phalanx_kernels.accelerator import current_device
+
 from phalanx_kernels.capability import bf16_is_fastest, cpu_bf16_support
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -21,7 +23,7 @@ _warned: set[str] = set()
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return current_device()
 
 
 def warn_if_emulated_bf16(device: torch.device | str | None = None, what: str = "precision=bf16",

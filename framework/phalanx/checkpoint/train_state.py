@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from phalanx_kernels.accelerator import available as accelerator_available
+from phalanx_kernels.accelerator import device_module
+
 from phalanx.checkpoint.atomic import MANIFEST, CheckpointError
 
 STATE_FILE = "train_state.json"
@@ -69,7 +72,7 @@ def rng_state() -> dict[str, Any]:
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
         "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "cuda": [s.tolist() for s in device_module().get_rng_state_all()] if accelerator_available() else [],
     }
 
 
@@ -91,8 +94,8 @@ def load_rng_state(directory: str | Path, rank: int) -> bool:
     npy = state["numpy"]
     np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if state.get("cuda") and accelerator_available():
+        device_module().set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
     return True
 
 

@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from phalanx_kernels.accelerator import device_module, is_accelerator
+
 from phalanx.hostmem import host_copy, host_empty
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -44,9 +46,9 @@ def parse_bytes(value: str | int | float | None, default: int | None, what: str 
 
 
 def device_capacity(device: torch.device) -> int:
-    """What the device has: CUDA's total memory, or the machine's RAM for a CPU "device"."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+    """What the device has: the GPU's total memory, or the machine's RAM for a CPU "device"."""
+    if is_accelerator(device):
+        return device_module(device).get_device_properties(device).total_memory
     import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

@@ -16,6 +16,8 @@ optimizer chunks to the device.
 from __future__ import annotations
 
 import torch
+
+from phalanx_kernels.accelerator import device_module, is_accelerator
 from torch import nn
 
 from phalanx.gemini.tiers import DEVICE
@@ -59,8 +61,8 @@ class MemoryTracer:
     # ------------------------------------------------------------------ per step
     def nonmodel_now(self) -> int:
         tiers = self.manager.tiers
-        if tiers.device.type == "cuda":
-            return max(0, torch.cuda.memory_allocated(tiers.device) - tiers.bytes[DEVICE])
+        if is_accelerator(tiers.device):
+            return max(0, device_module(tiers.device).memory_allocated(tiers.device) - tiers.bytes[DEVICE])
         return self._live if self._recording else self._forward_total
 
     def record(self, pos: int, chunks=(), backward: bool = False) -> None:

@@ -20,6 +20,8 @@ from typing import Iterable, Mapping, Sequence as Seq
 
 import torch
 
+from phalanx_kernels.accelerator import current_device
+
 from phalanx.inference.block_manager import BlockManager
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import ModelSpec
@@ -63,7 +65,7 @@ def _default_device(tp: TPGroup) -> torch.device:
     if tp.size > 1:
         from phalanx.launch import context
         return context().device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return current_device()
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from phalanx_kernels.accelerator import is_accelerator
+
 import phalanx_kernels as pk
 from phalanx_kernels.attention import flash_attention_reference
 from phalanx_kernels.glu import swiglu_reference
@@ -17,19 +19,20 @@ from phalanx_kernels.rmsnorm import rms_norm_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    if x.is_cuda:
+    if is_accelerator(x):
         return pk.rms_norm(x, weight, eps, residual=residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return pk.swiglu(a, b) if a.is_cuda else swiglu_reference(a, b)
+    return pk.swiglu(a, b) if is_accelerator(a) else swiglu_reference(a, b)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    return pk.flash_attention(q, k, v, causal=causal) if q.is_cuda else flash_attention_reference(q, k, v, causal)
+    return pk.flash_attention(q, k, v, causal=causal) if is_accelerator(q) else flash_attention_reference(q, k, v, causal)
 
 
 def cuda_kernels(t: torch.Tensor) -> bool:
-    """Whether phalanx_kernels would run Triton for this tensor (only ever on CUDA)."""
-    return t.is_cuda and pk.dispatch.use_triton(t)
+    """Whether phalanx_kernels would run Triton for this tensor (only ever on the accelerator:
+    compiled on CUDA, in the interpreter on the emulated GPU)."""
+    return is_accelerator(t) and pk.dispatch.use_triton(t)

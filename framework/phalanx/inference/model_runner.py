@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx_kernels.accelerator import device_module, is_accelerator
+
 from phalanx.amp.precision import warn_if_emulated_bf16
 from phalanx_kernels.capability import fast_compute_dtype
 from phalanx.inference import compiled
@@ -129,15 +131,16 @@ class ModelRunner:
     def kv_budget_bytes(self) -> int:
         """Memory this rank may give the KV cache: what is left of the GPU after weights and a
         profiled step's activations, or the configured CPU budget."""
-        if self.device.type != "cuda":
+        if not is_accelerator(self.device):
             return int(self.config.kv_cache_memory_gib * 2**30)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
+        gpu = device_module(self.device)
+        gpu.synchronize(self.device)
+        gpu.empty_cache()
+        gpu.reset_peak_memory_stats(self.device)
+        before = gpu.memory_allocated(self.device)
         self._profile_step()
-        activations = torch.cuda.max_memory_allocated(self.device) - before
-        free, total = torch.cuda.mem_get_info(self.device)
+        activations = gpu.max_memory_allocated(self.device) - before
+        free, total = gpu.mem_get_info(self.device)
         used_by_others_and_us = total - free
         return int(total * self.config.gpu_memory_utilization - used_by_others_and_us - activations)
 
@@ -153,7 +156,7 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), batch, caches, self.cos, self.sin)
             self.model.logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
+        device_module(self.device).synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []

@@ -19,6 +19,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from phalanx_kernels.accelerator import accelerator_rng_fork
 from torch import nn
 
 from phalanx.checkpoint.atomic import CheckpointError
@@ -94,8 +96,7 @@ class RandomInitSource:
     def _initialise(self, unit_name: str) -> None:
         unit = copy.deepcopy(self.template.get_submodule(unit_name) if unit_name else self.template)
         unit.to_empty(device=self.device)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with torch.no_grad(), accelerator_rng_fork(self.device):
             torch.manual_seed((self.seed + zlib.crc32(self._seed_name(unit_name).encode())) % 2**63)
             unit.apply(init_weights_fn(self.template))  # children before parents, as transformers does
         prefix = unit_name + "." if unit_name else ""

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from phalanx_kernels.accelerator import available as accelerator_available
+from phalanx_kernels.accelerator import current_device, device_module, is_accelerator
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -24,7 +27,7 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 def _device(device) -> torch.device:
     if device is not None:
         return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return current_device()
 
 
 def _status_kib(field: str) -> int | None:
@@ -39,8 +42,8 @@ def _status_kib(field: str) -> int | None:
 
 def current_memory_bytes(device: torch.device | str | None = None) -> int:
     device = _device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
+    if is_accelerator(device):
+        return int(device_module(device).memory_allocated(device))
     kib = _status_kib("VmRSS")
     if kib is not None:
         return kib * 1024
@@ -49,8 +52,8 @@ def current_memory_bytes(device: torch.device | str | None = None) -> int:
 
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:
     device = _device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+    if is_accelerator(device):
+        return int(device_module(device).max_memory_allocated(device))
     kib = _status_kib("VmHWM")
     if kib is not None:
         return kib * 1024
@@ -62,8 +65,8 @@ def peak_memory_bytes(device: torch.device | str | None = None) -> int:
 def reset_peak_memory(device: torch.device | str | None = None) -> bool:
     """Restart the high-water mark at the current usage; False if this platform cannot."""
     device = _device(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if is_accelerator(device):
+        device_module(device).reset_peak_memory_stats(device)
         return True
     try:
         _CLEAR_REFS.write_text("5")  # Linux: reset VmHWM to the current RSS
@@ -75,8 +78,8 @@ def reset_peak_memory(device: torch.device | str | None = None) -> bool:
 def release_free_memory() -> None:
     """Collect garbage and return freed heap pages to the OS (glibc's malloc_trim)."""
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if accelerator_available():
+        device_module().empty_cache()
     if sys.platform.startswith("linux"):
         try:
             import ctypes

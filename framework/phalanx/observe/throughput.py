@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from phalanx_kernels.accelerator import device_module, is_accelerator
 from torch import nn
 
 
@@ -60,8 +62,8 @@ def causal_lm_flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if is_accelerator(device):
+        device_module(device).synchronize(device)
 
 
 def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -43,8 +43,9 @@ def _measured_peak_tflops(dtype: str) -> float:
 
     from phalanx.amp.precision import dtype_of
     from phalanx.observe.throughput import measure_matmul_flops
+    from phalanx_kernels.accelerator import current_device
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = current_device()
     return measure_matmul_flops(device, dtype_of(dtype)) / 1e12
 
 

@@ -97,9 +97,11 @@ class MemoryProbe:
 
         import torch
 
+        from phalanx_kernels.accelerator import current_device
+
         self.model = model
         self.device = torch.device(device) if device is not None else None
-        on_cpu = (self.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")).type == "cpu"
+        on_cpu = (self.device or current_device()).type == "cpu"
         resident_model = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
                              if t.device.type == "cpu") if on_cpu and hasattr(model, "parameters") else 0
         reset_peak_memory(self.device)

@@ -19,6 +19,8 @@ import math
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+
+from phalanx_kernels.accelerator import accelerator_rng_fork
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
@@ -101,7 +103,7 @@ def eval_mode(boosted: nn.Module, model: nn.Module) -> Iterator[None]:
     unshard = getattr(root, "unshard", None) if _is_fsdp(root) else None
     was_training = model.training
     model.eval()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    with accelerator_rng_fork():
         try:
             if unshard is not None:
                 unshard()

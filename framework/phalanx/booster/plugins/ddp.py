@@ -70,7 +70,7 @@ class DDPPlugin(Plugin):
         model = model.to(self.device)
         if self.precision != "fp32":
             model = model.to(dtype_of(self.precision))
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        device_ids = [self.device.index] if self.device.type == "cuda" else None  # the emulated GPU: None, as a custom device
         ddp = DDP(model, device_ids=device_ids, process_group=self.dp_group, bucket_cap_mb=self.bucket_cap_mb,
                   find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=True,
                   forward_sync_buffers=False, static_graph=self.static_graph)

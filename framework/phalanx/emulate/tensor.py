@@ -1,0 +1,293 @@
+"""The emulated GPU's tensor: a CPU tensor wrapped so that it reports an accelerator device.
+
+`EmulatedTensor` is a wrapper subclass (as torch's FakeTensor and DTensor are): the outer tensor
+has device `emucuda:N`, no storage of its own, and goes through `__torch_dispatch__` for every
+operation, where the CPU tensor inside (`elem`) does the work. Autograd, `nn.Parameter`,
+`Module.to`, autocast and the optimizers see an accelerator tensor; the dispatch enforces what a
+GPU would:
+
+- an operation mixing a device tensor with a CPU tensor raises (a 0-dim CPU tensor is allowed, as
+  CUDA allows it; copies and CPU index tensors are allowed, as on CUDA);
+- device -> host transfers (`.item()`, `.cpu()`, `.tolist()`, `bool(t)`, `nonzero`, ...) are
+  counted in `runtime.SYNCS`, so tests can bound them;
+- random numbers come from the device's own generator, not the CPU's (as on CUDA);
+- collectives (`c10d` / functional collectives) receive the CPU tensors with a flag that tells the
+  emulated NCCL backend they came from the device (`nccl.py` refuses plain CPU tensors).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from phalanx_kernels.accelerator import EMULATED_TYPE
+
+from . import runtime
+
+aten = torch.ops.aten
+
+# Operations allowed to see device and CPU tensors together, as on CUDA.
+_MIXING_ALLOWED = {
+    aten.copy_.default, aten._to_copy.default, aten._copy_from.default, aten._copy_from_and_resize.default,
+    aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default,
+    aten.set_.source_Tensor, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+}
+# Operations whose result needs the data on the host: on CUDA each one waits for the device.
+_SYNCING = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+    aten.is_nonzero.default, aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor, aten.nonzero_static.default,
+}
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+
+_trusted = threading.local()
+
+
+def collective_inputs_from_device() -> bool:
+    """True while a collective launched on emulated device tensors is handing them to a backend."""
+    return getattr(_trusted, "depth", 0) > 0
+
+
+class EmulatedTensor(torch.Tensor):
+    """A tensor on the emulated GPU; `elem` is the CPU tensor that holds its data."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, device: torch.device, requires_grad: bool = False):
+        if isinstance(elem, EmulatedTensor):
+            raise TypeError("EmulatedTensor wraps a CPU tensor, not another EmulatedTensor")
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device(device.type, runtime.current_index())
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
+            layout=elem.layout, device=device, requires_grad=requires_grad)
+        r.elem = elem
+        runtime.MEMORY.track(r, elem)
+        return r
+
+    # A traceable wrapper subclass: Module.to swaps parameters in place (keeping their identity,
+    # as `param.data = cuda_tensor` does on a GPU), and torch's subclass utilities can rebuild it.
+    def __tensor_flatten__(self):
+        return ["elem"], self.device
+
+    @staticmethod
+    def __tensor_unflatten__(inner, device, outer_size, outer_stride):
+        return EmulatedTensor(inner["elem"], device)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"{self.elem!r} on {self.device} (emulated GPU)"
+
+    # Python-level storage queries answer for the data inside, as they would on a GPU tensor.
+    def data_ptr(self) -> int:
+        return self.elem.data_ptr()
+
+    def untyped_storage(self):
+        return self.elem.untyped_storage()
+
+    def tolist(self):
+        runtime.SYNCS.record("tolist")
+        return self.elem.tolist()
+
+    def numpy(self, *, force: bool = False):
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+
+def _is_cpu_operand(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor) and t.device.type == "cpu" and t.dim() > 0
+
+
+def _device_kwarg(kwargs: dict) -> torch.device | None:
+    d = kwargs.get("device")
+    return None if d is None else torch.device(d)
+
+
+def device_mismatch(func, a: torch.device | str, b: torch.device | str) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! "
+        f"(in {func}; under PHALANX_EMULATE_GPU {EMULATED_TYPE}:N stands for cuda:N: a real GPU raises the same "
+        "error here. Move the CPU operand to the run's device, e.g. with phalanx.device.to_device.)")
+
+
+def _dispatch(func, args, kwargs):
+    flat, _ = tree_flatten((args, kwargs))
+    device = None
+    cpu_operand = None
+    for a in flat:
+        if isinstance(a, EmulatedTensor):
+            if device is None:
+                device = a.device
+            elif a.device != device and func not in _MIXING_ALLOWED:
+                raise device_mismatch(func, device, a.device)
+        elif cpu_operand is None and _is_cpu_operand(a):
+            cpu_operand = a
+    if cpu_operand is not None and func not in _MIXING_ALLOWED:
+        raise device_mismatch(func, device, "cpu")
+
+    if func is aten._to_copy.default:
+        return _to_copy(args[0], kwargs)
+    if func is aten.copy_.default:
+        return _copy_(args[0], args[1], *args[2:], **kwargs)
+    if func in _SYNCING:
+        runtime.SYNCS.record(func)
+
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        return _collective(func, args, kwargs, device)
+
+    target = device
+    kw = dict(kwargs)
+    requested = _device_kwarg(kw)
+    if requested is not None:  # new_empty / empty_like / ... with an explicit device
+        kw["device"] = torch.device("cpu")
+        target = requested if requested.type == EMULATED_TYPE else None
+    if "generator" in _argument_names(func) and kw.get("generator") is None and target is not None:
+        kw["generator"] = runtime.generator(target)
+
+    inputs: dict[int, EmulatedTensor] = {}
+
+    def unwrap(t):
+        if isinstance(t, EmulatedTensor):
+            inputs[id(t.elem)] = t
+            return t.elem
+        return t
+
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kw))
+    if target is None:
+        return out
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor):
+            same = inputs.get(id(t))
+            if same is not None and same.elem is t:
+                return same  # in-place and out= results are their input, as on any device
+            return EmulatedTensor(t, target)
+        return t
+
+    return tree_map(wrap, out)
+
+
+_ARGUMENT_NAMES: dict = {}
+
+
+def _argument_names(func) -> frozenset:
+    names = _ARGUMENT_NAMES.get(func)
+    if names is None:
+        names = _ARGUMENT_NAMES[func] = frozenset(a.name for a in func._schema.arguments)
+    return names
+
+
+def _to_copy(x, kwargs):
+    kw = dict(kwargs)
+    requested = _device_kwarg(kw)
+    kw.pop("device", None)
+    kw.pop("pin_memory", None)
+    if not isinstance(x, EmulatedTensor):  # a CPU tensor going to the device
+        return EmulatedTensor(aten._to_copy.default(x, **kw), requested)
+    if requested is not None and requested.type != EMULATED_TYPE:
+        runtime.SYNCS.record(aten._to_copy.default)
+        return aten._to_copy.default(x.elem, **kw)
+    return EmulatedTensor(aten._to_copy.default(x.elem, **kw), requested or x.device)
+
+
+def _copy_(dst, src, non_blocking=False):
+    if isinstance(dst, EmulatedTensor):
+        dst.elem.copy_(src.elem if isinstance(src, EmulatedTensor) else src, non_blocking)
+        return dst
+    if isinstance(src, EmulatedTensor) and not non_blocking:
+        runtime.SYNCS.record(aten.copy_.default)
+    dst.copy_(src.elem, non_blocking)
+    return dst
+
+
+def _collective(func, args, kwargs, device):
+    """Hand a collective's device tensors to the backend as the CPU tensors inside, flagged as
+    coming from the device, and give back device tensors."""
+    if func.name() == "_c10d_functional::_wrap_tensor_autograd":
+        return args[0]  # the result was waited for when it was made (below)
+    inputs: dict[int, EmulatedTensor] = {}
+
+    def unwrap(t):
+        if isinstance(t, EmulatedTensor):
+            inputs[id(t.elem)] = t
+            return t.elem
+        return t
+
+    _trusted.depth = getattr(_trusted, "depth", 0) + 1
+    try:
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    finally:
+        _trusted.depth -= 1
+    if func.namespace == "_c10d_functional" and func.name() != "_c10d_functional::wait_tensor":
+        # The emulated device is synchronous: a functional collective's result is complete when
+        # it is returned (its later wait_tensor finds nothing left to wait for).
+        tree_map(lambda t: torch.ops._c10d_functional.wait_tensor(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def wrap(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor):
+            same = inputs.get(id(t))
+            if same is not None:
+                return same
+            return EmulatedTensor(t, device) if device is not None else t
+        return t
+
+    return tree_map(wrap, out)
+
+
+def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    elem = torch.empty(size, dtype=dtype, layout=layout, device="cpu", memory_format=memory_format)
+    return EmulatedTensor(elem, torch.device(device))
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    elem = torch.empty_strided(size, stride, dtype=dtype, layout=layout, device="cpu")
+    return EmulatedTensor(elem, torch.device(device))
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """Reached with the Python key excluded (torch.tensor(data, device=...) copies that way)."""
+    target = dst.elem if isinstance(dst, EmulatedTensor) else dst
+    target.copy_(src.elem if isinstance(src, EmulatedTensor) else src)
+    return dst
+
+
+_LIBRARY: torch.library.Library | None = None
+
+
+def register_factories() -> None:
+    """Factories with `device="emucuda:N"` (torch.zeros, torch.randn, tensor.to(...), ...) reach
+    the PrivateUse1 kernels of `empty`; everything after that goes through the wrapper."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return
+    _LIBRARY = torch.library.Library("aten", "IMPL")
+    _LIBRARY.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    _LIBRARY.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _LIBRARY.impl("_copy_from", _copy_from, "PrivateUse1")
+
+
+_PINNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
+    """Page-locked host memory has no meaning without a real GPU: a copy marked as pinned."""
+    if isinstance(self, EmulatedTensor):
+        raise RuntimeError(f"cannot pin '{self.device}' memory: only CPU tensors can be pinned")
+    if is_pinned(self):
+        return self
+    copy = self.clone()
+    _PINNED[id(copy)] = copy
+    return copy
+
+
+def is_pinned(self: torch.Tensor, device=None) -> bool:
+    return _PINNED.get(id(self)) is self
