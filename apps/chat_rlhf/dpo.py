@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.device import run_device, to_device
 from phalanx.train.config import TrainConfig
 
 from .data import PreferenceDataConfig, collate_completions, encode_completion, read_split
@@ -114,15 +115,16 @@ def score_rows(model, examples: list[dict], pad_id: int, batch_size: int, trunk:
     model.eval()
     out = []
     keys = ("rows",) if capture or trunk is None else ("rows", "hidden")
+    device = next(model.parameters()).device  # score where the model lives (the run's device)
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
-        batch = collate_examples([{k: e[k] for k in keys if k in e} for e in chunk], pad_id)
+        batch = to_device(collate_examples([{k: e[k] for k in keys if k in e} for e in chunk], pad_id), device)
         slots = len(chunk[0]["rows"])
         if capture:
             sink: list[torch.Tensor] = []
             with trunk.capturing(sink):
                 logps, _ = sequence_logps(model, batch)
-            rows = split_rows(sink[-1], batch["attention_mask"].to(sink[-1].device))
+            rows = split_rows(sink[-1], batch["attention_mask"])
             for j, e in enumerate(chunk):
                 e["hidden"] = [rows[s * len(chunk) + j].cpu() for s in range(slots)]
         else:
@@ -157,13 +159,18 @@ def attach_reference(model, examples: list[dict], pad_id: int, batch_size: int, 
 # --- loss and held-out metrics ------------------------------------------------------------------
 
 def preference_loss(cfg: LossConfig, logps: torch.Tensor, lens: torch.Tensor, ref: torch.Tensor | None,
-                    label: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-example losses, reward of slot 0, reward of slot 1) from slot-major log-probs."""
+                    label: torch.Tensor | None, *, across_ranks: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-example losses, reward of slot 0, reward of slot 1) from slot-major log-probs.
+
+    `across_ranks`: KTO's KL estimate is averaged over the ranks (each holds a share of the global
+    batch); False when every rank holds the whole set (the held-out metrics, computed on the host)."""
     logps, lens = logps.view(2, -1), lens.view(2, -1)
     ref = ref.view(2, -1) if ref is not None else (None, None)
     if cfg.type == "kto":
         kl = kto_kl_estimate(logps[1].detach(), ref[1])
-        if dist.is_initialized() and dist.get_world_size() > 1:  # the same z on every rank, as one batch would give
+        # the same z on every rank, as one batch would give
+        if across_ranks and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(kl)
             kl = kl / dist.get_world_size()
         losses, rewards = kto_losses(logps[0], ref[0], label, kl, beta=cfg.beta,
@@ -194,7 +201,8 @@ def heldout_metrics(cfg: LossConfig, policy_logps: list[list[float]], examples: 
         if cfg.type not in REFERENCE_FREE else None
     length = torch.tensor(lens, dtype=torch.float64).t().reshape(-1)
     label = torch.tensor([e["label"] for e in examples]) if cfg.type == "kto" else None
-    losses, r0, r1 = preference_loss(cfg, logps, length, ref, label)
+    # every rank holds all held-out log-probs: no averaging over ranks (it was a mean of equal values)
+    losses, r0, r1 = preference_loss(cfg, logps, length, ref, label, across_ranks=False)
     out = {"loss": losses.mean().item()}
     if cfg.type == "kto":
         sign = torch.where(label, 1.0, -1.0).double()
@@ -245,12 +253,12 @@ def train_preference(cfg: DPOConfig, log=print):
     held_ex = build_examples(held_records, tokenizer, cfg)
     log(f"{cfg.loss.type}: {len(train_ex)} training and {len(held_ex)} held-out examples from {cfg.data.path}")
 
-    policy = load_policy(policy_dir)
+    policy = load_policy(policy_dir).to(run_device())  # reference and before-training passes run there too
     trunk = trunk_for(policy, cfg.train_layers, cfg.cache_frozen_trunk)
     reference = None
     need_states = [held_ex, train_ex] if trunk is not None else []  # examples still without trunk states
     if cfg.loss.type not in REFERENCE_FREE:
-        reference = policy if ref_dir == policy_dir else load_policy(ref_dir)
+        reference = policy if ref_dir == policy_dir else load_policy(ref_dir).to(run_device())
         # the frozen-trunk states ride along the reference pass when the reference is the policy itself
         capture = trunk if reference is policy else None
         # held-out reference log-probs are always cached: evaluation reuses them every time
@@ -259,7 +267,7 @@ def train_preference(cfg: DPOConfig, log=print):
             attach_reference(reference, train_ex, pad, cfg.eval_batch_size, capture)
             reference = None
         elif reference is policy:
-            reference = load_policy(ref_dir)  # a frozen copy: the policy is about to change
+            reference = load_policy(ref_dir).to(run_device())  # a frozen copy: the policy is about to change
         if capture is not None:
             need_states = [ex for ex in need_states if ex is train_ex and cfg.loss.reference != "cached"]
         if reference is not None:

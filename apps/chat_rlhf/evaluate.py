@@ -82,6 +82,8 @@ def load_any_config(path: str, overrides: list[str]):
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    from phalanx.device import current_device
+
     from .data import read_split
     from .dpo import build_examples, load_dpo_config, make_eval_fn, attach_reference
     from .models import load_policy, load_reward_model, load_tokenizer, resolve_model_dir
@@ -114,18 +116,18 @@ def main(argv: list[str] | None = None) -> None:
     if hasattr(cfg, "reference") and (args.model or args.samples or not args.reward_model):
         policy_dir = resolve_model_dir(cfg.model)
         tokenizer = load_tokenizer(policy_dir)
-        policy = load_policy(policy_dir).eval()
+        policy = load_policy(policy_dir).to(current_device()).eval()
         examples = build_examples(held, tokenizer, cfg)
         if cfg.loss.type not in REFERENCE_FREE:
-            attach_reference(load_policy(resolve_model_dir(reference)).eval(), examples, tokenizer.pad_token_id,
-                             cfg.eval_batch_size)
+            ref_model = load_policy(resolve_model_dir(reference)).to(current_device()).eval()
+            attach_reference(ref_model, examples, tokenizer.pad_token_id, cfg.eval_batch_size)
         results["policy"] = str(policy_dir)
         evaluate_policy = make_eval_fn(cfg.loss, examples, tokenizer.pad_token_id, cfg.eval_batch_size)
         results["policy_heldout"] = evaluate_policy(policy, 0)
     rm = None
     if args.reward_model and kind == "preference":
         rm, rm_tok = load_reward_model(args.reward_model)
-        rm.eval()
+        rm.to(current_device()).eval()
         pairs = build_pairs(held, rm_tok, cfg.data, 0.0)
         results["reward_model"] = str(resolve_model_dir(args.reward_model))
         results["reward_model_heldout"] = rm_eval_fn(pairs, rm_tok.pad_token_id, cfg.eval_batch_size)(rm, 0)

@@ -32,6 +32,7 @@ class FrozenTrunk:
             raise ValueError(f"train_layers={train_layers}: the frozen-trunk cache needs 0 < train_layers < "
                              f"{len(blocks)} (the model's blocks)")
         self.split = len(blocks) - train_layers
+        self.embeddings = model.get_input_embeddings()  # its weight's dtype is the one the blocks compute in
         self.lower = list(blocks[:self.split])
         self.boundary = blocks[self.split - 1]  # its output is what the top blocks read
         self.skip = False
@@ -44,6 +45,11 @@ class FrozenTrunk:
         def forward(hidden_states, *args, **kwargs):
             return hidden_states if self.skip else run(hidden_states, *args, **kwargs)
         block.forward = forward  # an instance attribute: hooks, state_dict and export are untouched
+
+    def as_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Cached states in the dtype the model computes in now: they are captured before training (float32)
+        and `fit` may cast the model to bf16 (the GPU default), where a float32 input would meet bf16 weights."""
+        return hidden.to(self.embeddings.weight.dtype)
 
     @contextmanager
     def skipping(self):

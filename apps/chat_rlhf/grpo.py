@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.device import run_device, to_device
 from phalanx.observe import MetricsWriter, get_logger
 from phalanx.train import TrainConfig, fit
 
@@ -190,9 +191,11 @@ class StepStats:
 
 
 def global_sum(values: Sequence[float]) -> list[float]:
-    t = torch.tensor(list(values), dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+    """Host numbers summed over the ranks (through the run's device: NCCL takes GPU tensors only)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [float(v) for v in values]
+    t = torch.tensor(list(values), dtype=torch.float64, device=run_device())
+    dist.all_reduce(t)
     return t.tolist()
 
 
@@ -221,7 +224,8 @@ class DataReplicas:
 
     def gather(self, rewards: torch.Tensor) -> tuple[torch.Tensor, int]:
         """All replicas' [P, n] rewards stacked (equal P on every rank: fit's sampler drops the
-        remainder), and where this replica's rows start; batch-level baselines need the global batch."""
+        remainder), and where this replica's rows start; batch-level baselines need the global batch.
+        `rewards` must be on the run's device (the collective's)."""
         if self.world == 1:
             return rewards, 0
         parts = [torch.empty_like(rewards) for _ in range(self.world)]
@@ -282,23 +286,22 @@ class GRPOLoss:
         s, st = self.s, self.stats
         indices, step, rollout, scores, t0 = self.rollout_and_score(batch)
         n = rollout.n
+        dev = next(model.parameters()).device  # the run's device: advantages, masks and the loss live there
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         truncated = torch.tensor(rollout.truncated)
         scores = scores + overlong_shaping(lengths, truncated, s.max_new_tokens, s.overlong_penalty, s.overlong_buffer)
-        grouped = scores.view(len(indices), n)
+        grouped = scores.view(len(indices), n).to(dev)  # rewards are computed on the host
         replicas = self.replicas
         everyone, start = replicas.gather(grouped)
         adv = L.group_advantages(everyone, baseline=s.baseline, scale=s.scale)[start:start + len(indices)].reshape(-1)
         zero = L.zero_spread_groups(grouped)
-        keep_seq = (~zero).repeat_interleave(n) if s.dynamic_sampling else torch.ones(len(scores), dtype=torch.bool)
+        keep_seq = (~zero).repeat_interleave(n) if s.dynamic_sampling else \
+            torch.ones(len(scores), dtype=torch.bool, device=dev)
         score_s = time.perf_counter() - t0
 
-        tb = logprob_batch(rollout.prompt_ids, rollout.completion_ids, n, self.pad_id, model,
-                           shared=s.shared_prompt_forward)
+        tb = to_device(logprob_batch(rollout.prompt_ids, rollout.completion_ids, n, self.pad_id, model,
+                                     shared=s.shared_prompt_forward), dev)
         mask = tb["completion_mask"] * keep_seq.unsqueeze(1)
-        dev = next(model.parameters()).device
-        tb = {k: v.to(dev) for k, v in tb.items()}
-        mask = mask.to(dev)
         logp, entropy = completion_logprobs(model, tb, with_entropy=True)
         engine_lp = padded(rollout.engine_logprobs, logp.shape[1]).to(dev)
         raw_mask = tb["completion_mask"].float()
@@ -307,7 +310,7 @@ class GRPOLoss:
                                                                 float(keep_seq.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
-        loss, clip = L.policy_loss(logp, engine_lp, adv.to(dev).float(), mask, clip_low=s.clip_low,
+        loss, clip = L.policy_loss(logp, engine_lp, adv.float(), mask, clip_low=s.clip_low,
                                    clip_high=s.clip_high, aggregation=s.aggregation,
                                    token_total=max(kept_tokens, 1.0), seq_total=max(kept_seqs, 1.0))
         kl_sum = 0.0
@@ -547,7 +550,8 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     reference = None
     if s.kl_coef > 0:
         import copy
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # a frozen copy of the starting policy, on the run's device: it scores the device batches of the step
+        reference = copy.deepcopy(model).to(run_device()).eval().requires_grad_(False)
     rollout_fn = seeded_rollouts(engine, train_ids, s.num_generations, cfg.train.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loss = GRPOLoss(s, train_records, train_ids, rewards, rollout_fn, pad, reference=reference, seed=cfg.train.seed)

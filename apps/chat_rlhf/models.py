@@ -45,6 +45,14 @@ def resolve_model_dir(path: str | Path | None) -> Path:
                             "train that stage first or fix the path")
 
 
+def from_pretrained(model_class, directory: str | Path, **kwargs):
+    """`model_class.from_pretrained(directory)` without transformers' hub kernels: they would be fetched
+    from the Hub on a GPU (runs stay offline) and re-kernelized on every train()/eval() switch, which
+    fails outright on a device type `kernels` does not know (the emulated GPU's)."""
+    kwargs.setdefault("dtype", torch.float32)
+    return model_class.from_pretrained(str(directory), use_kernels=False, **kwargs)
+
+
 def load_tokenizer(path: str | Path | None = None):
     """The tokenizer of a model directory, with a chat template and a padding token."""
     from transformers import AutoTokenizer
@@ -62,7 +70,7 @@ def load_policy(path: str | Path | None = None, dtype: torch.dtype | None = None
     """A causal LM (policy or reference), float32 unless `dtype` says otherwise."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(path)), dtype=dtype or torch.float32)
+    return from_pretrained(AutoModelForCausalLM, resolve_model_dir(path), dtype=dtype or torch.float32)
 
 
 def reward_pad_token(tokenizer) -> str:
@@ -82,8 +90,8 @@ def init_reward_model(base: str | Path | None = None, dtype: torch.dtype | None 
     tokenizer = load_tokenizer(directory)
     tokenizer.pad_token = reward_pad_token(tokenizer)
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(directory), num_labels=1, pad_token_id=tokenizer.pad_token_id, dtype=dtype or torch.float32)
+    model = from_pretrained(AutoModelForSequenceClassification, directory, num_labels=1,
+                            pad_token_id=tokenizer.pad_token_id, dtype=dtype or torch.float32)
     with torch.no_grad():
         model.score.weight.normal_(0.0, 1e-3)
     return model, tokenizer
@@ -94,7 +102,7 @@ def load_reward_model(path: str | Path, dtype: torch.dtype | None = None):
     from transformers import AutoModelForSequenceClassification
 
     directory = resolve_model_dir(path)
-    model = AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=dtype or torch.float32)
+    model = from_pretrained(AutoModelForSequenceClassification, directory, dtype=dtype or torch.float32)
     if model.config.num_labels != 1:
         raise ValueError(f"{directory} is a classifier with {model.config.num_labels} labels; a reward model has one "
                          "(train it with python -m apps.chat_rlhf.train_rm)")

@@ -856,15 +856,18 @@ def build_ppo(cfg: PPOConfig):
 
     from phalanx.launch import context
 
-    from .models import load_policy, load_tokenizer, resolve_model_dir, train_top_layers
+    from phalanx.device import run_device
+
+    from .models import from_pretrained, load_policy, load_tokenizer, resolve_model_dir, train_top_layers
     context()
     tp_size = rollout_tp_size(cfg.train)  # refuses pp / sp layouts
     check_rollout_split(cfg)
     s, e = cfg.ppo, cfg.engine
     tokenizer = load_tokenizer(cfg.model)
     actor = load_policy(cfg.model)
-    reference = copy.deepcopy(actor).eval().requires_grad_(False)
-    critic = AutoModel.from_pretrained(str(resolve_model_dir(cfg.critic or cfg.model)), dtype=torch.float32)
+    # a frozen copy of the starting actor, on the run's device: it scores the rollout's device batches
+    reference = copy.deepcopy(actor).to(run_device()).eval().requires_grad_(False)
+    critic = from_pretrained(AutoModel, resolve_model_dir(cfg.critic or cfg.model))
     train_top_layers(actor, s.train_layers)  # the frozen bottom needs no gradients or optimizer state
     train_top_layers(critic, s.train_layers)
     model = ActorCritic(actor, critic)

@@ -64,7 +64,7 @@ def sequence_logps(model, batch: dict, trunk=None) -> tuple[torch.Tensor, torch.
             raise ValueError("the batch carries cached trunk states ('hidden') but no FrozenTrunk was given to skip "
                              "the lower blocks with; pass the run's trunk")
         with trunk.skipping():
-            out = model(inputs_embeds=batch["hidden"], **common)
+            out = model(inputs_embeds=trunk.as_input(batch["hidden"]), **common)
     else:
         out = model(input_ids=batch["input_ids"], **common)
     return completion_logps(out.logits, batch["input_ids"], batch["completion_mask"])

@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from phalanx.device import current_device, to_device
+
 RewardFn = Callable[..., Sequence[float]]
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -92,15 +94,17 @@ class RewardModelScorer:
     """Scores (prompt, completion) with a sequence-classification reward model: the logit of its
     single output on the chat-formatted conversation."""
 
-    def __init__(self, path: str | Path, *, batch_size: int = 16, device: str | torch.device = "cpu") -> None:
+    def __init__(self, path: str | Path, *, batch_size: int = 16, device: str | torch.device | None = None) -> None:
+        """`device`: where the model scores; default this process's accelerator (the run's GPU), else the CPU."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        from .models import resolve_model_dir
+        from .models import from_pretrained, resolve_model_dir
         try:
             path = resolve_model_dir(path)  # an HF directory, a checkpoint, or train_rm's output_dir
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"reward model: {exc}; train one with `python -m apps.chat_rlhf.train_rm`") from exc
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32)
+        model = from_pretrained(AutoModelForSequenceClassification, path)
+        device = torch.device(device) if device is not None else current_device()
         self.model = model.to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {str(path)!r} has num_labels={self.model.config.num_labels}; a reward "
@@ -108,17 +112,18 @@ class RewardModelScorer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.batch_size, self.device = batch_size, torch.device(device)
+        self.batch_size, self.device = batch_size, device
 
     @torch.no_grad()
     def __call__(self, *, prompts: Sequence[list[dict]], completions: Sequence[str], **_: Any) -> list[float]:
         texts = [self.tokenizer.apply_chat_template(list(p) + [{"role": "assistant", "content": c}], tokenize=False)
                  for p, c in zip(prompts, completions)]
-        scores: list[float] = []
+        scores: list[torch.Tensor] = []
         for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True).to(self.device)
-            scores.extend(self.model(**enc).logits[:, 0].float().tolist())
-        return scores
+            enc = to_device(dict(self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True)),
+                            self.device)
+            scores.append(self.model(**enc).logits[:, 0].float())
+        return torch.cat(scores).tolist() if scores else []  # one device->host copy for the whole call
 
 
 def resolve_reward(spec: str) -> RewardFn:

@@ -74,6 +74,7 @@ def build_rows(records: list[dict], tokenizer, data: SFTDataConfig) -> tuple[lis
 
 
 def sft(cfg: SFTConfig, log=print):
+    from phalanx.device import run_device
     from phalanx.train import causal_lm_eval, fit
 
     from .models import load_policy, load_tokenizer, resolve_model_dir
@@ -87,7 +88,7 @@ def sft(cfg: SFTConfig, log=print):
     held_rows, _ = build_rows(held_records, tokenizer, cfg.data)
     log(f"sft: {stats['conversations']} conversations ({stats['target_tokens']} assistant tokens, {stats['dropped']} "
         f"dropped) in {len(train_rows)} rows of {cfg.data.seq_len}; {len(held_rows)} held-out rows")
-    model = load_policy(model_dir)
+    model = load_policy(model_dir).to(run_device())  # the "before" evaluation runs where training will
     eval_fn = causal_lm_eval(held_rows, batch_size=cfg.eval_batch_size) if held_rows else None
     before = {}
     if eval_fn is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from phalanx.config import ConfigError, load_config, parse_config_args
+from phalanx.device import run_device, to_device
 from phalanx.train.config import TrainConfig
 
 from .data import PreferenceDataConfig, read_split, render_completion
@@ -89,10 +90,11 @@ def score_conversations(model, tokenizer, prompts: list[list[dict]], completions
             for p, c in zip(prompts, completions, strict=True)]
     was_training = model.training
     model.eval()
-    out = [rewards_of(model, pad_right(rows[i:i + batch_size], tokenizer.pad_token_id)).float()
+    device = next(model.parameters()).device  # score where the model is (the run's device once trained)
+    out = [rewards_of(model, to_device(pad_right(rows[i:i + batch_size], tokenizer.pad_token_id), device)).float()
            for i in range(0, len(rows), batch_size)]
     model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0)
+    return torch.cat(out).cpu() if out else torch.zeros(0)
 
 
 # --- training -----------------------------------------------------------------------------------
@@ -124,8 +126,10 @@ def make_eval_fn(pairs: list[dict], pad_id: int, batch_size: int):
     @torch.no_grad()
     def eval_fn(model, step):
         chosen, rejected = [], []
+        device = next(model.parameters()).device
         for i in range(0, len(pairs), batch_size):
-            c, r = rewards_of(model, collate_pairs(pairs[i:i + batch_size], pad_id)).double().chunk(2)
+            batch = to_device(collate_pairs(pairs[i:i + batch_size], pad_id), device)
+            c, r = rewards_of(model, batch).double().chunk(2)
             chosen.append(c)
             rejected.append(r)
         c, r = torch.cat(chosen), torch.cat(rejected)
@@ -147,6 +151,7 @@ def train_reward_model(cfg: RMConfig, log=print):
     cfg.data.validate()
     train_records, held_records = read_split(cfg.data, "preference")  # bad records stop here, before any model loads
     model, tokenizer = init_reward_model(cfg.model)
+    model.to(run_device())  # the held-out evaluation before training runs where training will
     pad = tokenizer.pad_token_id
     train_pairs = build_pairs(train_records, tokenizer, cfg.data, cfg.loss.margin)
     held_pairs = build_pairs(held_records, tokenizer, cfg.data, cfg.loss.margin)

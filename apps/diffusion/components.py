@@ -35,6 +35,21 @@ class Components:
     vae: Any
     noise_scheduler: Any  # DDPM, for training
 
+    def to(self, device: torch.device | str) -> "Components":
+        """The UNet, text encoder and VAE on `device` (see `on_device`): where sampling runs."""
+        for module in (self.unet, self.text_encoder, self.vae):
+            on_device(module, device)
+        return self
+
+
+def on_device(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """`module` moved to `device` unless its weights are there already: a model that `fit` placed
+    (and DDP / ZeRO / FSDP hold) is left as it is."""
+    param = next(module.parameters(), None)
+    if param is not None and param.device != torch.device(device):
+        module.to(device)
+    return module
+
 
 def load_taef2(directory: str | Path, scaling_factor: float = 1.0) -> TAEF2Autoencoder:
     """TAEF2 from its two original safetensors files (keys `<layer index>.<...>` of each half)."""

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from phalanx.device import current_device
 from phalanx.launch import barrier
 from phalanx.observe import is_main_process
 
@@ -109,12 +110,14 @@ def cached_latents(vae, paths: list[Path], resolution: int, cache_dir: Path, bac
     """`encode_images`, cached in cache_dir by a key of (files, resolution, background, VAE weights)."""
     from safetensors.torch import load_file, save_file
 
+    from .components import on_device
+
     key = hashlib.sha256(json.dumps([[str(p) for p in paths], resolution, list(background),
                                      type(vae).__name__, _weights_fingerprint(vae)]).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"latents-{resolution}px-{key}.safetensors"
     rank0 = is_main_process()
     if rank0 and not path.is_file():
-        latents = encode_images(vae, paths, resolution, background)
+        latents = encode_images(on_device(vae, current_device()), paths, resolution, background)  # on the accelerator
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         save_file({"latents": latents.contiguous()}, str(tmp))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from phalanx.device import current_device
 from phalanx.diffusion import save_grid
 
 from .components import SCHEDULERS, make_scheduler, open_pipeline
@@ -22,7 +23,7 @@ from .components import SCHEDULERS, make_scheduler, open_pipeline
 def sample(pipeline_dir: str | Path, prompts: list[str], out_dir: str | Path, *, lora: str | Path | None = None,
            scheduler: str = "dpm", steps: int = 25, guidance: float = 3.0, seed: int = 0, per_prompt: int = 1,
            size: int | None = None) -> list[Path]:
-    pipe = open_pipeline(pipeline_dir)
+    pipe = open_pipeline(pipeline_dir).to(current_device())
     pipe.set_progress_bar_config(disable=True)
     if lora:
         lora = Path(lora)

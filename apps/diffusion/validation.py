@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phalanx.device import current_device, to_device
 from phalanx.diffusion import save_grid
 from phalanx.observe import is_main_process
 
@@ -21,7 +22,7 @@ from .config import ValidationConfig
 
 @torch.no_grad()
 def generate(parts: Components, prompts: list[str], vcfg: ValidationConfig, seed: int | None = None) -> list:
-    pipe = make_pipeline(parts, vcfg.scheduler)
+    pipe = make_pipeline(parts.to(current_device()), vcfg.scheduler)  # sample on the run's device
     generator = torch.Generator("cpu").manual_seed(vcfg.seed if seed is None else seed)
     size = parts.unet.config.sample_size * pipe.vae_scale_factor
     return pipe(prompts, num_inference_steps=vcfg.num_inference_steps, guidance_scale=vcfg.guidance_scale,
@@ -33,9 +34,10 @@ def fixed_noise_loss(model: nn.Module, batch: dict[str, torch.Tensor], num_times
     """The loss on a fixed batch, fixed noise and evenly spread timesteps: comparable across steps."""
     g = torch.Generator("cpu").manual_seed(seed)
     latents = batch["latents"]
-    noise = torch.randn(latents.shape, generator=g).to(latents.device)
-    t = torch.linspace(0, num_timesteps - 1, len(latents)).long().to(latents.device)
-    return float(model(latents, batch["prompt_ids"], timesteps=t, noise=noise))
+    noise = torch.randn(latents.shape, generator=g)  # drawn on the host: the same noise on every device
+    t = torch.linspace(0, num_timesteps - 1, len(latents)).long()
+    latents, prompt_ids, noise, t = to_device((latents, batch["prompt_ids"], noise, t), model.alphas_cumprod.device)
+    return float(model(latents, prompt_ids, timesteps=t, noise=noise))
 
 
 def validation_eval_fn(parts: Components, vcfg: ValidationConfig, prompts: list[str], output_dir: Path,

@@ -16,6 +16,8 @@ import statistics
 
 import torch
 
+from phalanx.device import current_device, to_device
+
 from .motion import motion_prompts, track
 from .pipeline import VideoPipeline, sample_clips, sample_shape
 from .shapes import DIRECTIONS
@@ -54,17 +56,18 @@ def high_noise_prediction(pipe: VideoPipeline, t: float = 0.97, draws: int = 32,
     latent space the predicted latent is decoded first."""
     model, m = pipe.model, pipe.meta
     shape = sample_shape(draws, m["channels"], m["frames"], m["height"], m["width"], pipe.vae)
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    device = model.device
+    noise = to_device(torch.randn(shape, generator=torch.Generator().manual_seed(seed)), device)
+    tt = torch.full((draws,), t, device=device)
     out = {}
     for direction in DIRECTIONS:
-        ids = tokenize(pipe.tokenizer, [f"a red square moving {direction}"] * draws)
-        tt = torch.full((draws,), t)
+        ids = to_device(tokenize(pipe.tokenizer, [f"a red square moving {direction}"] * draws), device)
         v = model.velocity(noise, tt, model.encode_prompts(ids))
         x0 = (noise - t * v).mean(0)                     # [C, F, H, W], averaged over noise draws
         if pipe.vae is not None:
             from .vae import decode_latents
             x0 = decode_latents(pipe.vae, x0[None])[0]
-        bright = x0.max(0).values                        # [F, H, W]
+        bright = x0.float().cpu().max(0).values          # [F, H, W], on the host for the centroids
         w = (bright - bright.min()).clamp_min(1e-6)
         cols = torch.arange(m["width"], dtype=torch.float32)
         rows = torch.arange(m["height"], dtype=torch.float32)
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--guidance", type=float, nargs="+", default=[2.0])
     p.add_argument("--steps", type=int, default=24)
     args = p.parse_args(argv)
-    pipe = VideoPipeline.from_pretrained(args.pipeline)
+    pipe = VideoPipeline.from_pretrained(args.pipeline).to(current_device())
     print(json.dumps({"high_noise_prediction_t0.97": high_noise_prediction(pipe)}))
     for g in args.guidance:
         print(json.dumps(sample_motion(pipe, args.samples, g, args.steps)))

@@ -192,6 +192,11 @@ class VideoFlowModel(nn.Module):
             proc.group = group
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are (the run's device once `fit` placed the model): inputs go here."""
+        return self.empty_prompt_ids.device
+
+    @property
     def patch(self) -> tuple[int, int, int]:
         return tuple(self.transformer.config.patch_size)
 

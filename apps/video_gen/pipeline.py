@@ -85,6 +85,13 @@ class VideoPipeline:
     def __init__(self, model: VideoFlowModel, tokenizer, meta: dict, vae=None):
         self.model, self.tokenizer, self.meta, self.vae = model.eval(), tokenizer, meta, vae
 
+    def to(self, device: torch.device | str) -> "VideoPipeline":
+        """The model (and the autoencoder) on `device`; sampling runs where the model is."""
+        self.model.to(device)
+        if self.vae is not None:
+            self.vae.to(device)
+        return self
+
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "VideoPipeline":
         from diffusers import WanTransformer3DModel

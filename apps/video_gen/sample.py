@@ -9,6 +9,7 @@ import argparse
 import re
 from pathlib import Path
 
+from phalanx.device import current_device
 from phalanx.diffusion import save_gif, save_video
 
 from .pipeline import VideoPipeline
@@ -20,8 +21,8 @@ def slug(text: str) -> str:
 
 def sample(pipeline_dir: str | Path, prompts: list[str], out_dir: str | Path, *, seed: int = 0, steps: int = 24,
            guidance: float = 2.0, frames: int | None = None, fps: int = 4, scale: int = 8) -> list[Path]:
-    pipe = VideoPipeline.from_pretrained(pipeline_dir)
-    clips = pipe(prompts, seed=seed, steps=steps, guidance=guidance, frames=frames)
+    pipe = VideoPipeline.from_pretrained(pipeline_dir).to(current_device())
+    clips = pipe(prompts, seed=seed, steps=steps, guidance=guidance, frames=frames).cpu()  # one copy to the host
     out_dir = Path(out_dir)
     written = []
     for k, (prompt, clip) in enumerate(zip(prompts, clips)):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from phalanx.device import to_device
+
 from .shapes import moving_shapes
 from .text import tokenize
 
@@ -28,18 +30,22 @@ def direction_gap(model, tokenizer, frames: int, size: int, clips: int = 48, tim
                   seed: int = 123, vae=None) -> dict[str, float]:
     """{"direction_gap/t=<t>": loss(opposite word) - loss(true word)} on `clips` fresh moving-shapes clips
     (their latents when the model works on the latents of `vae`)."""
+    device = model.device
     shapes = moving_shapes(clips, frames, size, seed=seed)
     video = torch.stack([c.video for c in shapes])
     if vae is not None:
         from .vae import encode_latents
-        video = encode_latents(vae, video.to(vae.device))[0].to(video.device)
+        video = encode_latents(vae, video.to(vae.device))[0]
+    # the noise is drawn on the host (the same on every device), then everything moves once
     noise = torch.randn(video.shape, generator=torch.Generator().manual_seed(seed))
     true_ids = tokenize(tokenizer, [c.caption for c in shapes])
     opposite_ids = tokenize(tokenizer, [with_opposite_direction(c.caption, c.direction) for c in shapes])
-    out = {}
+    video, noise, true_ids, opposite_ids = to_device((video, noise, true_ids, opposite_ids), device)
+    gaps = []
     for t in timesteps:
-        tt = torch.full((clips,), float(t))
-        right = model.per_sample_loss(video, true_ids, tt, noise).mean().item()
-        wrong = model.per_sample_loss(video, opposite_ids, tt, noise).mean().item()
-        out[f"direction_gap/t={t}"] = wrong - right
-    return out
+        tt = torch.full((clips,), float(t), device=device)
+        right = model.per_sample_loss(video, true_ids, tt, noise).mean()
+        wrong = model.per_sample_loss(video, opposite_ids, tt, noise).mean()
+        gaps.append(torch.stack([wrong, right]))
+    values = torch.stack(gaps).tolist()  # one device->host sync
+    return {f"direction_gap/t={t}": wrong - right for t, (wrong, right) in zip(timesteps, values)}

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.config import ConfigError
+from phalanx.device import to_device
 from phalanx.diffusion import fixed_eval_timesteps, save_gif
 from phalanx.observe import get_logger, is_main_process
 
@@ -191,14 +192,16 @@ def heldout_flow_loss(model: VideoFlowModel, held: BucketedClips, timesteps: int
     """Open-Sora's evaluation loss: the rectified-flow loss at `timesteps` fixed t for every held-out
     clip, with fixed noise, per bucket ("loss/<F>x<H>x<W>") and over all ("loss")."""
     out, total, count = {}, 0.0, 0
+    device = model.device
     for bucket, index in held.per_bucket().items():
         index = index[:max_clips]
         g = torch.Generator().manual_seed(seed)
         video = torch.stack([held[i]["video"] for i in index])
         ids = torch.stack([held[i]["prompt_ids"] for i in index])
-        noise = torch.randn(video.shape, generator=g)
-        losses = [model.per_sample_loss(video, ids, t.expand(len(index)), noise).mean().item()
-                  for t in fixed_eval_timesteps(timesteps)]
+        noise = torch.randn(video.shape, generator=g)  # drawn on the host: the same noise on every device
+        video, ids, noise, ts = to_device((video, ids, noise, fixed_eval_timesteps(timesteps)), device)
+        losses = torch.stack([model.per_sample_loss(video, ids, t.expand(len(index)), noise).mean()
+                              for t in ts]).tolist()  # one device->host sync per bucket
         out[f"loss/{bucket.frames}x{bucket.height}x{bucket.width}"] = sum(losses) / len(losses)
         total += sum(losses) / len(losses) * len(index)
         count += len(index)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from phalanx.config import ConfigError
+from phalanx.device import to_device
 from phalanx.observe import get_logger, is_main_process
 
 from .config import RecipeConfig, parse_args
@@ -48,7 +49,8 @@ def train_vae(cfg: RecipeConfig):
     model = VAETrainModel(vae, cfg.vae).train()
 
     def eval_fn(m: VAETrainModel, step: int) -> dict[str, float]:
-        scores = {f"psnr/{b.frames}x{b.height}x{b.width}": psnr(m.vae, v.to(m.vae.dtype)) for b, v in held_videos.items()}
+        scores = {f"psnr/{b.frames}x{b.height}x{b.width}": psnr(m.vae, to_device(v, m.vae.device).to(m.vae.dtype))
+                  for b, v in held_videos.items()}
         return {"psnr": sum(scores.values()) / len(scores), **scores}
 
     per_bucket = {b: baseline_psnr(v) for b, v in held_videos.items()}
@@ -60,9 +62,12 @@ def train_vae(cfg: RecipeConfig):
                  loss_fn=lambda m, b: m(b["video"]), eval_fn=eval_fn)
     out = Path(cfg.train.output_dir) / "vae"
     if is_main_process():
-        model.float().load_state_dict(load_hf_state_dict(result.checkpoint_dir / "model"), strict=True)
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            model.float()  # only when the plugin computed in bf16/fp16 (a no-op cast of device weights the plugin
+            # still references is refused under PHALANX_EMULATE_GPU: "Couldn't swap")
+        model.load_state_dict(load_hf_state_dict(result.checkpoint_dir / "model"), strict=True)
         vae.eval()
-        mean, std = measure_latent_stats(vae, [torch.stack([train[i]["video"] for i in idx[:64]])
+        mean, std = measure_latent_stats(vae, [to_device(torch.stack([train[i]["video"] for i in idx[:64]]), vae.device)
                                                for idx in train.per_bucket().values()])
         vae.register_to_config(latents_mean=mean, latents_std=std)
         vae.save_pretrained(str(out))

@@ -8,6 +8,8 @@ rank on its share, exactly like the single-process reference there.
 from __future__ import annotations
 
 import torch
+
+from phalanx.device import run_device, to_device
 import torch.distributed as dist
 
 from phalanx.testing import tiny_llama
@@ -29,8 +31,8 @@ def _train(booster, model, opt, batches, accumulate: int = 1) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for batch in batches:
-        local = batch.chunk(world)[rank]
-        total = torch.zeros(())
+        local = to_device(batch.chunk(world)[rank], run_device())
+        total = torch.zeros((), device=run_device())
         for mb in local.chunk(accumulate):
             loss = model(input_ids=mb, labels=mb).loss.float() / accumulate
             booster.backward(loss, opt)

@@ -36,6 +36,7 @@ def single_process_reference(steps: int = STEPS, max_norm: float | None = None, 
 def run_plugin(plugin_factory, steps: int = STEPS, accumulate: int = 1):
     """Train with `plugin_factory()` on this rank's share of each global batch."""
     from phalanx.booster import Booster
+    from phalanx.device import run_device, to_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_llama(seed=0)
@@ -44,7 +45,7 @@ def run_plugin(plugin_factory, steps: int = STEPS, accumulate: int = 1):
     model, opt, *_ = booster.boost(model, opt)
     losses = []
     for batch in make_batches(steps):
-        local = batch.chunk(world)[rank]
+        local = to_device(batch.chunk(world)[rank], run_device())
         micro = local.chunk(accumulate)
         total = 0.0
         for i, mb in enumerate(micro):
@@ -58,7 +59,7 @@ def run_plugin(plugin_factory, steps: int = STEPS, accumulate: int = 1):
         reduced = total.clone().float()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / world)
-    state = booster.plugin.full_model_state_dict(model)
+    state = {k: v.cpu() for k, v in booster.plugin.full_model_state_dict(model).items()}
     return losses, state
 
 
@@ -108,6 +109,7 @@ def train_and_checkpoint(name: str, directory: str, steps: int = STEPS):
 def resume_and_continue(name: str, directory: str, start: int = STEPS, extra: int = 2):
     """Load the checkpoint into a new layout and train `extra` more steps; return their losses."""
     from phalanx.booster import Booster
+    from phalanx.device import run_device, to_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_llama(seed=99)  # different init: everything must come from the checkpoint

@@ -183,10 +183,11 @@ def test_logprobs_match_the_model_and_seeded_sampling_repeats(llama):
 
 def test_kv_blocks_are_sized_from_the_memory_budget(llama):
     path, _ = llama
-    eng = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=64)
+    # kv_cache_memory_gib is the CPU budget (a GPU's is its free memory): on the CPU even under emulation
+    eng = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=64, device="cpu")
     per_block = 2 * 2 * 2 * 16 * 8 * 4  # K and V x layers x KV heads x head_dim x tokens x fp32
     assert eng.num_blocks == (2**20) // per_block
-    tight = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=2)
+    tight = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=2, device="cpu")
     assert tight.num_blocks == 2 * (256 // 8) + 1  # never more than max_num_seqs full-length sequences use
 
 

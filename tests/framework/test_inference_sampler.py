@@ -4,8 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.inference.sampler import RowContext, Sampler, apply_penalties, sampling_logits, sampling_probs
+from phalanx_kernels.accelerator import current_device, emulated
+
+from phalanx.inference.engine import new_generator
+from phalanx.inference.sampler import RowContext, Sampler, apply_penalties, draw, sampling_logits, sampling_probs
 from phalanx.inference.sampling_params import SamplingParams
+
+DEV = current_device()  # the emulated GPU under PHALANX_EMULATE_GPU=1, else the CPU
 
 
 def rows(n, **kw):
@@ -13,7 +18,7 @@ def rows(n, **kw):
 
 
 def test_greedy_is_argmax():
-    logits = torch.randn(5, 50)
+    logits = torch.randn(5, 50, device=DEV)
     out = Sampler()(logits, rows(5, temperature=0))
     assert out.token_ids == logits.argmax(-1).tolist()
 
@@ -26,7 +31,7 @@ def test_temperature_top_k_top_p_match_transformers_warpers():
     history = torch.randint(0, 64, (4, 10))
     params = dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.3)
     ctx = [RowContext(SamplingParams(**params), history=history[i].tolist()) for i in range(4)]
-    ours = sampling_logits(apply_penalties(logits.clone(), ctx), ctx)
+    ours = sampling_logits(apply_penalties(logits.to(DEV, copy=True), ctx), ctx).cpu()
     want = RepetitionPenaltyLogitsProcessor(1.3)(history, logits.clone())
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)):
         want = warper(history, want)
@@ -36,7 +41,7 @@ def test_temperature_top_k_top_p_match_transformers_warpers():
 
 
 def test_rows_use_their_own_settings():
-    logits = torch.randn(3, 30)
+    logits = torch.randn(3, 30, device=DEV)
     ctx = [RowContext(SamplingParams(temperature=0)), RowContext(SamplingParams(top_k=1)),
            RowContext(SamplingParams(top_p=1e-6))]
     probs = sampling_probs(logits.clone(), ctx)
@@ -45,18 +50,18 @@ def test_rows_use_their_own_settings():
 
 
 def test_sampling_follows_the_distribution():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]]))
-    g = torch.Generator().manual_seed(1)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]], device=DEV))
+    g = new_generator(DEV).manual_seed(1)
     draws = [Sampler()(logits, [RowContext(SamplingParams(), generator=g)]).token_ids[0] for _ in range(3000)]
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / 3000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.035)
 
 
 def test_seeded_rows_are_independent_of_the_batch():
-    logits = torch.randn(4, 100)
+    logits = torch.randn(4, 100, device=DEV)
 
     def draw(order):
-        gens = {i: torch.Generator().manual_seed(100 + i) for i in order}
+        gens = {i: new_generator(DEV).manual_seed(100 + i) for i in order}
         out = Sampler()(logits[order], [RowContext(SamplingParams(temperature=1.0), generator=gens[i]) for i in order])
         return dict(zip(order, out.token_ids))
 
@@ -64,7 +69,7 @@ def test_seeded_rows_are_independent_of_the_batch():
 
 
 def test_banned_tokens_and_logprobs():
-    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]], device=DEV)
     out = Sampler()(logits, [RowContext(SamplingParams(temperature=0, logprobs=2), banned=[0])])
     assert out.token_ids == [1]
     logp = torch.log_softmax(logits, -1)[0]
@@ -120,7 +125,7 @@ def test_logit_bias_and_repetition_penalty_match_transformers_processors():
     bias = {5: 4.0, 17: -2.5, 40: -100.0, int(history[0, 0]): 1.5}
     params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.4, logit_bias=bias)
     ctx = [RowContext(params, history=history[i].tolist()) for i in range(3)]
-    ours = sampling_logits(apply_penalties(logits.clone(), ctx), ctx)
+    ours = sampling_logits(apply_penalties(logits.to(DEV, copy=True), ctx), ctx).cpu()
     want = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(history, logits.clone())
     for proc in (RepetitionPenaltyLogitsProcessor(1.4), TemperatureLogitsWarper(0.8), TopKLogitsWarper(30),
                  TopPLogitsWarper(0.9)):
@@ -137,18 +142,18 @@ def test_presence_and_frequency_penalties_follow_openai_rule_by_hand():
     generated = [[3, 3, 3, 7, 11], []]
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     ctx = [RowContext(params, generated=g, history=[1, 2, 3] + g) for g in generated]
-    got = apply_penalties(logits.clone(), ctx)
+    got = apply_penalties(logits.to(DEV, copy=True), ctx).cpu()
     want = logits.clone()
     for t, count in ((3, 3), (7, 1), (11, 1)):
         want[0, t] -= 0.25 * count + 0.5
     assert torch.equal(got, want)
-    negative = apply_penalties(logits.clone(), [RowContext(SamplingParams(presence_penalty=-2.0, frequency_penalty=-1),
-                                                           generated=[4, 4])])
+    negative = apply_penalties(logits.to(DEV, copy=True), [RowContext(SamplingParams(presence_penalty=-2.0, frequency_penalty=-1),
+                                                           generated=[4, 4])]).cpu()
     assert negative[0, 4] == logits[0, 4] + 2.0 + 2.0
 
 
 def test_bias_changes_the_greedy_choice_but_not_the_raw_logprobs():
-    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    logits = torch.tensor([[3.0, 2.0, 0.0]], device=DEV)
     out = Sampler()(logits, [RowContext(SamplingParams(temperature=0, logprobs=1, logit_bias={0: -5}))])
     assert out.token_ids == [1]
     assert abs(out.logprobs[0] - torch.log_softmax(logits, -1)[0, 1].item()) < 1e-6  # the model's, unbiased
@@ -203,3 +208,49 @@ def test_openai_sampling_field_defaults_and_json_keys():
     p = SamplingParams(n=3, logit_bias={"50": -100, 7: 2})
     assert p.best_of == 3 and p.logit_bias == {50: -100.0, 7: 2.0} and p.has_penalties
     assert not SamplingParams().has_penalties and SamplingParams().best_of == 1
+
+
+@pytest.mark.skipif(not emulated(), reason="counts device -> host syncs on the emulated GPU (PHALANX_EMULATE_GPU=1; "
+                                           "tests/emulated/test_inference_emulated.py runs it)")
+def test_a_batch_of_sampled_rows_syncs_with_the_host_once():
+    """However many rows draw with their own generator, ask for penalties, log-probs or processed
+    log-probs, the sampler brings its results to the host in one device -> host sync (it used to
+    wait once per sampled row), and draws the tokens a row-by-row draw with the same seeds gives."""
+    from phalanx.emulate import SYNCS
+
+    torch.manual_seed(3)
+    logits = torch.randn(8, 64, device=DEV) * 3
+    settings = [dict(temperature=0.9, top_k=20, logprobs=3), dict(temperature=0.7, top_p=0.8, processed_logprobs=True),
+                dict(temperature=1.1, presence_penalty=0.5, frequency_penalty=0.3, logprobs=1),
+                dict(temperature=0.8, repetition_penalty=1.3, logit_bias={5: 3.0}), dict(temperature=0, logprobs=2),
+                dict(temperature=1.0, processed_logprobs=True, logprobs=0), dict(temperature=0),
+                dict(temperature=0.6, top_k=5, top_p=0.9)]
+
+    def ctx(seed):
+        return [RowContext(SamplingParams(**kw), generator=None if kw["temperature"] == 0 else
+                           new_generator(DEV).manual_seed(seed + i), history=[1, 3, 3, 5], generated=[3, 3, 5],
+                           banned=[7] if i == 2 else None) for i, kw in enumerate(settings)]
+
+    rows = ctx(10)
+    SYNCS.reset()
+    out = Sampler()(logits, rows)
+    assert SYNCS.count == 1, f"{SYNCS.count} device -> host syncs for one step of 8 rows: {dict(SYNCS.by_op)}"
+    SYNCS.reset()
+    Sampler()(logits, [RowContext(SamplingParams(temperature=0)) for _ in range(8)])  # the greedy fast path
+    assert SYNCS.count == 1, dict(SYNCS.by_op)
+
+    # the same tokens and log-probs as a row-by-row reference with the same seeds
+    ref_rows = ctx(10)
+    work = apply_penalties(logits.float().clone(), ref_rows)
+    probs = sampling_probs(work.clone(), ref_rows)
+    logp = torch.log_softmax(logits.float(), -1).cpu()
+    for i, r in enumerate(ref_rows):
+        want = int(work[i].argmax()) if r.params.greedy else draw(probs[i], r.generator)
+        assert out.token_ids[i] == want, i
+        if r.wants_logprob:
+            assert out.logprobs[i] == pytest.approx(float(logp[i, want]), abs=1e-6)
+        if r.params.logprobs:
+            top = logp[i].topk(r.params.logprobs)
+            assert list(out.top_logprobs[i]) == top.indices.tolist()
+        if r.params.processed_logprobs:
+            assert out.processed_logprobs[i] == pytest.approx(float(torch.log(probs[i, want])), abs=1e-5)

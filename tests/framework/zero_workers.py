@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from phalanx.device import run_device, to_device
 import torch.distributed as dist
 from torch import nn
 
@@ -83,7 +85,7 @@ def _local_rows(batch: torch.Tensor) -> torch.Tensor:
 
 
 def _global_mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=run_device())
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 
@@ -110,7 +112,7 @@ class Run:
         optimizer, scheduler = make_optimizer(list(model.named_parameters()), kind, lr_scale)
         self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer,
                                                                               lr_scheduler=scheduler)
-        self.batches = make_batches(STEPS)
+        self.batches = [to_device(b, run_device()) for b in make_batches(STEPS)]
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.skipped: list[bool] = []
@@ -295,7 +297,8 @@ def toy_padded() -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         rows = slice(dist.get_rank() * 8 // dist.get_world_size(), (dist.get_rank() + 1) * 8 // dist.get_world_size())
-        booster.backward(nn.functional.mse_loss(model(x[rows]), y[rows]), opt)
+        xs, ys = to_device((x[rows], y[rows]), run_device())
+        booster.backward(nn.functional.mse_loss(model(xs), ys), opt)
         opt.step()
         opt.zero_grad()
     return {"params": booster.plugin.full_model_state_dict(model), "ref": ref.state_dict(), "start": start,
@@ -333,7 +336,7 @@ def fused_kernels_and_phases() -> dict:
         booster = Booster(zero(2))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **options)
         model, optimizer, *_ = booster.boost(model, optimizer)
-        batch = _local_rows(make_batches(1)[0])
+        batch = to_device(_local_rows(make_batches(1)[0]), run_device())
         calls: list[int] = []
         with _counting_fused_adamw(calls):
             for _ in range(2):
@@ -349,7 +352,7 @@ def fused_kernels_and_phases() -> dict:
     from phalanx.booster import Booster
     booster = Booster(FSDPPlugin())
     fsdp_model, fsdp_opt, *_ = booster.boost(fsdp_model, torch.optim.AdamW(fsdp_model.parameters(), lr=1e-2))
-    batch = _local_rows(make_batches(1)[0])
+    batch = to_device(_local_rows(make_batches(1)[0]), run_device())
     calls = []
     with _counting_fused_adamw(calls):
         booster.backward(fsdp_model(input_ids=batch, labels=batch).loss, fsdp_opt)
@@ -370,7 +373,7 @@ def prefetch_consistency() -> dict:
     masters = opt.full_master_weights()
     params = list(run.model.unwrapped.parameters())
     return {"pending_after_step": pending_after_step, "chunks": len(opt.prefetch.chunks),
-            "params_equal_masters": all(torch.equal(p.detach(), masters[id(p)]) for p in params),
+            "params_equal_masters": all(torch.equal(p.detach().cpu(), masters[id(p)].cpu()) for p in params),
             "hooked_modules": len(opt.prefetch._handles)}
 
 

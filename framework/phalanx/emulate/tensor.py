@@ -78,8 +78,39 @@ class EmulatedTensor(torch.Tensor):
     def __tensor_unflatten__(inner, device, outer_size, outer_stride):
         return EmulatedTensor(inner["elem"], device)
 
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = EmulatedTensor(self.elem.clone(), self.device)
+        if getattr(self, "_is_param", False):  # a deep-copied module keeps Parameters
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol):
+        # Pickled as CUDA tensors are: the data travels, and it is rebuilt on the receiver's device.
+        return _rebuild, (self.elem.detach().clone(), self.requires_grad)
+
     def __repr__(self, *, tensor_contents=None):
         return f"{self.elem!r} on {self.device} (emulated GPU)"
+
+    # `t.data` and `t.data = other`: the CPU tensor inside must follow, or a parameter re-pointed
+    # into a flat buffer (ZeRO, Gemini) would keep computing with its old storage.
+    @property
+    def data(self):
+        return EmulatedTensor(self.elem, self.device)
+
+    @data.setter
+    def data(self, new):
+        if not isinstance(new, EmulatedTensor):
+            raise RuntimeError(f"cannot set the data of a tensor on {self.device} to a tensor on {new.device}: "
+                               "move it to the device first")
+        torch._C.TensorBase.data.__set__(self, new)
+        self.elem = new.elem
+        runtime.MEMORY.track(self, new.elem)
 
     # Python-level storage queries answer for the data inside, as they would on a GPU tensor.
     def data_ptr(self) -> int:
@@ -101,6 +132,14 @@ class EmulatedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})
+
+
+def _rebuild(elem: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    from phalanx_kernels.accelerator import emulated
+
+    if not emulated():
+        return elem.requires_grad_(requires_grad)
+    return EmulatedTensor(elem, torch.device(EMULATED_TYPE, runtime.current_index()), requires_grad)
 
 
 def _is_cpu_operand(t) -> bool:
@@ -169,11 +208,23 @@ def _dispatch(func, args, kwargs):
         if isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor):
             same = inputs.get(id(t))
             if same is not None and same.elem is t:
-                return same  # in-place and out= results are their input, as on any device
+                return _refresh(same)  # in-place and out= results are their input, as on any device
             return EmulatedTensor(t, target)
         return t
 
     return tree_map(wrap, out)
+
+
+def _refresh(wrapper: EmulatedTensor) -> EmulatedTensor:
+    """After an in-place op that reshaped the data (`out=` resizing, `resize_`, `unsqueeze_`) the
+    wrapper's sizes are stale; the result is then a new wrapper with the new sizes. Callers that
+    use the returned tensor (torch's own factories: arange, cat(out=), ...) see it right; an object
+    held across such a call keeps its old sizes (docs/testing.md: limits)."""
+    elem = wrapper.elem
+    if wrapper.shape == elem.shape and wrapper.stride() == elem.stride() \
+            and wrapper.storage_offset() == elem.storage_offset():
+        return wrapper
+    return EmulatedTensor(elem, wrapper.device)
 
 
 _ARGUMENT_NAMES: dict = {}

@@ -148,22 +148,25 @@ class ModelRunner:
         """A forward of the largest step (one fresh prompt of the full token budget), writing
         nowhere, to measure activation memory."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        caches = [(torch.zeros(1, self.block_size, l.kv_heads, l.head_dim, dtype=self.dtype, device=self.device),) * 2
-                  for l in self.model.layers]
-        batch = AttentionBatch(slot_mapping=torch.full((n,), -1, device=self.device), block_size=self.block_size,
-                               skips_slots=True, prefills=[PrefillSegment(0, n, n, None)])
         with torch.inference_mode():
+            caches = [(torch.zeros(1, self.block_size, l.kv_heads, l.head_dim, dtype=self.dtype,
+                                   device=self.device),) * 2 for l in self.model.layers]
+            batch = AttentionBatch(slot_mapping=torch.full((n,), -1, device=self.device), block_size=self.block_size,
+                                   skips_slots=True, prefills=[PrefillSegment(0, n, n, None)])
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), batch, caches, self.cos, self.sin)
             self.model.logits(hidden[-1:])
         device_module(self.device).synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        # Inference tensors, like everything a step builds: the cache is only read and written
+        # inside `torch.inference_mode()`, where views of it then need no version counter.
         self.kv_caches = []
-        for layer in self.model.layers:
-            shape = (num_blocks, self.block_size, layer.kv_heads, layer.head_dim)
-            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        with torch.inference_mode():
+            for layer in self.model.layers:
+                shape = (num_blocks, self.block_size, layer.kv_heads, layer.head_dim)
+                self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                       torch.zeros(shape, dtype=self.dtype, device=self.device)))
         self.num_blocks = num_blocks
 
     # -- packing ---------------------------------------------------------------------------------
@@ -226,9 +229,11 @@ class ModelRunner:
         _, n, g, q_len, t, num_seqs, p, pt, nl = packed[:_HEADER].tolist()
         body = packed[_HEADER:]
         info = body[3 * n:3 * n + 2 * g].view(g, 2).tolist()
+        at = 3 * n + 2 * g + t + num_seqs  # the prefill segments, read here on the host (not back from the device)
+        segment_list = body[at:at + 4 * p].view(p, 4).tolist()
         sizes = [n, n, n, 2 * g, t, num_seqs, 4 * p, pt, nl]
         parts = torch.split(body.to(self.device), sizes)
-        ids, positions, slots, _, tables, ctx_lens, segments, prefill_tables, logits_rows = parts
+        ids, positions, slots, _, tables, ctx_lens, _, prefill_tables, logits_rows = parts
         batch = AttentionBatch(slot_mapping=slots, block_size=self.block_size)
         row = table_at = seq_at = 0
         for b, nb in info:
@@ -238,7 +243,7 @@ class ModelRunner:
             table_at += b * nb
             seq_at += b
         offset = 0
-        for start, end, ctx, used in segments.view(p, 4).tolist():
+        for start, end, ctx, used in segment_list:
             table = prefill_tables[offset:offset + used] if used else None
             offset += used
             batch.prefills.append(PrefillSegment(start, end, ctx, table))
@@ -246,7 +251,8 @@ class ModelRunner:
 
     # -- running ---------------------------------------------------------------------------------
     def _forward(self, packed: torch.Tensor) -> torch.Tensor:
-        ids, positions, batch, logits_rows = self._unpack(packed)
+        with torch.inference_mode():  # the step's index tensors are inference tensors too
+            ids, positions, batch, logits_rows = self._unpack(packed)
         if self.compiled is not None and any(layer.packed for layer in self.model.layers):
             # bf16 weights packed for oneDNN (native-bf16 CPUs): the compiled pieces would multiply
             # through plain F.linear and lose the packing, so this runner stays eager.
@@ -287,7 +293,7 @@ class ModelRunner:
     def worker_loop(self) -> None:
         """Non-driver ranks: run the steps the driver broadcasts until it says stop."""
         while True:
-            header = self.tp.broadcast(torch.empty(_HEADER, dtype=torch.long, device=self.device))
+            header = self.tp.broadcast(torch.empty(_HEADER, dtype=torch.long, device=self.device)).cpu()
             command = int(header[0])
             if command == _CMD_STOP:
                 return
@@ -295,5 +301,5 @@ class ModelRunner:
                 continue
             size = self._payload_size(header.tolist())
             payload = self.tp.broadcast(torch.empty(size, dtype=torch.long, device=self.device))
-            local = self._forward(torch.cat([header.cpu(), payload.cpu()]))
+            local = self._forward(torch.cat([header, payload.cpu()]))
             self.tp.gather_to_driver(local.contiguous())

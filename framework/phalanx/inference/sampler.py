@@ -9,6 +9,7 @@ Log-probs are taken from the raw logits (the model's distribution), see `Samplin
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +59,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tenso
             picked = logits[r, ids]
             logits[r, ids] = torch.where(picked < 0, picked * penalty, picked / penalty)
         if (params.presence_penalty or params.frequency_penalty) and row.generated:
-            ids, counts = torch.unique(torch.tensor(row.generated, device=logits.device), return_counts=True)
-            logits[r, ids] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
+            # counted on the host, where the output already is (torch.unique on a GPU waits for it)
+            counted = Counter(row.generated)
+            ids = torch.tensor(sorted(counted), device=logits.device)
+            counts = torch.tensor([counted[t] for t in sorted(counted)], device=logits.device, dtype=logits.dtype)
+            logits[r, ids] -= counts * params.frequency_penalty + params.presence_penalty
         if row.banned:
             logits[r, row.banned] = float("-inf")
     return logits
@@ -118,33 +122,80 @@ def sampling_probs(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a 1-D distribution, with the request's generator."""
+    """One token from a 1-D distribution, with the request's generator (waits for the device:
+    the batched sampler draws on the device instead, see `Sampler`)."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+@dataclass
+class _LogprobTensors:
+    """Raw log-probs of the rows that asked for them, still on the device."""
+
+    want: list[int]  # rows with log-probs, in order
+    picked: torch.Tensor | None = None  # [W] log-prob of each chosen token
+    top_v: torch.Tensor | None = None  # [W, n_top]
+    top_i: torch.Tensor | None = None  # [W, n_top]
+
+
+def _logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowContext]) -> _LogprobTensors:
+    want = [i for i, r in enumerate(rows) if r.wants_logprob]
+    if not want:
+        return _LogprobTensors(want)
+    idx = torch.tensor(want, device=logits.device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)
+    picked = logp.gather(-1, token_ids[idx].unsqueeze(-1)).squeeze(-1)
+    n_top = max(rows[i].params.logprobs or 0 for i in want)
+    top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (None, None))
+    return _LogprobTensors(want, picked, top_v, top_i)
+
+
+def _to_host(parts: list[torch.Tensor | None]) -> list[list[float]]:
+    """Bring every tensor in `parts` to the host in one transfer (one device -> host sync): they
+    travel as float64, which holds token ids (< 2**53) and fp32 log-probs exactly."""
+    present = [t.reshape(-1) for t in parts if t is not None]
+    if not present:
+        return [[] for _ in parts]
+    flat = torch.cat([t.to(torch.float64) for t in present]).tolist()
+    out, at = [], 0
+    for t in parts:
+        n = 0 if t is None else t.numel()
+        out.append(flat[at:at + n])
+        at += n
+    return out
+
+
+def _unpack_logprobs(lp: _LogprobTensors, picked: list[float], top_v: list[float], top_i: list[float],
+                     rows: list[RowContext]) -> tuple[list[float | None], list[dict[int, float] | None]]:
+    chosen: list[float | None] = [None] * len(rows)
+    tops: list[dict[int, float] | None] = [None] * len(rows)
+    n_top = 0 if lp.top_v is None else lp.top_v.shape[-1]
+    for j, i in enumerate(lp.want):
+        chosen[i] = picked[j]
+        n = rows[i].params.logprobs
+        if n:
+            ids = top_i[j * n_top:j * n_top + n]
+            tops[i] = dict(zip((int(t) for t in ids), top_v[j * n_top:j * n_top + n]))
+    return chosen, tops
 
 
 def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[RowContext]
                  ) -> tuple[list[float | None], list[dict[int, float] | None]]:
-    """Log-probabilities under the model's raw distribution for rows that asked for them."""
-    want = [i for i, r in enumerate(rows) if r.wants_logprob]
-    chosen: list[float | None] = [None] * len(rows)
-    tops: list[dict[int, float] | None] = [None] * len(rows)
-    if not want:
-        return chosen, tops
-    idx = torch.tensor(want, device=logits.device)
-    logp = torch.log_softmax(logits[idx].float(), dim=-1)
-    picked = logp.gather(-1, token_ids[idx].unsqueeze(-1)).squeeze(-1).tolist()
-    n_top = max(rows[i].params.logprobs or 0 for i in want)
-    top_v, top_i = (logp.topk(n_top, dim=-1) if n_top else (None, None))
-    for j, i in enumerate(want):
-        chosen[i] = picked[j]
-        n = rows[i].params.logprobs
-        if n:
-            tops[i] = dict(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
-    return chosen, tops
+    """Log-probabilities under the model's raw distribution for rows that asked for them (one
+    device -> host transfer for all rows)."""
+    lp = _logprob_tensors(logits, token_ids, rows)
+    if not lp.want:
+        return [None] * len(rows), [None] * len(rows)
+    picked, top_v, top_i = _to_host([lp.picked, lp.top_v, lp.top_i])
+    return _unpack_logprobs(lp, picked, top_v, top_i, rows)
 
 
 class Sampler:
-    """Picks one token per row of logits [R, V]."""
+    """Picks one token per row of logits [R, V].
+
+    Everything stays on the logits' device until the end of the call, which brings the tokens and
+    the log-probs to the host in one transfer: one device -> host sync per call (per engine step)
+    however many rows sample, draw with their own generator or ask for log-probs.
+    """
 
     def __call__(self, logits: torch.Tensor, rows: list[RowContext]) -> SampleOutput:
         if logits.shape[0] != len(rows):
@@ -159,14 +210,27 @@ class Sampler:
         raw = logits.float()
         work = apply_penalties(raw.clone(), rows) if needs_penalty else raw
         tokens = work.max(dim=-1).indices
-        processed: list[float | None] = [0.0 if r.params.processed_logprobs else None for r in rows]
+        processed_rows = [i for i, r in enumerate(rows) if r.params.processed_logprobs]
+        processed_t = None
         if not all(r.params.greedy for r in rows):
             sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
             idx = torch.tensor(sampled, device=logits.device)
             probs = sampling_logits(work[idx], [rows[i] for i in sampled]).softmax(dim=-1)
-            for j, i in enumerate(sampled):
-                tokens[i] = draw(probs[j], rows[i].generator)
-                if rows[i].params.processed_logprobs:
-                    processed[i] = float(torch.log(probs[j, tokens[i]]))
-        chosen, tops = raw_logprobs(raw, tokens, rows)
-        return SampleOutput(tokens.tolist(), chosen, tops, processed if wants_processed else None)
+            # one draw per row with the row's own generator, left on the device
+            drawn = torch.cat([torch.multinomial(probs[j], 1, generator=rows[i].generator)
+                               for j, i in enumerate(sampled)])
+            tokens[idx] = drawn
+            at = {i: j for j, i in enumerate(sampled)}
+            wanted = [at[i] for i in processed_rows if i in at]
+            if wanted:
+                w = torch.tensor(wanted, device=logits.device)
+                processed_t = torch.log(probs[w, drawn[w]])
+        lp = _logprob_tensors(raw, tokens, rows)
+        token_list, picked, top_v, top_i, processed_list = _to_host(
+            [tokens, lp.picked, lp.top_v, lp.top_i, processed_t])
+        chosen, tops = _unpack_logprobs(lp, picked, top_v, top_i, rows)
+        processed: list[float | None] = [0.0 if r.params.processed_logprobs else None for r in rows]
+        sampled_processed = [i for i in processed_rows if not rows[i].params.greedy]
+        for i, value in zip(sampled_processed, processed_list):
+            processed[i] = value
+        return SampleOutput([int(t) for t in token_list], chosen, tops, processed if wants_processed else None)

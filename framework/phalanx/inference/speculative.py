@@ -57,8 +57,11 @@ class SpeculativeDecoder:
             logits = self.draft.execute(chunks).float()
             rows = [row(s, j, s.token_ids + d) for s, d in zip(seqs, drafts)]
             probs = sampling_probs(apply_penalties(logits, rows), rows)
-            for b, (s, r) in enumerate(zip(seqs, rows)):
-                token = int(probs[b].argmax()) if s.params.greedy else draw(probs[b], r.generator)
+            tokens = probs.argmax(dim=-1)
+            for b, (s, r) in enumerate(zip(seqs, rows)):  # draws stay on the device: one sync per draft step
+                if not s.params.greedy:
+                    tokens[b] = torch.multinomial(probs[b], 1, generator=r.generator)[0]
+            for b, token in enumerate(tokens.tolist()):
                 drafts[b].append(token)
                 draft_probs[b].append(probs[b])
 
@@ -70,6 +73,8 @@ class SpeculativeDecoder:
 
         emitted: list[list[int]] = []
         emitted_rows: list[int] = []
+        # greedy rows accept by the target's argmax: read for every row in one transfer
+        argmax = target_probs.argmax(dim=-1).tolist() if any(s.params.greedy for s in seqs) else None
         for b, s in enumerate(seqs):
             base = b * (k + 1)
             out: list[int] = []
@@ -77,7 +82,7 @@ class SpeculativeDecoder:
             for i, d in enumerate(drafts[b]):
                 p = target_probs[base + i]
                 if s.params.greedy:
-                    ok = int(p.argmax()) == d
+                    ok = argmax[base + i] == d
                 else:
                     q = draft_probs[b][i]
                     u = torch.rand((), generator=generator, device=p.device)
@@ -86,14 +91,14 @@ class SpeculativeDecoder:
                     out.append(d)
                     continue
                 if s.params.greedy:
-                    out.append(int(p.argmax()))
+                    out.append(argmax[base + i])
                 else:
                     residual = (p - draft_probs[b][i]).clamp_min(0)
                     out.append(draw(residual if residual.sum() > 0 else p, generator))
                 break
             else:
                 p = target_probs[base + k]
-                out.append(int(p.argmax()) if s.params.greedy else draw(p, generator))
+                out.append(argmax[base + k] if s.params.greedy else draw(p, generator))
             self.num_proposed += k
             self.num_accepted += len(out) - 1
             emitted.append(out)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from phalanx.device import to_device
 from phalanx.amp.precision import dtype_of, resolve_precision
 from phalanx.booster import Booster
 from phalanx.booster.plugins import make_plugin
@@ -403,7 +404,7 @@ def _nonfinite_message(loss: float, step: int, cfg: TrainConfig, last_checkpoint
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Mapping):
-        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return to_device(dict(batch), device)
     raise TypeError(f"batches must be dicts of tensors (keyword arguments of the model), got {type(batch).__name__}; "
                     "make collate_fn return a dict")
 

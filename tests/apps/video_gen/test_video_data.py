@@ -91,11 +91,15 @@ def test_direction_gap_pairs_each_clip_with_its_true_and_opposite_word():
     word_of = {tok.convert_tokens_to_ids(d): d for d in ("left", "right", "up", "down")}
 
     class ReadsTheWord:
+        device = torch.device("cpu")  # where direction_gap puts the clips, ids and noise
+
         def per_sample_loss(self, video, ids, t, noise):
             said = [next(word_of[i] for i in row.tolist() if i in word_of) for row in ids]
             return torch.tensor([1.0 if track(v)[1] == d else 2.0 for v, d in zip(video, said)])
 
     class IgnoresTheWord:
+        device = torch.device("cpu")
+
         def per_sample_loss(self, video, ids, t, noise):
             return (video - noise).pow(2).flatten(1).mean(1) * (1 + t)
 

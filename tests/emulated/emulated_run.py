@@ -1,0 +1,49 @@
+"""Run a command or a set of existing tests in a child process under the emulated GPU.
+
+The emulated GPU is registered for the whole of a process (`PHALANX_EMULATE_GPU=1` makes
+`import phalanx` install it), so everything that runs emulated runs in a child: a recipe's
+command, `phalanx run -n 2 ...`, or a pytest of existing test node ids, whose spawned ranks inherit
+the variable.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def emulated_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PHALANX_EMULATE_GPU": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1", "PHALANX_THREADS": env.get("PHALANX_THREADS", "1")})
+    env.update(extra)
+    return env
+
+
+def run_emulated(args: list[str], *, timeout: float = 900, cwd: Path | None = None, **env: str) -> str:
+    """Run `args` (e.g. [sys.executable, "-m", "apps.protein.train", ...]) under the emulated GPU;
+    fail with the tail of its output unless it exits 0. Returns stdout + stderr."""
+    proc = subprocess.run(args, cwd=cwd or ROOT, env=emulated_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {proc.returncode} under PHALANX_EMULATE_GPU=1:\n"
+                             + output[-6000:])
+    return output
+
+
+def run_module_emulated(module: str, *module_args: str, ranks: int = 1, timeout: float = 900, **env: str) -> str:
+    """`python -m module args` on one process, or `phalanx run -n ranks -m module args`."""
+    if ranks == 1:
+        return run_emulated([sys.executable, "-m", module, *module_args], timeout=timeout, **env)
+    return run_emulated([sys.executable, "-m", "phalanx.cli", "run", "-n", str(ranks), "-m", module, *module_args],
+                        timeout=timeout, **env)
+
+
+def pytest_emulated(*node_ids: str, timeout: float = 1200) -> str:
+    """Run existing tests under the emulated GPU in a child pytest; fail if any of them fails."""
+    return run_emulated([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *node_ids],
+                        timeout=timeout)

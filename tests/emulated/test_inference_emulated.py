@@ -1,0 +1,40 @@
+"""The inference engine, its sampler, tensor parallelism and `phalanx serve` under the emulated GPU
+(`PHALANX_EMULATE_GPU=1`): the engine runs on `cuda:0` (emulated), with the Triton kernels through
+the interpreter, the NCCL-path backend for TP=2, and device checks enforced. The existing tests run
+unchanged in one child pytest; the sampler's sync bound (one device -> host sync per step, not one
+per sampled row) runs only there, since it counts syncs on the emulated device."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from emulated_run import pytest_emulated  # noqa: E402
+
+ENGINE = "tests/framework/test_inference_engine.py::"
+SAMPLER = "tests/framework/test_inference_sampler.py::"
+NODE_IDS = [
+    # greedy tokens == transformers' generate (llama through the Triton decode kernel, mistral's window)
+    ENGINE + "test_greedy_tokens_match_transformers_for_a_mixed_length_batch[llama]",
+    ENGINE + "test_greedy_tokens_match_transformers_for_a_mixed_length_batch[mistral]",
+    ENGINE + "test_preemption_recomputes_to_the_same_tokens_and_leaks_no_block",
+    ENGINE + "test_chunked_prefill_and_prefix_cache_give_the_same_tokens",
+    ENGINE + "test_logprobs_match_the_model_and_seeded_sampling_repeats",
+    ENGINE + "test_speculative_decoding_keeps_greedy_tokens",
+    SAMPLER + "test_temperature_top_k_top_p_match_transformers_warpers",
+    SAMPLER + "test_seeded_rows_are_independent_of_the_batch",
+    SAMPLER + "test_banned_tokens_and_logprobs",
+    SAMPLER + "test_presence_and_frequency_penalties_follow_openai_rule_by_hand",
+    SAMPLER + "test_a_batch_of_sampled_rows_syncs_with_the_host_once",
+    "tests/framework/test_inference_tp.py::test_tp2_matches_tp1",
+    "tests/framework/test_inference_server.py::test_completion_matches_the_engine",
+    "tests/framework/test_openai_client.py::test_completion_greedy_equals_the_engine",
+]
+
+
+@pytest.mark.slow
+def test_inference_under_the_emulated_gpu():
+    out = pytest_emulated(*NODE_IDS)
+    assert " passed" in out and "skipped" not in out, out[-3000:]
