@@ -311,6 +311,14 @@ def _copy_from(src, dst, non_blocking=False):
     return dst
 
 
+def _arange(op):
+    """arange builds an empty result and resizes it inside arange.out, below the wrapper (whose
+    sizes could not follow): on the emulated GPU it is computed on the CPU and wrapped instead."""
+    def kernel(*args, dtype=None, layout=None, device=None, pin_memory=None):
+        return EmulatedTensor(op(*args, dtype=dtype, layout=layout, device="cpu"), torch.device(device))
+    return kernel
+
+
 _LIBRARY: torch.library.Library | None = None
 
 
@@ -324,6 +332,9 @@ def register_factories() -> None:
     _LIBRARY.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     _LIBRARY.impl("empty_strided", _empty_strided, "PrivateUse1")
     _LIBRARY.impl("_copy_from", _copy_from, "PrivateUse1")
+    for overload in ("default", "start", "start_step"):
+        name = "arange" if overload == "default" else f"arange.{overload}"
+        _LIBRARY.impl(name, _arange(getattr(aten.arange, overload)), "PrivateUse1")
 
 
 _PINNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
