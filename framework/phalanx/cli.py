@@ -6,6 +6,7 @@
     phalanx env                                        # versions, devices, backends, Triton
     phalanx serve MODEL_DIR [--port 8000]              # OpenAI-compatible server (phalanx.inference)
     phalanx plan --model DIR --world-size 8 --device-memory 80GiB   # which layout fits (docs/plan.md)
+    phalanx selfcheck [--only kernels,plugins]         # run first on a new GPU machine (docs/selfcheck.md)
 """
 from __future__ import annotations
 
@@ -112,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "plan":
         from phalanx.plan.cli import plan_main
         return plan_main(rest)
-    print(f"phalanx: unknown command {command!r}; use 'run', 'env', 'serve' or 'plan'", file=sys.stderr)
+    if command == "selfcheck":
+        from phalanx.selfcheck import main as selfcheck_main
+        return selfcheck_main(rest)
+    print(f"phalanx: unknown command {command!r}; use 'run', 'env', 'serve', 'plan' or 'selfcheck'", file=sys.stderr)
     return 2
 
 

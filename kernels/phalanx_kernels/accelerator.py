@@ -75,3 +75,12 @@ def accelerator_rng_fork(device: torch.device | None = None):
         return torch.random.fork_rng(devices=[])
     index = device.index if device.index is not None else device_module(device).current_device()
     return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+def new_generator(device: torch.device | str) -> torch.Generator:
+    """A random generator for sampling on `device`. The emulated GPU's device tensors take CPU
+    generators (torch 2.13 gives a Python backend no way to make a device generator)."""
+    device = torch.device(device)
+    if device.type == EMULATED_TYPE:
+        return torch.Generator()
+    return torch.Generator(device=device)

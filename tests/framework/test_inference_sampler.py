@@ -6,7 +6,7 @@ import torch
 
 from phalanx_kernels.accelerator import current_device, emulated
 
-from phalanx.inference.engine import new_generator
+from phalanx_kernels.accelerator import new_generator
 from phalanx.inference.sampler import RowContext, Sampler, apply_penalties, draw, sampling_logits, sampling_probs
 from phalanx.inference.sampling_params import SamplingParams
 

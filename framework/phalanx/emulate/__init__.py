@@ -41,4 +41,8 @@ def install() -> None:
     autocast.register()
     torch.Tensor.pin_memory = tensor.pin_memory
     torch.Tensor.is_pinned = tensor.is_pinned
+    tensor.patch_data_setter()
+    tensor.patch_pinned_factories()
+    # transformers' hub kernels refuse devices they do not know (kernelize on `.train()`).
+    os.environ.setdefault("USE_HUB_KERNELS", "0")
     collectives.install()

@@ -69,15 +69,6 @@ class EmulatedTensor(torch.Tensor):
         runtime.MEMORY.track(r, elem)
         return r
 
-    # A traceable wrapper subclass: Module.to swaps parameters in place (keeping their identity,
-    # as `param.data = cuda_tensor` does on a GPU), and torch's subclass utilities can rebuild it.
-    def __tensor_flatten__(self):
-        return ["elem"], self.device
-
-    @staticmethod
-    def __tensor_unflatten__(inner, device, outer_size, outer_stride):
-        return EmulatedTensor(inner["elem"], device)
-
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
@@ -131,7 +122,14 @@ class EmulatedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if func.is_view and torch.is_inference_mode_enabled() and not any(
+                isinstance(a, torch.Tensor) and a.is_inference() for a in tree_flatten((args, kwargs))[0]):
+            # A view of a normal tensor inside inference_mode is a normal tensor (CPU and CUDA
+            # allow it); made inside inference mode, the inner view would be an inference tensor.
+            with torch.inference_mode(False):
+                return _dispatch(func, args, kwargs)
+        return _dispatch(func, args, kwargs)
 
 
 def _rebuild(elem: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -337,6 +335,43 @@ def register_factories() -> None:
         _LIBRARY.impl(name, _arange(getattr(aten.arange, overload)), "PrivateUse1")
 
 
+_BASE_DATA = torch._C.TensorBase.data
+
+
+def _get_data(self):
+    return _BASE_DATA.__get__(self)
+
+
+def _set_data(self, new):
+    """`cpu_tensor.data = device_tensor` moves a tensor in place on a GPU (Gemini and lazy
+    initialisation do it); a CPU tensor cannot take a wrapper's data, so under emulation it
+    becomes a device tensor sharing the new data, keeping its identity (as Module.to does)."""
+    if isinstance(new, EmulatedTensor) and not isinstance(self, EmulatedTensor):
+        replacement = EmulatedTensor(new.elem, new.device, requires_grad=self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            replacement = torch.nn.Parameter(replacement, requires_grad=self.requires_grad)
+        torch.utils.swap_tensors(self, replacement)
+        return
+    _BASE_DATA.__set__(self, new)
+
+
+_BASE_COMPATIBLE = torch._has_compatible_shallow_copy_type
+
+
+def _compatible_shallow_copy_type(input: torch.Tensor, from_: torch.Tensor) -> bool:  # noqa: A002 - torch's names
+    """Module.to / Module.float decide between `param.data = new` (keeping the parameter object,
+    as a GPU move does) and replacing the parameter: moving to or within the emulated GPU keeps
+    it, through the data setter above."""
+    if isinstance(from_, EmulatedTensor) and (isinstance(input, EmulatedTensor) or input.device.type == "cpu"):
+        return True
+    return _BASE_COMPATIBLE(input, from_)
+
+
+def patch_data_setter() -> None:
+    torch.Tensor.data = property(_get_data, _set_data)
+    torch._has_compatible_shallow_copy_type = _compatible_shallow_copy_type
+
+
 _PINNED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
@@ -353,3 +388,22 @@ def pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
 
 def is_pinned(self: torch.Tensor, device=None) -> bool:
     return _PINNED.get(id(self)) is self
+
+
+def _pinned_factory(factory):
+    def make(*args, pin_memory: bool = False, **kwargs):
+        t = factory(*args, **kwargs)
+        if pin_memory:
+            _PINNED[id(t)] = t
+        return t
+    make.__wrapped__ = factory
+    return make
+
+
+def patch_pinned_factories() -> None:
+    """`torch.empty(..., pin_memory=True)` asks the accelerator for a page-locked allocator, which
+    a Python backend cannot provide: the factories make the tensor and mark it pinned."""
+    for name in ("empty", "zeros", "ones", "full", "empty_strided", "empty_like", "zeros_like", "ones_like"):
+        factory = getattr(torch, name)
+        if not hasattr(factory, "__wrapped__"):
+            setattr(torch, name, _pinned_factory(factory))

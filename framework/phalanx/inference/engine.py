@@ -20,7 +20,7 @@ from typing import Iterable, Mapping, Sequence as Seq
 
 import torch
 
-from phalanx_kernels.accelerator import EMULATED_TYPE, current_device
+from phalanx_kernels.accelerator import current_device, new_generator
 
 from phalanx.inference.block_manager import BlockManager
 from phalanx.inference.config import EngineConfig
@@ -59,15 +59,6 @@ def _eos_ids(config, generation_config, tokenizer) -> set[int]:
         if value is not None:
             return set(value if isinstance(value, (list, tuple)) else [value])
     return set()
-
-
-def new_generator(device: torch.device) -> torch.Generator:
-    """A request's own random generator for draws on `device`. The emulated GPU computes its
-    random ops with CPU generators (torch cannot create a PrivateUse1 generator from Python), so
-    there a request's generator is a CPU one; on CUDA and the CPU it lives on the device."""
-    if device.type == EMULATED_TYPE:
-        return torch.Generator()
-    return torch.Generator(device=device)
 
 
 def _default_device(tp: TPGroup) -> torch.device:
