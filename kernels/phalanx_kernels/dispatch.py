@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from phalanx_kernels.accelerator import is_accelerator
+from phalanx_kernels.accelerator import emulated, is_accelerator
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
@@ -56,13 +56,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def _emulated_references() -> bool:
+    """PHALANX_EMULATE_TRITON=0 under the emulated GPU: the torch references instead of Triton's
+    interpreter (10-100x slower than the references), for long emulated runs whose subject is
+    not the kernels. The dispatch itself is covered by the emulator's and selfcheck's checks."""
+    return emulated() and os.environ.get("PHALANX_EMULATE_TRITON", "1") == "0"
+
+
 def use_triton(*tensors: torch.Tensor | None) -> bool:
     """Decide, for one call, whether to take the Triton path for these tensors."""
     present = [t for t in tensors if t is not None]
     if _backend == "torch":
         return False
     if _backend == "auto":
-        return bool(present) and all(is_accelerator(t) for t in present) and triton_available()
+        return (bool(present) and all(is_accelerator(t) for t in present) and triton_available()
+                and not _emulated_references())
     # forced "triton": fail here with the fix rather than deep inside triton
     if not triton_available():
         raise RuntimeError("kernel backend 'triton' was requested but triton is not installed; "

@@ -36,14 +36,18 @@ def run_emulated(args: list[str], *, timeout: float = 900, cwd: Path | None = No
 
 
 def run_module_emulated(module: str, *module_args: str, ranks: int = 1, timeout: float = 900, **env: str) -> str:
-    """`python -m module args` on one process, or `phalanx run -n ranks -m module args`."""
+    """`python -m module args` on one process, or `phalanx run -n ranks -m module args`. Kernels
+    use their torch references (PHALANX_EMULATE_TRITON=0: Triton's interpreter would dominate a
+    recipe's time; the kernels' dispatch on device tensors is tested in test_emulator.py) unless
+    the caller passes PHALANX_EMULATE_TRITON="1"."""
+    env.setdefault("PHALANX_EMULATE_TRITON", "0")
     if ranks == 1:
         return run_emulated([sys.executable, "-m", module, *module_args], timeout=timeout, **env)
     return run_emulated([sys.executable, "-m", "phalanx.cli", "run", "-n", str(ranks), "-m", module, *module_args],
                         timeout=timeout, **env)
 
 
-def pytest_emulated(*node_ids: str, timeout: float = 1200) -> str:
+def pytest_emulated(*node_ids: str, timeout: float = 1200, **env: str) -> str:
     """Run existing tests under the emulated GPU in a child pytest; fail if any of them fails."""
     return run_emulated([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *node_ids],
-                        timeout=timeout)
+                        timeout=timeout, **env)
