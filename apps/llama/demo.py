@@ -98,6 +98,9 @@ def measure(label: str, model, tokenizer, chunks, cfg: RecipeConfig, log, with_s
     from .evaluate import bits_per_char, format_results
     from .generate import sample
 
+    from phalanx.device import current_device
+
+    model = model.to(current_device())  # loaded on the host: measured on the run's accelerator when there is one
     start = time.perf_counter()
     bpc = bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.precision)
     samples = sample(model, tokenizer, cfg.generate.prompts, cfg.generate) if with_samples else []

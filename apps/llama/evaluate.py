@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from phalanx.amp.precision import resolve_precision
 from phalanx.booster import unwrap_model
 from phalanx.booster.state import boosted_state
+from phalanx.device import to_device
 from phalanx.train.data import pad_rows
 
 LN2 = math.log(2.0)
@@ -132,7 +133,7 @@ def _batches(order: list[int], chunks: list[Chunk], batch_size: int, by_category
 def _batch_nll_rows(model, seqs, batch, pad_id, autocast_bf16):
     """(chunk index, summed NLL in nats, target tokens) per row, the loss in fp32 row by row."""
     device = next(model.parameters()).device
-    ids, mask = (t.to(device) for t in pad_rows(seqs, pad_id))
+    ids, mask = to_device(pad_rows(seqs, pad_id), device)
     head = model.get_output_embeddings()
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
@@ -152,7 +153,7 @@ def _batch_nll_sharded(model, seqs, batch, pad_id, autocast_bf16):
     ids, mask = pad_rows(seqs, pad_id)
     labels = ids.masked_fill(mask == 0, -100)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-        loss = eval_loss_sum(model, {"input_ids": ids.to(device), "labels": labels.to(device)})
+        loss = eval_loss_sum(model, to_device({"input_ids": ids, "labels": labels}, device))
     yield batch[0], float(loss), sum(len(s) - 1 for s in seqs)
 
 
@@ -181,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model)
     tok_dir = args.tokenizer or (model_dir if (model_dir / "tokenizer_config.json").exists() else cfg.tokenizer_dir)
     tokenizer = load_tokenizer(tok_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    from phalanx.device import current_device
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(current_device())
     chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
     print(format_results(bits_per_char(model, tokenizer, chunks, cfg.eval.batch_size, cfg.eval.precision)))
 

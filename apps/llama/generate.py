@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(args.model, Path(cfg.train.output_dir))
     tok_dir = args.tokenizer or (model_dir if (model_dir / "tokenizer_config.json").exists() else cfg.tokenizer_dir)
     tokenizer = load_tokenizer(tok_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    from phalanx.device import current_device
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(current_device())
     for prompt, text in zip(cfg.generate.prompts, sample(model, tokenizer, cfg.generate.prompts, cfg.generate)):
         print(f"--- {prompt}\n{prompt}{text}\n")
 

@@ -55,7 +55,9 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
                              f"unexpected {unexpected[:3]}); pass the --config it was trained with")
     else:
         raise ValueError("give --checkpoint (a training run) or --af2-params (AlphaFold 2 parameters)")
-    return model.eval()
+    from phalanx.device import current_device
+
+    return model.to(current_device()).eval()  # the accelerator when there is one (real or emulated), else the CPU
 
 
 @torch.no_grad()
@@ -68,10 +70,12 @@ def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_f
     fcfg = FeatureConfig(crop_size=length, max_msa_clusters=cfg.data.max_msa_clusters,
                          max_extra_msa=cfg.data.max_extra_msa, masked_msa_fraction=0.0)
     feats = make_features(chain, alignment, fcfg, np.random.default_rng(0), with_truth=False)
-    batch = {k: v[None] for k, v in feats.items()}
+    from phalanx.device import to_device
+
+    batch = to_device({k: v[None] for k, v in feats.items()}, next(model.parameters()).device)
     out = model(**batch, recycles=recycles)
-    return {"atom37": out["atom37"][0].numpy(), "atom37_mask": out["atom37_mask"][0].numpy(),
-            "plddt": out["plddt"][0].numpy(), "distogram_logits": out["distogram_logits"][0].numpy()}
+    keys = ("atom37", "atom37_mask", "plddt", "distogram_logits")
+    return {k: v[0].numpy() for k, v in to_device({k: out[k] for k in keys}, "cpu").items()}
 
 
 def write_prediction(pred: dict, sequence: str, name: str, out_dir: Path) -> dict[str, Path]:

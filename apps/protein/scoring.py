@@ -5,6 +5,7 @@ import torch
 
 from apps.protein import constants as rc
 from apps.protein.metrics import gdt_ts, lddt, rmsd, tm_score
+from phalanx.device import to_device
 from phalanx.train.data import default_collate
 
 CA = rc.ATOM37_INDEX["CA"]
@@ -24,7 +25,7 @@ def score_crops(model, crops, recycles: int, batch_size: int = 4) -> dict[str, d
     results = {}
     for start in range(0, len(crops), batch_size):
         part = crops[start:start + batch_size]
-        batch = {k: v.to(device) for k, v in default_collate([f for _, f in part]).items()}
+        batch = to_device(default_collate([f for _, f in part]), device)
         out = model(**batch, recycles=recycles)
         for i, (name, feats) in enumerate(part):
             mask = feats["all_atom_mask"][:, CA]

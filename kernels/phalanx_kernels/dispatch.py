@@ -57,10 +57,12 @@ def interpreting() -> bool:
 
 
 def _emulated_references() -> bool:
-    """PHALANX_EMULATE_TRITON=0 under the emulated GPU: the torch references instead of Triton's
-    interpreter (10-100x slower than the references), for long emulated runs whose subject is
-    not the kernels. The dispatch itself is covered by the emulator's and selfcheck's checks."""
-    return emulated() and os.environ.get("PHALANX_EMULATE_TRITON", "1") == "0"
+    """Under the emulated GPU the kernels run their torch references unless
+    PHALANX_EMULATE_TRITON=1: Triton's interpreter launches one Python program per tile (the
+    protein recipe's 2 tiny steps took over 10 minutes through it, 17 s on the CPU). With the
+    variable set they dispatch and run exactly as on a GPU, through the interpreter; the emulator's
+    tests, the engine's emulated test and `phalanx selfcheck` do so."""
+    return emulated() and os.environ.get("PHALANX_EMULATE_TRITON", "0") != "1"
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:

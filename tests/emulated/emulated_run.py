@@ -37,10 +37,8 @@ def run_emulated(args: list[str], *, timeout: float = 900, cwd: Path | None = No
 
 def run_module_emulated(module: str, *module_args: str, ranks: int = 1, timeout: float = 900, **env: str) -> str:
     """`python -m module args` on one process, or `phalanx run -n ranks -m module args`. Kernels
-    use their torch references (PHALANX_EMULATE_TRITON=0: Triton's interpreter would dominate a
-    recipe's time; the kernels' dispatch on device tensors is tested in test_emulator.py) unless
-    the caller passes PHALANX_EMULATE_TRITON="1"."""
-    env.setdefault("PHALANX_EMULATE_TRITON", "0")
+    use their torch references (the emulator's default; the kernels' dispatch on device tensors
+    is tested in test_emulator.py and test_inference_emulated.py with PHALANX_EMULATE_TRITON=1)."""
     if ranks == 1:
         return run_emulated([sys.executable, "-m", module, *module_args], timeout=timeout, **env)
     return run_emulated([sys.executable, "-m", "phalanx.cli", "run", "-n", str(ranks), "-m", module, *module_args],

@@ -17,7 +17,8 @@ import emulator_checks  # noqa: E402
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_emulated([sys.executable, str(Path(__file__).parent / "emulator_checks.py")], timeout=300)
+    out = run_emulated([sys.executable, str(Path(__file__).parent / "emulator_checks.py")], timeout=300,
+                       PHALANX_EMULATE_TRITON="1")
     line = next(l for l in out.splitlines() if l.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
 

@@ -3,7 +3,9 @@ fp32 and bf16. On a GPU the kernels are compiled; on the emulated GPU they run i
 interpreter (the same dispatch, the same kernel source)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 
 import torch
 
@@ -64,6 +66,26 @@ def checks() -> list[tuple[str, callable]]:
 def _check(name: str, dtype: torch.dtype):
     if importlib.util.find_spec("triton") is None:
         raise Skip("triton is not installed (pip install triton)")
+    with _kernels_dispatched():
+        return _compare(name, dtype)
+
+
+@contextlib.contextmanager
+def _kernels_dispatched():
+    """On the emulated GPU, Triton kernels dispatch (through the interpreter) only with
+    PHALANX_EMULATE_TRITON=1: set for these checks, whose subject they are."""
+    previous = os.environ.get("PHALANX_EMULATE_TRITON")
+    os.environ["PHALANX_EMULATE_TRITON"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PHALANX_EMULATE_TRITON"]
+        else:
+            os.environ["PHALANX_EMULATE_TRITON"] = previous
+
+
+def _compare(name: str, dtype: torch.dtype):
     device = current_device()
     fn, inputs = _cases(device, dtype)[name]
     if not pk.dispatch.use_triton(*inputs):
