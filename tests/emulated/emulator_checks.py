@@ -140,6 +140,18 @@ def triton_kernels_dispatch_on_device_tensors_through_the_interpreter():
     torch.testing.assert_close(got.cpu(), rms_norm_reference(x, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@check
+def the_loss_scaler_checks_every_gradient_with_one_host_sync():
+    from phalanx.amp.loss_scaler import DynamicLossScaler
+
+    grads = [torch.ones(4, device=DEV) for _ in range(10)]
+    SYNCS.reset()
+    assert DynamicLossScaler.found_inf(grads) is False
+    assert SYNCS.count == 1, dict(SYNCS.by_op)  # was one per gradient
+    grads[7][2] = float("inf")
+    assert DynamicLossScaler.found_inf(grads) is True
+
+
 def main() -> None:
     results = {}
     for name, fn in CHECKS.items():

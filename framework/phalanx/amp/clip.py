@@ -12,11 +12,13 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from phalanx_kernels.accelerator import current_device
+
 
 def global_grad_norm(grads: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None,
                      sharded: bool = False, norm_type: float = 2.0) -> float:
     grads = [g for g in grads if g is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = grads[0].device if grads else current_device()  # a rank with no gradients: still the run's device
     if norm_type == math.inf:
         local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
         total = local.reshape(1).clone()

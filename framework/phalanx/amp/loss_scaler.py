@@ -11,6 +11,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from phalanx_kernels.accelerator import current_device
+
 
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -33,12 +35,11 @@ class DynamicLossScaler:
     def found_inf(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
         """True if any tensor on any rank of `group` holds inf/nan."""
         tensors = [t for t in tensors if t is not None]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = tensors[0].device if tensors else current_device()  # NCCL takes no CPU flag
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-        for t in tensors:
-            if not torch.isfinite(t).all():
-                flag.fill_(1.0)
-                break
+        if tensors:  # checked on the device, answered with one host sync (not one per tensor)
+            finite = torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
+            flag.copy_((~finite).float().reshape(1))
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)

@@ -3,10 +3,10 @@
 A run under emulation initialises its process group with gloo serving both the CPU and the
 emulated device ("cpu:gloo,emucuda:gloo"): a collective on device tensors reaches gloo through the
 tensor's dispatch, which hands gloo the CPU tensors inside. What NCCL would refuse is refused
-before gloo sees it: every public collective of `torch.distributed` called on a CPU tensor (other
-than a 0-dim one... no: NCCL refuses those too) raises, naming the collective and the tensor, as
-NCCL does ("Tensors must be CUDA and dense"). Object collectives put their buffers on the device,
-as torch does for NCCL.
+before gloo sees it: every public collective of `torch.distributed` called on a CPU tensor (0-dim
+ones too, as NCCL refuses them) raises, naming the collective and the tensor. Object collectives
+put their buffers on the device, as torch does for NCCL. Collectives that torch's own C++ code
+issues (DDP's reducer, functional collectives) are not guarded: they come from correct code.
 """
 from __future__ import annotations
 

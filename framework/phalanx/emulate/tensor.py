@@ -11,12 +11,12 @@ GPU would:
 - device -> host transfers (`.item()`, `.cpu()`, `.tolist()`, `bool(t)`, `nonzero`, ...) are
   counted in `runtime.SYNCS`, so tests can bound them;
 - random numbers come from the device's own generator, not the CPU's (as on CUDA);
-- collectives (`c10d` / functional collectives) receive the CPU tensors with a flag that tells the
-  emulated NCCL backend they came from the device (`nccl.py` refuses plain CPU tensors).
+- collectives (`c10d` / functional collectives) receive the CPU tensors inside, and functional
+  collectives complete before they return (`collectives.py` refuses plain CPU tensors at the
+  public API, as NCCL does).
 """
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
@@ -41,14 +41,6 @@ _SYNCING = {
     aten.repeat_interleave.Tensor, aten.nonzero_static.default,
 }
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
-
-_trusted = threading.local()
-
-
-def collective_inputs_from_device() -> bool:
-    """True while a collective launched on emulated device tensors is handing them to a backend."""
-    return getattr(_trusted, "depth", 0) > 0
-
 
 class EmulatedTensor(torch.Tensor):
     """A tensor on the emulated GPU; `elem` is the CPU tensor that holds its data."""
@@ -190,27 +182,39 @@ def _dispatch(func, args, kwargs):
     if "generator" in _argument_names(func) and kw.get("generator") is None and target is not None:
         kw["generator"] = runtime.generator(target)
 
-    inputs: dict[int, EmulatedTensor] = {}
-
-    def unwrap(t):
-        if isinstance(t, EmulatedTensor):
-            inputs[id(t.elem)] = t
-            return t.elem
-        return t
-
-    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kw))
+    inputs = _Unwrapped()
+    out = func(*tree_map(inputs, args), **tree_map(inputs, kw))
     if target is None:
         return out
 
     def wrap(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor):
-            same = inputs.get(id(t))
-            if same is not None and same.elem is t:
+            same = inputs.wrapper_of(t)
+            if same is not None:
                 return _refresh(same)  # in-place and out= results are their input, as on any device
             return EmulatedTensor(t, target)
         return t
 
     return tree_map(wrap, out)
+
+
+class _Unwrapped:
+    """Called on each argument of an op: the CPU tensor inside a device tensor (anything else as
+    it is), remembering which device tensor it came from, so results that are inputs (in-place
+    ops, out=) can be given back as the same device tensor."""
+
+    def __init__(self):
+        self._wrappers: dict[int, EmulatedTensor] = {}
+
+    def __call__(self, t):
+        if isinstance(t, EmulatedTensor):
+            self._wrappers[id(t.elem)] = t
+            return t.elem
+        return t
+
+    def wrapper_of(self, t: torch.Tensor) -> EmulatedTensor | None:
+        wrapper = self._wrappers.get(id(t))
+        return wrapper if wrapper is not None and wrapper.elem is t else None
 
 
 def _refresh(wrapper: EmulatedTensor) -> EmulatedTensor:
@@ -259,23 +263,12 @@ def _copy_(dst, src, non_blocking=False):
 
 
 def _collective(func, args, kwargs, device):
-    """Hand a collective's device tensors to the backend as the CPU tensors inside, flagged as
-    coming from the device, and give back device tensors."""
+    """Hand a collective's device tensors to gloo as the CPU tensors inside, and give back device
+    tensors."""
     if func.name() == "_c10d_functional::_wrap_tensor_autograd":
         return args[0]  # the result was waited for when it was made (below)
-    inputs: dict[int, EmulatedTensor] = {}
-
-    def unwrap(t):
-        if isinstance(t, EmulatedTensor):
-            inputs[id(t.elem)] = t
-            return t.elem
-        return t
-
-    _trusted.depth = getattr(_trusted, "depth", 0) + 1
-    try:
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    finally:
-        _trusted.depth -= 1
+    inputs = _Unwrapped()
+    out = func(*tree_map(inputs, args), **tree_map(inputs, kwargs))
     if func.namespace == "_c10d_functional" and func.name() != "_c10d_functional::wait_tensor":
         # The emulated device is synchronous: a functional collective's result is complete when
         # it is returned (its later wait_tensor finds nothing left to wait for).
@@ -283,7 +276,7 @@ def _collective(func, args, kwargs, device):
 
     def wrap(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, EmulatedTensor):
-            same = inputs.get(id(t))
+            same = inputs.wrapper_of(t)
             if same is not None:
                 return same
             return EmulatedTensor(t, device) if device is not None else t
@@ -345,12 +338,28 @@ def _get_data(self):
 def _set_data(self, new):
     """`cpu_tensor.data = device_tensor` moves a tensor in place on a GPU (Gemini and lazy
     initialisation do it); a CPU tensor cannot take a wrapper's data, so under emulation it
-    becomes a device tensor sharing the new data, keeping its identity (as Module.to does)."""
+    becomes a device tensor sharing the new data, keeping its identity (as Module.to does).
+
+    On a GPU `set_data` keeps the tensor's autograd state, so what was registered on the tensor
+    before the move still applies after it. `swap_tensors` swaps the C++ tensors, and with them
+    the hooks registered there (`register_hook`, `register_post_accumulate_grad_hook`: the Python
+    object keeps its hook dicts, the C++ side that runs them goes to the discarded object), and
+    swaps `__dict__` (attributes set on the tensor). Both are carried over: Gemini registers its
+    post-accumulate-grad hooks on CPU parameters before pointing them at device placeholders, and
+    without this no gradient reached its chunks under emulation."""
     if isinstance(new, EmulatedTensor) and not isinstance(self, EmulatedTensor):
         replacement = EmulatedTensor(new.elem, new.device, requires_grad=self.requires_grad)
         if isinstance(self, torch.nn.Parameter):
             replacement = torch.nn.Parameter(replacement, requires_grad=self.requires_grad)
+        for name, value in self.__dict__.items():
+            replacement.__dict__.setdefault(name, value)
+        tensor_hooks, post_accumulate_hooks = self._backward_hooks, self._post_accumulate_grad_hooks
         torch.utils.swap_tensors(self, replacement)
+        # re-registers the same dicts (handles stay valid) on the C++ tensor `self` now holds
+        if tensor_hooks is not None:
+            self._backward_hooks = tensor_hooks
+        if post_accumulate_hooks is not None:
+            self._post_accumulate_grad_hooks = post_accumulate_hooks
         return
     _BASE_DATA.__set__(self, new)
 
