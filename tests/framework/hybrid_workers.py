@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import hybrid_models as hm
 from phalanx.booster.state import boosted_state
+from phalanx.device import run_device, to_device
 from phalanx.testing import LOW_PRECISION_RTOL, Diff, MasterWeights, check, rel_diff, update_diff
 
 LR = 1e-2
@@ -67,12 +68,13 @@ def boost(family: str, layout: dict, model=None, kind: str = "sgd", seed: int = 
 
 
 def local_rows(booster, batch: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a global batch, on the run's device."""
     plugin = booster.plugin
-    return batch.chunk(plugin.dp_size)[plugin.dp_rank]
+    return to_device(batch.chunk(plugin.dp_size)[plugin.dp_rank], run_device())
 
 
 def _dp_mean(booster, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=run_device())
     dist.all_reduce(t, group=booster.plugin.dp_group)
     return t.item() / booster.plugin.dp_size
 
@@ -152,7 +154,7 @@ def one_step(family: str, layout: dict, ref: dict) -> dict:
     optimizer.zero_grad()
     state = booster.plugin.full_model_state_dict(model)
     with torch.no_grad():
-        logits = model(input_ids=hm.tokens(family, seed=11)[0]).logits
+        logits = model(input_ids=to_device(hm.tokens(family, seed=11)[0], run_device())).logits
     return {"loss": rel_diff(_dp_mean(booster, out.loss.item()), ref["losses"][0]),
             "grad": rel_diff(grads, ref["grads"]), "norm": rel_diff(optimizer.last_grad_norm, ref["norms"][0]),
             "ref_norm": ref["norms"][0],
@@ -192,8 +194,11 @@ def train_steps(booster, model, optimizer, batches) -> list[float]:
 
 
 def _logits(model, family: str) -> torch.Tensor:
+    """The logits of the fresh batch, on the CPU (the batch goes to the model's device: a boosted
+    model's on a rank, a plain one's in the parent)."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return model(input_ids=hm.tokens(family, seed=11)[0]).logits
+        return model(input_ids=hm.tokens(family, seed=11)[0].to(device)).logits.cpu()
 
 
 def checkpoint_suite(directory: str, save_layout, load_layouts: dict, families=("llama", "gpt2")) -> dict:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import hybrid_models as hm
 import hybrid_workers as hw
+from phalanx.device import run_device, to_device
 from phalanx.testing import Diff, rel_diff, update_diff
 
 LAYERS = 4
@@ -26,11 +27,12 @@ def pipeline_step(family: str, layout: dict, ref: dict) -> dict:
     ref_logits = ref["logits"][:3, :10]
     ref_eval = torch.nn.functional.cross_entropy(ref_logits[:, :-1].reshape(-1, ref_logits.shape[-1]),
                                                  fresh[:, 1:].reshape(-1)).item()
-    ev = booster.execute_pipeline(iter([fresh]), model, forward_only=True, return_outputs=True)
+    ev = booster.execute_pipeline(iter([to_device(fresh, run_device())]), model, forward_only=True,
+                                  return_outputs=True)
     # the logits live on the last stage's ranks: every rank reports its rel error (0 without
     # logits) and whether it had them; the largest and the count are reduced over the ranks
     logits = torch.tensor([0.0 if ev["outputs"] is None else rel_diff(ev["outputs"], ref_logits).value,
-                           float(ev["outputs"] is not None)])
+                           float(ev["outputs"] is not None)], device=run_device())
     dist.all_reduce(logits[:1], op=dist.ReduceOp.MAX)
     dist.all_reduce(logits[1:])
     return {"eval_loss": rel_diff(ev["loss"].item(), ref_eval), "eval_logits": Diff(logits[0].item()),
@@ -69,7 +71,7 @@ def checkpoint_suite(directory: str, save_layout: dict, load_layouts: dict, fami
         plain = AutoModelForCausalLM.from_pretrained(f"{path}/model")
         with torch.no_grad():  # after one AdamW step: the logits' update measure
             out.setdefault("logits", {})[family] = {
-                "tp2": hw.logits_update_diff(tp_model(input_ids=fresh).logits, ref1),
+                "tp2": hw.logits_update_diff(tp_model(input_ids=to_device(fresh, run_device())).logits.cpu(), ref1),
                 "plain": hw.logits_update_diff(plain(input_ids=fresh).logits, ref1)}
         for name, layout in load_layouts.items():
             booster, model, optimizer = hw.boost(family, layout, kind="adamw", seed=99, layers=LAYERS)
@@ -98,7 +100,7 @@ def error_suite() -> dict:
     after = dict(model.named_parameters())
     out["untouched"] = set(after) == set(before) and all(torch.equal(before[n], after[n]) for n in before)
     booster, model, optimizer = hw.boost("llama", dict(pp_size=2, num_microbatches=2), layers=LAYERS)
-    batch = hm.tokens("llama", batch=3)[0]
+    batch = to_device(hm.tokens("llama", batch=3)[0], run_device())
     try:
         booster.execute_pipeline(iter([batch]), model, None, optimizer)
     except ValueError as exc:
@@ -134,7 +136,8 @@ def masked_labels_step(layout: dict, family: str = "llama") -> dict:
     optimizer.step()
     ref = {n: p.detach() for n, p in model.named_parameters()}
     booster, model, optimizer = hw.boost(family, layout, layers=LAYERS)
-    out = booster.execute_pipeline(iter([{"input_ids": batch, "labels": labels}]), model, None, optimizer)
+    out = booster.execute_pipeline(iter([to_device({"input_ids": batch, "labels": labels}, run_device())]), model,
+                                   None, optimizer)
     optimizer.step()
     state = booster.plugin.full_model_state_dict(model)
     return {"loss": rel_diff(out["loss"].item(), loss.item()),

@@ -55,8 +55,10 @@ class HybridOptimizer(MixedPrecisionOptimizer):
     """Stage 0: every data(×sequence)-parallel rank keeps its tensor-parallel pieces whole."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, names: dict[int, str], precision: str,
-                 max_norm: float | None, dp_group, tp_group, partial_ids: set[int], weights: dict[int, float]):
+                 max_norm: float | None, dp_group, tp_group, partial_ids: set[int], weights: dict[int, float],
+                 device: torch.device):
         super().__init__(optimizer, precision=precision, max_norm=max_norm, names=names)
+        self.device = device  # the run's: the norm's all-reduce is carried there even with no gradients
         self.dp_group = dp_group
         self.tp_group = tp_group
         self.partial_ids = partial_ids
@@ -81,6 +83,5 @@ class HybridOptimizer(MixedPrecisionOptimizer):
             self.last_grad_norm = float("inf")
             return False
         dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
-        device = grads[0].device if grads else torch.device("cpu")
-        self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), device)
+        self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), self.device)
         return self._clip_or_defer(grads, self.last_grad_norm, defer_clip)

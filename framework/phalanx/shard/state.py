@@ -57,10 +57,12 @@ def full_tensor(name: str, local: torch.Tensor, plan: TPPlan) -> torch.Tensor:
 def full_state_dict(model: torch.nn.Module, plan: TPPlan, values: dict[str, torch.Tensor] | None = None,
                     ) -> dict[str, torch.Tensor]:
     """Full tensors (on the CPU) for every key of `model.state_dict()`; `values` overrides the
-    local value of a parameter (e.g. the fp32 master of a bf16 model). A collective over the
-    tensor-parallel group; every rank gets the whole dict."""
+    local value of a parameter (e.g. the fp32 master of a bf16 model, which ZeRO hands over on the
+    CPU: it is gathered on the device of the model's own tensor, as NCCL needs). A collective over
+    the tensor-parallel group; every rank gets the whole dict."""
     values = values or {}
-    return {name: full_tensor(name, values.get(name, tensor), plan) for name, tensor in model.state_dict().items()}
+    return {name: full_tensor(name, values[name].to(tensor.device) if name in values else tensor, plan)
+            for name, tensor in model.state_dict().items()}
 
 
 def local_state_dict(plan: TPPlan, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -68,9 +70,12 @@ def local_state_dict(plan: TPPlan, state: dict[str, torch.Tensor]) -> dict[str, 
     return {name: plan.spec(name).shard(t, plan.rank, plan.size) for name, t in state.items()}
 
 
-def to_full_fragments(frags: OptimizerFragments, plan: TPPlan, *, write: bool = True) -> OptimizerFragments:
-    """Collective over the tensor-parallel group. `write=False` on ranks whose fragments another
-    data-parallel rank already writes (they still take part in the exchange)."""
+def to_full_fragments(frags: OptimizerFragments, plan: TPPlan, *, device: torch.device,
+                      write: bool = True) -> OptimizerFragments:
+    """Collective over the tensor-parallel group, carried on `device` (the run's device: NCCL
+    takes only GPU tensors; the fragments themselves stay on the CPU). `write=False` on ranks
+    whose fragments another data-parallel rank already writes (they still take part in the
+    exchange)."""
     out = OptimizerFragments(scalars=dict(frags.scalars), param_groups=frags.param_groups, extra=frags.extra)
     out.shapes = {name: list(plan.params[name].full_shape) if name in plan.params else shape
                   for name, shape in frags.shapes.items()}
@@ -79,12 +84,12 @@ def to_full_fragments(frags: OptimizerFragments, plan: TPPlan, *, write: bool = 
     if plan.rank == 0:
         out.fragments.extend(whole)
     if split:
-        flat = torch.cat([f.data.reshape(-1).float() for f in split])
+        flat = torch.cat([f.data.reshape(-1).float() for f in split]).to(device)
         pieces = [torch.empty_like(flat) for _ in range(plan.size)]
         with collective("tp.gather_optimizer_state"):
             dist.all_gather(pieces, flat, group=plan.group)
         if plan.rank == 0:
-            out.fragments.extend(_merge_split(split, pieces, plan))
+            out.fragments.extend(_merge_split(split, [p.cpu() for p in pieces], plan))
     if not write or plan.rank != 0:
         out.fragments, out.scalars = [], {}
     return out

@@ -173,7 +173,7 @@ class HybridBoosting:
         if self.zero_stage == 0:
             return HybridOptimizer(optimizer, names=names, precision=self.precision, max_norm=self.max_norm,
                                    dp_group=self.dp_sp_group, tp_group=self.tp_group,
-                                   partial_ids={id(p) for p in partial}, weights=weights)
+                                   partial_ids={id(p) for p in partial}, weights=weights, device=self.device)
         config = ZeroConfig(stage=self.zero_stage, max_norm=self.max_norm, **self.zero_options)
         return HybridZeroOptimizer(optimizer, config, names=names, process_group=self.dp_sp_group,
                                    weights=weights, partial=PartialGradSync(partial, self.tp_group))

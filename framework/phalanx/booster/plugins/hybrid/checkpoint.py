@@ -258,11 +258,11 @@ class HybridCheckpointIO:
     def optimizer_fragments(self, optimizer) -> OptimizerFragments:
         boosted = hybrid_state(optimizer)
         if isinstance(optimizer, HybridZeroOptimizer):
-            frags = to_full_fragments(zero_fragments(optimizer), boosted.plan)
+            frags = to_full_fragments(zero_fragments(optimizer), boosted.plan, device=self.device)
         else:
             write = dist.get_rank(self.dp_sp_group) == 0
             local = fragments_from_full_state(optimizer.optim, optimizer.names) if write else OptimizerFragments()
-            frags = to_full_fragments(local, boosted.plan, write=write)
+            frags = to_full_fragments(local, boosted.plan, device=self.device, write=write)
         if boosted.tied and not any(s.is_first for s in boosted.pipeline.stages):
             # the last stage's copy of a tied embedding: the first stage writes its state
             frags.fragments = [f for f in frags.fragments if f.param not in boosted.tied]
