@@ -28,3 +28,10 @@ def test_zero_matches_one_process_on_the_emulated_gpu():
     out = pytest_emulated(f"{ZERO}::test_fp32_matches_single_process", f"{ZERO}::test_low_precision_matches_single_process",
                           "-k", "not fp16")
     assert " passed" in out and "failed" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_zero_cpu_offload_on_the_emulated_gpu():
+    # state on the host (pinned pool), each gradient and shard moved once, equal to no offload
+    out = pytest_emulated("tests/framework/test_zero_offload.py")
+    assert " passed" in out and "failed" not in out, out[-3000:]

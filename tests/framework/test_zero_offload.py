@@ -75,7 +75,10 @@ def assert_offloaded(result: dict, precision: str, reductions: int = 1) -> None:
     # its own; the gradient shards were freed at the end of the step.
     shards = [-(-numel // WORLD) for numel in GROUP_NUMELS]
     assert result["shard_numels"] == shards
-    assert result["shmem_growth"] == sum(3 * -(-4 * n // PAGE) * PAGE for n in shards)
+    from phalanx_kernels.accelerator import available
+
+    if not available():  # CPU-only: the host pool is shared pages (phalanx.hostmem); with a GPU, pinned memory
+        assert result["shmem_growth"] == sum(3 * -(-4 * n // PAGE) * PAGE for n in shards)
 
 
 def test_hand_worked_traffic():

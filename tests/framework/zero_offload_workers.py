@@ -32,9 +32,11 @@ CONFIGS = {
 def place(t: torch.Tensor) -> str:
     """"device" or "host", asked of the memory itself: CUDA vs CPU on a GPU machine; on a CPU-only
     one, the kind of mapping /proc/self/maps reports (the host pool is shared pages)."""
-    if t.is_cuda:
+    from phalanx_kernels.accelerator import available, is_accelerator
+
+    if is_accelerator(t):
         return "device"
-    if torch.cuda.is_available():
+    if available():
         return "host"
     return "host" if memory_kind(t) == "shared" else "device"
 
@@ -71,7 +73,7 @@ def run_config(name: str) -> dict:
     places["optimizer_state"] = sorted({place(v) for s in opt.state.values() for v in s.values()
                                         if isinstance(v, torch.Tensor) and v.dim() > 0})
     # the model's parameters hold this rank's updated master shard (cast to the model dtype)
-    received = all(torch.equal(g.flat[slice(*g.shard_range)], g.master.detach().to(g.dtype))
+    received = all(torch.equal(g.flat[slice(*g.shard_range)], g.master.detach().to(g.flat.device, g.dtype))
                    for g in opt.flat_groups if g is not None)
     out = run.result()
     out.update({"traffic": traffic, "places": places, "received_update": received,
