@@ -7,6 +7,8 @@ rank on its share, exactly like the single-process reference there.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from phalanx.device import run_device, to_device
@@ -74,6 +76,10 @@ def build(config: str | dict, max_norm: float | None = None, seed: int = 0, prec
 
     kwargs = dict(CONFIGS[config]) if isinstance(config, str) else dict(config)
     kwargs.setdefault("chunk_size_mb", CHUNK_MB)
+    # A suite builds many models in one process. On an accelerator the auto policy's tracer
+    # charges all device memory it does not own to this model's activations
+    # (`memory_allocated()`), so the earlier runs' models, cyclic garbage, must be gone first.
+    gc.collect()
     model = _model(seed, checkpointing, **model_overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     plugin = GeminiPlugin(precision=precision, max_norm=max_norm, **kwargs)
@@ -178,7 +184,7 @@ def bigger_than_ddp(budget: int = 2_500_000) -> dict:
     booster, plugin, model, opt = build(dict(placement_policy="auto", device_memory_budget=budget,
                                              chunk_size_mb=0.05), **BIG)
     g = torch.Generator().manual_seed(7)
-    batch = torch.randint(0, BIG["vocab_size"], (2, 16), generator=g)
+    batch = to_device(torch.randint(0, BIG["vocab_size"], (2, 16), generator=g), run_device())
     losses = []
     for _ in range(6):
         loss = model(input_ids=batch, labels=batch).loss

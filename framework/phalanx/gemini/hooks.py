@@ -22,6 +22,7 @@ forward hooks, and finds the chunks it needs gathered or gathers them again.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -135,12 +136,28 @@ def install_hooks(manager: ChunkManager, root: nn.Module, tracer=None) -> dict[s
         handles.append(module.register_forward_hook(post_forward))
         handles.append(module.register_full_backward_pre_hook(pre_backward))
 
+    grad_arrived = _weak_hook(manager.grad_arrived)
     for chunk in manager.chunks:
         for p in chunk.params:
             if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(manager.grad_arrived))
+                handles.append(p.register_post_accumulate_grad_hook(grad_arrived))
     manager.hook_handles = handles
     return table
+
+
+def _weak_hook(method):
+    """`method` as a tensor hook that does not keep its object alive. A tensor's hooks are held
+    by the C++ tensor, where Python's garbage collector cannot see them: a hook referring to
+    the manager, which refers to the parameters (`Chunk.params`), made a cycle the collector
+    never frees, so every boosted model, its chunks and their device memory outlived the
+    plugin (on a GPU, `memory_allocated()` then charged them to the next model's activations)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+    return hook
 
 
 def _output_embeddings(root: nn.Module) -> set[str]:
