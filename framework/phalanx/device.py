@@ -36,9 +36,11 @@ def _move(value: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=non_blocking and is_accelerator(device))
     if isinstance(value, Mapping):
-        return type(value)((k, _move(v, device, non_blocking)) for k, v in value.items()) \
-            if not isinstance(value, dict) or type(value) is dict else \
-            type(value)({k: _move(v, device, non_blocking) for k, v in value.items()})
+        moved = {k: _move(v, device, non_blocking) for k, v in value.items()}
+        try:
+            return type(value)(moved)  # dict, OrderedDict, transformers' BatchEncoding, ...
+        except TypeError:  # a mapping type not built from a dict (e.g. defaultdict): a plain dict
+            return moved
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(_move(v, device, non_blocking) for v in value))
     if isinstance(value, (list, tuple)):

@@ -13,11 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx_kernels.accelerator import EMULATED_TYPE
-
-# The emulated GPU's collectives are gloo's (phalanx.emulate.collectives): gloo's speeds apply.
-EMULATED_GLOO = f"cpu:gloo,{EMULATED_TYPE}:gloo"
-
+from phalanx.emulate.collectives import BACKEND as EMULATED_BACKEND
 from phalanx.launch import collective
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -36,7 +32,8 @@ def is_gloo(group: dist.ProcessGroup | None) -> bool:
     its own part) and publish parameters with broadcasts; elsewhere (NCCL) with reduce-scatter
     and all-gather."""
     try:
-        return dist.get_backend(group) in ("gloo", EMULATED_GLOO)
+        # the emulated GPU's collectives are gloo's (phalanx.emulate.collectives): gloo's costs apply
+        return dist.get_backend(group) in ("gloo", EMULATED_BACKEND)
     except (RuntimeError, ValueError):
         return False
 
