@@ -74,6 +74,10 @@ def fake_world(monkeypatch):
     monkeypatch.setattr(launch_module, "context", lambda: SimpleNamespace(device=torch.device("cpu")))
 
     def start(world: int) -> None:
+        if dist.is_initialized():  # an earlier test's one-rank group in this pytest process
+            import phalanx
+
+            phalanx.shutdown()  # phalanx.launch.context() launches a fresh one when next asked
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
     yield start
