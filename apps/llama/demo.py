@@ -19,7 +19,6 @@ token is; the character-level perplexity printed next to it is 2 ** bpc.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -33,6 +32,8 @@ from phalanx.observe.memory import PeakResident
 
 from .config import RecipeConfig, load_recipe
 from .corpus import REPO_ROOT
+from .steps import STAMP
+from .steps import config_key as _key
 
 CONFIG = REPO_ROOT / "apps" / "llama" / "configs" / "smollm2_zh.yaml"
 
@@ -56,40 +57,15 @@ DEMO_OVERRIDES = [
 ]
 
 
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def cached(name: str, out_dir: Path, key: str, run, log) -> bool:
-    """Run `run()` unless `out_dir` holds the output of a run with the same key; True if it ran."""
-    stamp = out_dir / ".demo_key"
-    if stamp.is_file() and stamp.read_text() == key:
-        log(f"{name}: cached in {out_dir}")
-        return False
-    start = time.perf_counter()
-    run()
-    stamp.write_text(key)
-    log(f"{name}: done in {time.perf_counter() - start:.0f} s")
-    return True
-
-
-
 def prepare(cfg: RecipeConfig, log) -> dict:
     """Steps 1–4, cached; returns the vocabulary expansion report."""
-    from .expand_vocab import expand_vocab, format_report
-    from .init_model import init_model
-    from .prepare_data import prepare_pretrain
+    from .expand_vocab import format_report
+    from .steps import prepare_cached
     from phalanx.pretrained import ensure_smollm2
 
     ensure_smollm2(Path(cfg.model.base).expanduser(), log=log)
-    k_tok = _key(cfg.tokenizer, cfg.holdout_fraction, cfg.data.sources)
-    cached("expand_vocab", cfg.tokenizer_dir, k_tok, lambda: expand_vocab(cfg), log)
-    report = json.loads((cfg.tokenizer_dir / "expansion_report.json").read_text())
+    report = prepare_cached(cfg, log)
     log(format_report(report))
-    k_model = _key(k_tok, cfg.model)
-    cached("init_model", cfg.model_init_dir, k_model, lambda: init_model(cfg), log)
-    k_data = _key(k_tok, cfg.data, cfg.holdout_fraction)
-    cached("prepare_data", cfg.data_dir, k_data, lambda: prepare_pretrain(cfg), log)
     return report
 
 
@@ -173,7 +149,7 @@ def run(argv: list[str]) -> dict:
             "SmolLM2, its own tokenizer", _key("smollm2-base", _dir_stamp(smol)),
             lambda: AutoModelForCausalLM.from_pretrained(str(smol), dtype=torch.float32), base_tok, chunks, cfg, log)
         tokenizer = load_tokenizer(cfg.model_init_dir)
-        before = measure_cached("expanded vocabulary, step 0", (cfg.model_init_dir / ".demo_key").read_text(),
+        before = measure_cached("expanded vocabulary, step 0", (cfg.model_init_dir / STAMP).read_text(),
                                 lambda: load_model(cfg.model_init_dir), tokenizer, chunks, cfg, log,
                                 with_samples=False)  # the table shows samples before and after only
         model = load_model(cfg.model_init_dir)

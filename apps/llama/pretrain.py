@@ -73,8 +73,15 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
 def main(argv: list[str] | None = None) -> None:
     from phalanx.launch import launched
 
+    from phalanx.launch import barrier
+
+    from .steps import prepare_missing
+
     cfg, _ = parse_args("Continual pre-training of the initialised model on the prepared data.", argv)
     with launched(seed=cfg.train.seed) as ctx:
+        if ctx.is_main:  # a fresh checkout: the tokenizer, initial model and rows are made first
+            prepare_missing(cfg, log=lambda line: print(f"[llama] {line}", flush=True))
+        barrier()
         result = pretrain(cfg)
         if ctx.is_main:
             evals = ", ".join(f"{k}={v:.3f}" for k, v in sorted(result.last_eval.items()) if k.endswith("bpc"))

@@ -168,3 +168,11 @@ def test_llama_sft_one_rank(llama_work):
     held = float(line.split("held-out assistant-token loss ")[1].split(";")[0])
     assert 1.0 < held < 15.0  # ~ln(vocabulary) for a fresh model
     assert (work / "checkpoints" / "step-00000002" / "model").is_dir()
+
+
+def test_llama_one_step_from_a_fresh_checkout_on_the_emulated_gpu(tmp_path):
+    """`pretrain` on a work directory with nothing in it: it prepares the tokenizer, the initial
+    model and the rows itself, then trains one step on the emulated GPU."""
+    log = run_module_emulated("apps.llama.pretrain", "--config", "apps/llama/configs/tiny.yaml",
+                              f"work_dir={tmp_path}", "train.max_steps=1", "train.progress_bar=false", timeout=300)
+    assert "expand_vocab: no output" in log and "pre-training done at step 1" in log, log[-3000:]

@@ -5,7 +5,7 @@ import copy
 
 
 def test_cached_step_runs_once_per_key(tmp_path):
-    from apps.llama.demo import cached
+    from apps.llama.steps import cached
 
     out = tmp_path / "step"
     calls = []
@@ -62,3 +62,23 @@ def test_before_measurements_are_cached_by_model_and_settings(tiny_run):
     assert again == first and len(loads) == 1 and "cached" in logs[-1]
     measure_cached("step 0", "key-a", loader, tokenizer, chunks[:-1], cfg, logs.append)  # other text: measured anew
     assert len(loads) == 2
+
+
+def test_missing_preparation_steps_run_and_prepared_ones_are_kept(tmp_path):
+    from apps.llama.config import load_recipe
+    from apps.llama.steps import prepare_missing
+
+    cfg = load_recipe("apps/llama/configs/tiny.yaml", [f"work_dir={tmp_path}", "data.seq_len=64",
+                                                        "tokenizer.domain_vocab_size=4000"])
+    cfg.tokenizer.domain_sources[0].max_chars = 60_000
+    for source, limit in zip(cfg.data.sources, (20_000, 10_000, 5_000)):
+        source.max_chars = limit
+    logs = []
+    assert prepare_missing(cfg, logs.append) == ["expand_vocab", "init_model", "prepare_data"]
+    assert prepare_missing(cfg, logs.append) == []  # everything present: nothing rebuilt
+    marker = cfg.model_init_dir / "config.json"
+    before = marker.stat().st_mtime_ns
+    import shutil
+    shutil.rmtree(cfg.data_dir / "train")
+    assert prepare_missing(cfg, logs.append) == ["prepare_data"]  # only the missing output is made again
+    assert marker.stat().st_mtime_ns == before
