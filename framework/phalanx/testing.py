@@ -159,6 +159,25 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     return LlamaForCausalLM(tiny_llama_config(**overrides))
 
 
+def train_one_process(model, batches, lr: float, weight_decay: float = 0.01, device=None) -> list[float]:
+    """Plain torch on one process: AdamW over whole batches of token ids (each its own labels), the
+    reference that parallel runs are compared with; returns the losses. `device`: where the model
+    and the batches go (default: where the model is)."""
+    if device is not None:
+        model = model.to(device)
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for batch in batches:
+        batch = batch.to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 class MasterWeights:
     """Plain torch's mixed precision on one process, the reference that low-precision runs are
     compared with: the model computes in `dtype` and the optimizer updates fp32 master copies of

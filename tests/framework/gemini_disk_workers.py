@@ -13,6 +13,8 @@ import torch.distributed as dist
 import gemini_workers as gw
 from plugin_cases import LR, make_batches
 
+from phalanx.testing import train_one_process
+
 # tiny_llama at gw.CHUNK_MB (12 chunks), in the configurations of test_gemini.py
 DISK_CONFIGS = {
     "auto": dict(placement_policy="auto", device_memory_budget=gw.BUDGET),
@@ -179,16 +181,7 @@ def tiny_qwen2(seed: int = 0):
 
 def qwen2_reference(steps: int = 3) -> list[float]:
     """Plain torch, one process, the whole global batch."""
-    model = tiny_qwen2()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for batch in make_batches(steps):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(tiny_qwen2(), make_batches(steps), LR)
 
 
 def chunk_search_suite(budgets: dict[str, int | str], steps: int = 3) -> dict:

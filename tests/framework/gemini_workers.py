@@ -14,7 +14,7 @@ import torch
 from phalanx.device import run_device, to_device
 import torch.distributed as dist
 
-from phalanx.testing import tiny_llama
+from phalanx.testing import tiny_llama, train_one_process
 
 from plugin_cases import LR, make_batches
 
@@ -57,16 +57,7 @@ def _model(seed: int = 0, checkpointing: bool = False, **overrides):
 
 def reference(checkpointing: bool = False, **overrides) -> list[float]:
     """Plain torch on one process (for model variants plugin_cases' reference does not build)."""
-    model = _model(0, checkpointing, **overrides)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for batch in make_batches():
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(_model(0, checkpointing, **overrides), make_batches(), LR)
 
 
 def build(config: str | dict, max_norm: float | None = None, seed: int = 0, precision: str = "fp32",

@@ -293,20 +293,12 @@ class EmulatedDeviceModule:
         return MEMORY.peak[_index(device)]
 
     @staticmethod
-    def memory_reserved(device=None) -> int:
-        return MEMORY.allocated[_index(device)]
-
-    @staticmethod
-    def max_memory_reserved(device=None) -> int:
-        return MEMORY.peak[_index(device)]
-
-    @staticmethod
     def reset_peak_memory_stats(device=None) -> None:
         MEMORY.reset_peak(_index(device))
 
-    @staticmethod
-    def reset_max_memory_allocated(device=None) -> None:
-        MEMORY.reset_peak(_index(device))
+    # no caching allocator: what is reserved is what is allocated
+    memory_reserved, max_memory_reserved = memory_allocated, max_memory_allocated
+    reset_max_memory_allocated = reset_peak_memory_stats
 
     @staticmethod
     def empty_cache() -> None:

@@ -42,6 +42,7 @@ _SYNCING = {
 }
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 
+
 class EmulatedTensor(torch.Tensor):
     """A tensor on the emulated GPU; `elem` is the CPU tensor that holds its data."""
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from phalanx.device import to_device
 from phalanx.launch import context
-from phalanx.testing import tiny_llama
+from phalanx.testing import tiny_llama, train_one_process
 
 STEPS, GLOBAL_BATCH, SEQ, LR, RTOL = 10, 8, 16, 1e-2, 1e-4
 
@@ -19,18 +19,7 @@ def _batches():
 
 
 def _reference() -> list[float]:
-    device = context().device
-    model = tiny_llama(seed=0).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses = []
-    for batch in _batches():
-        batch = to_device(batch, device)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(tiny_llama(seed=0), _batches(), LR, device=context().device)
 
 
 _REFERENCE: list[float] = []
