@@ -148,25 +148,22 @@ class ModelRunner:
         """A forward of the largest step (one fresh prompt of the full token budget), writing
         nowhere, to measure activation memory."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        caches = [(torch.zeros(1, self.block_size, l.kv_heads, l.head_dim, dtype=self.dtype, device=self.device),) * 2
+                  for l in self.model.layers]
+        batch = AttentionBatch(slot_mapping=torch.full((n,), -1, device=self.device), block_size=self.block_size,
+                               skips_slots=True, prefills=[PrefillSegment(0, n, n, None)])
         with torch.inference_mode():
-            caches = [(torch.zeros(1, self.block_size, l.kv_heads, l.head_dim, dtype=self.dtype,
-                                   device=self.device),) * 2 for l in self.model.layers]
-            batch = AttentionBatch(slot_mapping=torch.full((n,), -1, device=self.device), block_size=self.block_size,
-                                   skips_slots=True, prefills=[PrefillSegment(0, n, n, None)])
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), batch, caches, self.cos, self.sin)
             self.model.logits(hidden[-1:])
         device_module(self.device).synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # Inference tensors, like everything a step builds: the cache is only read and written
-        # inside `torch.inference_mode()`, where views of it then need no version counter.
         self.kv_caches = []
-        with torch.inference_mode():
-            for layer in self.model.layers:
-                shape = (num_blocks, self.block_size, layer.kv_heads, layer.head_dim)
-                self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                       torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        for layer in self.model.layers:
+            shape = (num_blocks, self.block_size, layer.kv_heads, layer.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
         self.num_blocks = num_blocks
 
     # -- packing ---------------------------------------------------------------------------------
@@ -251,8 +248,7 @@ class ModelRunner:
 
     # -- running ---------------------------------------------------------------------------------
     def _forward(self, packed: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():  # the step's index tensors are inference tensors too
-            ids, positions, batch, logits_rows = self._unpack(packed)
+        ids, positions, batch, logits_rows = self._unpack(packed)
         if self.compiled is not None and any(layer.packed for layer in self.model.layers):
             # bf16 weights packed for oneDNN (native-bf16 CPUs): the compiled pieces would multiply
             # through plain F.linear and lose the packing, so this runner stays eager.
