@@ -50,9 +50,3 @@ def _move(value: Any, device: torch.device, non_blocking: bool) -> Any:
                                              for f in dataclasses.fields(value) if f.init})
     return value
 
-
-def synchronize(device: torch.device | None = None) -> None:
-    """Wait for the accelerator (no-op on the CPU)."""
-    device = device or current_device()
-    if is_accelerator(device):
-        device_module(device).synchronize(device)

@@ -9,21 +9,18 @@ from pathlib import Path
 
 from .report import Skip
 
-# name -> the commands of its 2-step smoke run (module, arguments); {out} is the run's scratch
-# directory. Each recipe's tiny config, on the data it ships; apps/chat_rlhf needs a policy
-# model directory (see its README) and is left to its own tests.
+# name -> (module, arguments) of its 2-step smoke run; {out} is the run's scratch directory. Each
+# recipe's tiny config on the data it ships (llama's pretrain prepares its tokenizer, model and rows
+# itself); apps/chat_rlhf needs a policy model directory (see its README) and is left to its tests.
 _STEPS = ["train.max_steps=2", "train.save_every=0", "train.progress_bar=false"]
-SMOKES: dict[str, list[tuple[str, list[str]]]] = {
-    "llama": [(m, ["--config", "apps/llama/configs/tiny.yaml", "work_dir={out}"])
-              for m in ("apps.llama.expand_vocab", "apps.llama.init_model", "apps.llama.prepare_data")]
-    + [("apps.llama.pretrain", ["--config", "apps/llama/configs/tiny.yaml", "work_dir={out}", "train.output_dir={out}/train",
-                                *_STEPS])],
-    "protein": [("apps.protein.train", ["--config", "apps/protein/configs/tiny.yaml", "train.output_dir={out}", *_STEPS])],
-    "video_gen": [("apps.video_gen.train", ["--config", "apps/video_gen/configs/tiny.yaml", "train.output_dir={out}",
-                                            *_STEPS])],
-    "diffusion": [("apps.diffusion.train_text_to_image", ["--config", "apps/diffusion/configs/tiny_emoji.yaml",
-                                                          "train.output_dir={out}", "validation.num_inference_steps=2",
-                                                          *_STEPS])],
+SMOKES: dict[str, tuple[str, list[str]]] = {
+    "llama": ("apps.llama.pretrain", ["--config", "apps/llama/configs/tiny.yaml", "work_dir={out}", *_STEPS]),
+    "protein": ("apps.protein.train", ["--config", "apps/protein/configs/tiny.yaml", "train.output_dir={out}", *_STEPS]),
+    "video_gen": ("apps.video_gen.train", ["--config", "apps/video_gen/configs/tiny.yaml", "train.output_dir={out}",
+                                           *_STEPS]),
+    "diffusion": ("apps.diffusion.train_text_to_image", ["--config", "apps/diffusion/configs/tiny_emoji.yaml",
+                                                         "train.output_dir={out}", "validation.num_inference_steps=2",
+                                                         *_STEPS]),
 }
 
 
@@ -34,20 +31,18 @@ def _checkout() -> Path | None:
     return None
 
 
-def _smoke(commands: list[tuple[str, list[str]]], output_dir: str):
+def _smoke(module: str, args: list[str], output_dir: str):
     root = _checkout()
     if root is None:
         raise Skip("run from a phalanx checkout (the recipes live in apps/)")
-    env = dict(os.environ, PYTHONPATH=str(root))
-    for module, args in commands:
-        args = [a.replace("{out}", output_dir) for a in args]
-        proc = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=900)
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["(no output)"]
-            raise AssertionError(f"python -m {module} exited {proc.returncode}: {tail[0][:200]}")
-    return f"{len(commands)} command(s), last: python -m {commands[-1][0]}"
+    args = [a.replace("{out}", output_dir) for a in args]
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        raise AssertionError(f"python -m {module} exited {proc.returncode}: {tail[0][:200]}")
+    return f"python -m {module} {' '.join(args)}"
 
 
 def checks(output_dir: Path):
-    return [(name, lambda c=commands, n=name: _smoke(c, str(output_dir / n))) for name, commands in SMOKES.items()]
+    return [(name, lambda m=m, a=a, n=name: _smoke(m, a, str(output_dir / n))) for name, (m, a) in SMOKES.items()]
