@@ -10,7 +10,7 @@ export TRANSFORMERS_OFFLINE=1
 export WANDB_MODE=offline
 export TOKENIZERS_PARALLELISM=false
 
-.PHONY: demo test test-fast install install-dev bench clean
+.PHONY: demo test test-fast install install-dev bench bench-smoke clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-fast: install-dev
 
 bench: install-dev
 	$(PY) bench/train_throughput.py
+
+# Every bench at its smallest arguments, as the docs run them: exits 0 and prints its ratio (~2-3 min).
+bench-smoke: install-dev
+	$(PY) -m pytest -q tests/bench -m "" -s
 
 clean:
 	rm -rf runs outputs wandb .pytest_cache

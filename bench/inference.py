@@ -2,6 +2,7 @@
 
     python bench/inference.py                      # SmolLM2-135M if cached, else a tiny Llama
     python bench/inference.py --dtype bfloat16 --model path/to/hf_dir
+    python bench/inference.py --smoke              # a tiny model, a few tokens: does it run (seconds)
 
 Workload (the issue's): 32 prompts of mixed length (token ids drawn with a fixed seed, 32–256
 tokens), 64 new tokens each, greedy, EOS ignored so both sides generate exactly 32 × 64 tokens.
@@ -50,11 +51,18 @@ def smollm2_dir() -> Path:
     return default_dir()
 
 
-def tiny_llama_dir(out: Path) -> Path:
+TINY_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4)
+# --smoke: the smallest Llama the engine runs, to check the bench runs (numbers meaningless)
+SMOKE_MODEL = dict(vocab_size=1024, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_llama_dir(out: Path, **sizes) -> Path:
+    """A randomly initialised Llama (TINY_MODEL, or the sizes given) saved under `out`."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+    config = LlamaConfig(**{**TINY_MODEL, **sizes}, max_position_embeddings=2048,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
@@ -121,7 +129,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compiled", action="store_true", help="skip our compiled engine")
     parser.add_argument("--no-hf-ttft", action="store_true", help="skip HF's separately timed batch TTFT run")
     parser.add_argument("--no-single", action="store_true", help="skip the single-stream latencies")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random Llama, 4 short prompts, 4 new tokens, "
+                        "eager only: checks that the bench runs; its numbers mean nothing")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.new_tokens, args.min_len, args.max_len, args.repeats = 4, 4, 8, 16, 1
+        args.no_compiled = True
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -130,7 +143,10 @@ def main(argv=None) -> int:
     from phalanx.inference import LLM
 
     tmp = None
-    if args.model:
+    if args.smoke:
+        tmp = tempfile.TemporaryDirectory(prefix="phalanx-bench-")
+        path, label = tiny_llama_dir(Path(tmp.name), **SMOKE_MODEL), "smoke: tiny random Llama (hidden 64, 2 layers)"
+    elif args.model:
         path, label = Path(args.model), Path(args.model).name
     elif (smollm2_dir() / "config.json").exists():
         path, label = smollm2_dir(), "SmolLM2-135M-Instruct (cached by the llama recipe)"

@@ -3,6 +3,7 @@
 
     python bench/inference_ceiling.py [--dtype bfloat16] [--threads 1] [--repeats 3] [--compiled]
     python bench/inference_ceiling.py --profile --dtype float32      # where a decode step's time goes
+    python bench/inference_ceiling.py --smoke                        # a tiny model: does it run (seconds)
 
 Rows: the real engine; decode attention free (decode groups return an uninitialised tensor,
 prefill attention still runs); decode attention and every RMSNorm free. The outputs of the
@@ -110,7 +111,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compiled", action="store_true", help="run our engine with compile=True")
     parser.add_argument("--profile", action="store_true", help="break a decode step down by operator instead")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random Llama, 4 short prompts, 4 new tokens, "
+                        "one repeat: checks that the bench runs; its numbers mean nothing")
     args = parser.parse_args(argv)
+    prompts_n, low, high, new_tokens = (4, 8, 16, 4) if args.smoke else (32, 32, 256, 64)
+    if args.smoke:
+        args.repeats = 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 
@@ -121,15 +127,15 @@ def main(argv=None) -> int:
 
     tmp = None
     path = bench.smollm2_dir()
-    if not (path / "config.json").exists():
+    if args.smoke or not (path / "config.json").exists():
         tmp = tempfile.TemporaryDirectory(prefix="phalanx-bench-")
-        path = bench.tiny_llama_dir(Path(tmp.name))
+        path = bench.tiny_llama_dir(Path(tmp.name), **(bench.SMOKE_MODEL if args.smoke else {}))
     if args.profile:
         return main_profile(args, path)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
     engine = LLM(str(path), dtype=args.dtype, max_num_seqs=32, compile=args.compiled)
-    prompts = bench.make_prompts(32, hf.config.vocab_size, 32, 256)
+    prompts = bench.make_prompts(prompts_n, hf.config.vocab_size, low, high)
 
     real_attention, real_norm = llama.paged_attention, llama.rms_norm
 
@@ -151,17 +157,18 @@ def main(argv=None) -> int:
     best = {"Hugging Face generate": float("inf"), **{name: float("inf") for name in variants}}
     try:
         for _ in range(args.repeats):
-            best["Hugging Face generate"] = min(best["Hugging Face generate"], bench.run_hf(hf, prompts, 64)[1])
+            best["Hugging Face generate"] = min(best["Hugging Face generate"], bench.run_hf(hf, prompts, new_tokens)[1])
             for name, (attention_fn, norm) in variants.items():
                 # the eager forward calls llama's names, the compiled one attention's
                 llama.paged_attention, llama.rms_norm = attention_fn, norm
                 attention.paged_attention = attention_fn
-                best[name] = min(best[name], bench.run_ours(engine, prompts, 64)[1])
+                best[name] = min(best[name], bench.run_ours(engine, prompts, new_tokens)[1])
     finally:
         llama.paged_attention, llama.rms_norm = real_attention, real_norm
         attention.paged_attention = real_attention
     hf_cpu = best["Hugging Face generate"]
-    print(f"model {path.name}, {args.dtype}, {args.threads} thread(s); CPU seconds for 32 x 64 tokens, best of {args.repeats}")
+    print(f"model {path.name}, {args.dtype}, {args.threads} thread(s); CPU seconds for {prompts_n} x {new_tokens} "
+          f"tokens, best of {args.repeats}")
     for name, cpu in best.items():
         print(f"  {name:34} {cpu:7.2f} s   throughput vs HF {hf_cpu / cpu:5.2f}x")
     print(json.dumps({"bench": "inference_ceiling", "dtype": args.dtype, "threads": args.threads,

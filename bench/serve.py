@@ -18,7 +18,8 @@ time what they receive:
 - TPOT: per stream (last chunk - first chunk) / (tokens - 1), mean over the clients.
 
 Every stream is checked: HTTP 200, a finish_reason on the last chunk, `[DONE]`, and the usage's
-completion_tokens equal to --new-tokens. Printed with the load average before and after and the
+completion_tokens equal to --new-tokens. The ratios printed are against the same server with one
+client (when 1 is among --clients). Printed with the load average before and after and the
 CPU kind: on a shared machine the numbers move with the neighbours' load. The last line is JSON.
 """
 from __future__ import annotations
@@ -247,6 +248,13 @@ def main(argv=None) -> int:
     finally:
         server.stop()
         tmp.cleanup()
+    one = next((r for n, r in zip(args.clients, rows) if n == 1), None)
+    if one is not None:  # the peer: the same server with one client
+        for n, row in zip(args.clients, rows):
+            if n != 1:
+                row["throughput_vs_one_client"] = row["tokens_per_s"] / one["tokens_per_s"]
+                print(f"{n} clients / 1 client: {row['throughput_vs_one_client']:.2f}x throughput, "
+                      f"TTFT p50 {row['ttft_p50_ms'] / one['ttft_p50_ms']:.2f}x", flush=True)
     print(json.dumps({"model": model.name, "dtype": args.dtype, "cpu": cpu_kind(), "threads": args.threads,
                       "in_process": args.in_process, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                       "load_avg_before": load_before[0], "load_avg_after": os.getloadavg()[0], "rows": rows}))

@@ -21,6 +21,7 @@ Part 2 -- one process: `phalanx.train.fit` on a Llama of hidden 512, 8 layers, s
 
     python bench/train_throughput.py            # both parts (~5-10 min on 2 CPU cores)
     python bench/train_throughput.py --part plugins --steps 5 --rounds 3
+    python bench/train_throughput.py --smoke    # every part at its smallest, tiny Llama: does it run (~20 s)
 
 Part 3 (`--model medium|large`, or both: `--model medium,large`) -- the plugins on a real-sized
   Llama, 2 gloo ranks x 1 thread, 4 x 64 tokens per rank, AdamW, clipping at 1.0, fp32 (or
@@ -590,11 +591,18 @@ def print_sized_table(rows: dict, variants: list[str]) -> None:
 # =============================================================================================
 # Part 2: one process, phalanx.train vs plain Hugging Face, fp32 and bf16
 
-def llama_512_config():
+SINGLE_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=8)
+# --smoke: the smallest Llama that runs the same code, to check the bench runs (numbers meaningless)
+SMOKE_SINGLE_MODEL = dict(vocab_size=1024, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4)
+
+
+def llama_512_config(**sizes):
+    """Part 2's Llama (SINGLE_MODEL), or the sizes given."""
     from transformers import LlamaConfig
-    return LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-                       attn_implementation="sdpa", tie_word_embeddings=False)
+    return LlamaConfig(**{**SINGLE_MODEL, **sizes}, max_position_embeddings=512, attn_implementation="sdpa",
+                       tie_word_embeddings=False)
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -608,12 +616,12 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i]}
 
 
-def hf_step_times(precision: str, batch: int, seq: int, steps: int) -> list[float]:
+def hf_step_times(precision: str, batch: int, seq: int, steps: int, sizes: dict) -> list[float]:
     """The plain loop a user would write: fp32 weights; bf16 via autocast. Seconds per step."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_512_config())
+    model = LlamaForCausalLM(llama_512_config(**sizes))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, betas=(0.9, 0.95))
     data = RandomTokens(batch * steps, seq, model.config.vocab_size).x
@@ -632,7 +640,7 @@ def hf_step_times(precision: str, batch: int, seq: int, steps: int) -> list[floa
     return times
 
 
-def phalanx_step_times(precision: str, batch: int, seq: int, steps: int) -> list[float]:
+def phalanx_step_times(precision: str, batch: int, seq: int, steps: int, sizes: dict) -> list[float]:
     """`phalanx.train.fit` on the same model and data; seconds per step from its metrics file."""
     from transformers import LlamaForCausalLM
 
@@ -640,7 +648,7 @@ def phalanx_step_times(precision: str, batch: int, seq: int, steps: int) -> list
     from phalanx.train import TrainConfig, fit
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_512_config())
+    model = LlamaForCausalLM(llama_512_config(**sizes))
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as out:
         cfg = TrainConfig(output_dir=out, max_steps=steps, micro_batch_size=batch, lr=1e-4, weight_decay=0.01,
                           precision=precision, plugin="ddp", progress_bar=False, plot=False, peak_tflops=0,
@@ -670,7 +678,9 @@ def run_single(args) -> dict:
 
     context()  # one-rank group; uses every core
     threads = torch.get_num_threads()
-    print(f"\n== one process ({threads} threads): Llama hidden 512 x 8 layers, vocab 32000, seq {args.single_seq}, "
+    sizes = SMOKE_SINGLE_MODEL if args.smoke else SINGLE_MODEL
+    print(f"\n== one process ({threads} threads): Llama hidden {sizes['hidden_size']} x {sizes['num_hidden_layers']} "
+          f"layers, vocab {sizes['vocab_size']}, seq {args.single_seq}, "
           f"batch {args.single_batch} ==", flush=True)
     precisions = single_precisions(args.single_precisions)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -678,7 +688,7 @@ def run_single(args) -> dict:
     print("   GEMM peak (2048^3 matmul): " + ", ".join(f"{p} {peak[p] / 1e9:.0f} GFLOP/s" for p in precisions),
           flush=True)
     with torch.device("meta"):
-        meta_model = LlamaForCausalLM(llama_512_config())
+        meta_model = LlamaForCausalLM(llama_512_config(**sizes))
     flops_per_token = causal_lm_flops_per_token(meta_model, args.single_seq)
     rows = {}
     tokens_per_step = args.single_batch * args.single_seq
@@ -686,7 +696,7 @@ def run_single(args) -> dict:
         steps = args.single_steps + 1  # the first step (lazy initialisation) is not timed
         for who, measure in (("hf", hf_step_times), ("phalanx", phalanx_step_times)):
             t0 = time.perf_counter()
-            times = measure(precision, args.single_batch, args.single_seq, steps)[1:]
+            times = measure(precision, args.single_batch, args.single_seq, steps, sizes)[1:]
             # the best step: the one other processes on this machine disturbed least
             tps = tokens_per_step / min(times)
             achieved = tps * flops_per_token
@@ -746,7 +756,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-precisions", default="auto",
                         help="comma-separated fp32,bf16; auto: bf16 only where the CPU runs it natively")
     parser.add_argument("--single-steps", type=int, default=2, help="timed steps per loop and dtype (best is reported)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest run of every part (a tiny Llama in part 2): checks that the bench runs; "
+                             "its numbers mean nothing")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.batch, args.seq, args.steps, args.rounds, args.warmup = 2, 32, 1, 1, 1
+        args.single_batch, args.single_seq, args.single_steps, args.single_precisions = 1, 32, 1, "fp32"
+        args.launches, args.steps_sized, args.batch_sized, args.seq_sized = 1, 2, 1, 16
     if args.part is None:
         args.part = "models" if args.model else "all"
     sizes = [m.strip() for m in (args.model or "medium").split(",") if m.strip()]

@@ -96,7 +96,7 @@ def measure_cached(label: str, model_key: str, load_model, tokenizer, chunks, cf
     The key covers the model, the held-out text, and the evaluation and sampling settings, so a
     changed corpus, tokenizer or setting measures again; the demo's reruns skip straight to training.
     """
-    precision = resolve_precision(cfg.eval.precision)  # `auto` measures differently on another CPU
+    precision = resolve_precision(cfg.eval.precision).name  # `auto` measures differently on another CPU
     key = _key(model_key, [(c.text, c.category) for c in chunks], cfg.eval, precision, with_samples and cfg.generate)
     path = Path(cfg.work_dir) / "measurements" / f"{key}.json"
     if path.is_file():
@@ -176,7 +176,7 @@ def run(argv: list[str]) -> dict:
                       "peak_rss_gib": mem.max["total"] / 2**30, "first_loss": result.losses[0], "last_loss": result.losses[-1]},
             "total_s": time.perf_counter() - t0,
             "precision": {"train": cfg.train.precision, "eval": cfg.eval.precision,
-                          "resolved": resolve_precision(cfg.train.precision)},
+                          "resolved": resolve_precision(cfg.train.precision).name},
             "results": str(Path(cfg.work_dir) / "demo_results.json"),
         }
         Path(summary["results"]).write_text(json.dumps(summary, indent=2, ensure_ascii=False))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from phalanx.amp.precision import resolve_precision
+from phalanx.amp.precision import Precision, resolve_precision
 from phalanx.booster import unwrap_model
 from phalanx.booster.state import boosted_state
 from phalanx.device import to_device
@@ -75,7 +75,7 @@ def load_heldout_chunks(data_dir: str | Path, chunk_chars: int, max_chars_per_ca
 
 @torch.no_grad()
 def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
-                  precision: str = "fp32") -> dict[str, dict[str, float]]:
+                  precision: str | Precision = "fp32") -> dict[str, dict[str, float]]:
     """Per category: bits per character, character perplexity, token loss (nats), chars, tokens.
 
     precision: "fp32", "bf16" (the body under bf16 autocast; the loss itself stays fp32) or
@@ -90,7 +90,7 @@ def bits_per_char(model, tokenizer, chunks: list[Chunk], batch_size: int = 8,
     model = unwrap_model(model)
     was_training = model.training
     model.eval()
-    autocast_bf16 = resolve_precision(precision, next(model.parameters()).device) == "bf16"
+    autocast_bf16 = resolve_precision(precision, next(model.parameters()).device).compute_dtype == torch.bfloat16
     encoded = tokenizer([c.text for c in chunks], add_special_tokens=False)["input_ids"]
     state = boosted_state(model)
     sharded = state is not None and state.model_computes_loss

@@ -73,7 +73,7 @@ def _precision_report(cuda: bool) -> dict[str, object]:
         "cpu_bf16": f"{'native' if cpu.native else 'emulated'} ({cpu.reason})",
         "cpu_matmul": (f"fp32 {cpu.fp32_gflops:.1f} GFLOP/s, bf16 {cpu.bf16_gflops:.1f} GFLOP/s per core "
                        f"(256x256; bf16 {cpu.bf16_slowdown:.2f}x the time of fp32)"),
-        "precision_auto": f"{resolve_precision('auto')} on {'cuda' if cuda else 'cpu'}",
+        "precision_auto": f"{resolve_precision('auto').name} on {'cuda' if cuda else 'cpu'}",
     }
 
 

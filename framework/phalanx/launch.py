@@ -6,6 +6,7 @@ path whatever the world size.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
 import os
@@ -163,7 +164,31 @@ def launch(
         print(f"phalanx: {world_size} rank(s), device {display(device)}, backend {backend} (PHALANX_EMULATE_GPU=1)",
               flush=True)
     _CONTEXT = DistContext(rank, world_size, local_rank, local_world_size, device, backend)
+    _destroy_at_exit()
     return _CONTEXT
+
+
+_EXIT_HOOK = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group at interpreter exit if the script did not (it never called
+    `shutdown`, or its body raised). Without this the group is torn down during the C++ static
+    destruction that follows Python's, where a collective thread still joinable aborts the
+    process (SIGABRT, "terminate called without an active exception") and a finished job reads
+    as failed. No barrier: at exit another rank may already be gone."""
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        atexit.register(_destroy_process_group_quietly)
+        _EXIT_HOOK = True
+
+
+def _destroy_process_group_quietly() -> None:
+    global _CONTEXT
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    _CONTEXT = None
 
 
 def context() -> DistContext:

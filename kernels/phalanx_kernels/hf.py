@@ -21,6 +21,7 @@ import functools
 import logging
 import sys
 import types
+import weakref
 
 import torch
 
@@ -33,6 +34,9 @@ log = logging.getLogger("phalanx_kernels")
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _SILU = ("silu", "swish")
 _rope_on = contextvars.ContextVar("phalanx_kernels_rope_on", default=False)
+# model apply_to patched -> how many modules of each kind it patched (weak keys: goes with the model)
+_PATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SWITCHES: weakref.WeakSet = weakref.WeakSet()  # the RoPE switches `_rope_switch` made
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -55,7 +59,7 @@ def _rope_switch(original):
         q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, T, H, D] layout
         return q.transpose(1, 2), k.transpose(1, 2)
 
-    apply_rotary_pos_emb._phalanx_original = original
+    _SWITCHES.add(apply_rotary_pos_emb)
     return apply_rotary_pos_emb
 
 
@@ -82,7 +86,7 @@ def apply_to(model: torch.nn.Module) -> torch.nn.Module:
     family = getattr(getattr(model, "config", None), "model_type", None)
     if family not in SUPPORTED:
         raise ValueError(f"phalanx_kernels.apply_to supports model_type in {SUPPORTED}; got {family!r}")
-    if getattr(model, "_phalanx_kernels", None):
+    if _PATCHED.get(model):
         return model
     counts = {"rms_norm": 0, "swiglu": 0, "rope": 0}
     for module in model.modules():
@@ -98,11 +102,17 @@ def apply_to(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_swiglu_mlp_forward, module)
             counts["swiglu"] += 1
         elif cls.endswith("Attention") and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-            if not hasattr(modeling.apply_rotary_pos_emb, "_phalanx_original"):
+            if modeling.apply_rotary_pos_emb not in _SWITCHES:
                 modeling.apply_rotary_pos_emb = _rope_switch(modeling.apply_rotary_pos_emb)
             module.forward = types.MethodType(_attention_forward, module)
             counts["rope"] += 1
-    model._phalanx_kernels = counts
+    _PATCHED[model] = counts
     log.info("phalanx_kernels.apply_to(%s): %d RMSNorm, %d SwiGLU MLP, %d attention (RoPE) patched",
              family, counts["rms_norm"], counts["swiglu"], counts["rope"])
     return model
+
+
+def patched_counts(model: torch.nn.Module) -> dict[str, int] | None:
+    """{"rms_norm", "swiglu", "rope": modules patched} for a model `apply_to` patched, else None.
+    (A copy of a patched model runs the kernels too, but is not listed here.)"""
+    return _PATCHED.get(model)

@@ -99,7 +99,7 @@ def llama_work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("llama_emulated")
     cfg = load_recipe(ROOT / "apps" / "llama" / "configs" / "tiny.yaml", [f"work_dir={work}", *LLAMA_SHAPE])
     cfg.tokenizer.domain_sources[0].max_chars = 60_000
-    for source, limit in zip(cfg.data.sources, (20_000, 10_000, 5_000)):
+    for source, limit in zip(cfg.data.sources, (20_000, 10_000, 5_000), strict=True):
         source.max_chars = limit
     for source in cfg.sft_data.sources:
         source.max_examples = 24

@@ -203,14 +203,11 @@ def _return_freed_memory_to_the_kernel() -> bool:
     blocks, so resident memory lags behind live memory by whatever it decided to keep (measured:
     72 MiB resident for 33 MiB live in the budgeted run below). A fixed 64 KiB mmap threshold
     (every tensor bigger than that is unmapped when freed) and trim threshold make resident
-    memory follow what is alive. False where there is no glibc `mallopt`."""
-    import ctypes
+    memory follow what is alive (`phalanx.malloc.follow_live_memory`). False where there is no
+    glibc `mallopt`."""
+    from phalanx.malloc import follow_live_memory
 
-    try:
-        libc = ctypes.CDLL(None)
-        return libc.mallopt(-3, 64 * 1024) == 1 and libc.mallopt(-1, 128 * 1024) == 1  # M_MMAP/TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+    return follow_live_memory()
 
 
 def _sample_at_every_module(model, peak) -> list:

@@ -31,7 +31,7 @@ def _reset_peak() -> bool:
 
 def available() -> bool:
     """Whether this process can measure (and now follows live memory)."""
-    from phalanx.plan.measure import follow_live_memory
+    from phalanx.malloc import follow_live_memory
 
     return STATUS.is_file() and follow_live_memory() and _reset_peak()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def test_async_save_writes_the_same_checkpoints_while_training_goes_on(tmp_path,
     # training went on while checkpoints 1-3 were written ...
     assert [w[3] for w in writes] == [True, True, True, False]
     # ... and one save at a time: each write starts after the previous one ended
-    assert all(later[1] >= earlier[2] for earlier, later in zip(writes, writes[1:]))
+    assert all(later[1] >= earlier[2] for earlier, later in pairwise(writes))
 
 
 def test_failed_background_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch, caplog):

@@ -1,8 +1,8 @@
 """The benchmark scripts' variant tables stay consistent (a renamed table once broke
 `bench/train_throughput.py --part plugins` with a KeyError before it measured anything).
 
-Cheap: imports the script and checks its tables; the benchmarks themselves are run by hand
-(`bench/`), never timed in the suite."""
+Cheap: imports the script and checks its tables; the benchmarks themselves are timed by hand
+(`bench/`), and run at their smallest arguments in tests/bench/test_bench_smoke.py."""
 from __future__ import annotations
 
 import importlib.util

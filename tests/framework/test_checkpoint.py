@@ -111,3 +111,44 @@ def test_loss_scaler_state_is_saved_once_with_the_optimizer(tmp_path):
             assert got == saved, source
     finally:
         phalanx.shutdown()
+
+
+def _save_where_rank1_cannot_write(directory: str) -> dict:
+    """Booster.save_checkpoint used directly (no fit) on 2 ranks, rank 1's part of the save fails."""
+    import torch.distributed as dist
+
+    from phalanx.checkpoint.writer import CheckpointSaveError
+
+    model = tiny_llama(seed=0)
+    booster = Booster(plugin=DDPPlugin())
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 128, (2, 8))
+    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
+    opt.step()
+
+    def extra(tmp):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+
+    from pathlib import Path
+    good = booster.save_checkpoint(Path(directory) / "good", model, opt, train_state=TrainState(step=1))
+    try:
+        booster.save_checkpoint(Path(directory) / "bad", model, opt, train_state=TrainState(step=2),
+                                extra_writer=extra)
+        error = None
+    except CheckpointSaveError as exc:
+        error = str(exc)
+    return {"error": error, "good": good.is_dir()}
+
+
+def test_direct_save_failing_on_one_rank_raises_on_every_rank(tmp_path):
+    """No rank is left at a barrier: both raise CheckpointSaveError naming rank 1's error, no
+    checkpoint and no temporary directory remain (issue 35)."""
+    from phalanx.testing import spawn
+
+    results = spawn(_save_where_rank1_cannot_write, 2, str(tmp_path), timeout=120)
+    for result in results:
+        assert result["good"]
+        assert result["error"] is not None and "rank 1" in result["error"] and "No space left" in result["error"], result
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob("bad.tmp-*"))
+    verify_manifest(tmp_path / "good")

@@ -53,8 +53,8 @@ def test_nonfinite_skip_drops_the_step_and_stops_at_the_limit(tmp_path):
     result = fit(cfg, tiny_llama(), th.ArithmeticSequences(), loss_fn=poisoned({3, 5}), hooks=[probe])
     assert result.final_step == 6 and len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
     for skipped in (3, 5):  # no optimizer step: the weights are exactly those of the step before
-        assert all(torch.equal(a, b) for a, b in zip(probe.after[skipped], probe.after[skipped - 1]))
-    assert not all(torch.equal(a, b) for a, b in zip(probe.after[4], probe.after[3]))
+        assert all(torch.equal(a, b) for a, b in zip(probe.after[skipped], probe.after[skipped - 1], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(probe.after[4], probe.after[3], strict=True))
     events = [r for r in read_metrics(result.metrics_path) if r.get("event") == "nonfinite_skip"]
     assert [e["step"] for e in events] == [3, 5]
 

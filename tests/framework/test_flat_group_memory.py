@@ -33,12 +33,13 @@ def measure_build(dtype: torch.dtype) -> dict | None:
     added = peak_memory.peak_added(lambda: built.append(FlatParamGroup(params, rank=0, world_size=WORLD,
                                                                        process_group=None)))
     group = built[0]
-    views = all(p.data.data_ptr() == group.flat[slot.offset:].data_ptr() for p, slot in zip(params, group.layout.slots))
+    views = all(p.data.data_ptr() == group.flat[slot.offset:].data_ptr()
+                for p, slot in zip(params, group.layout.slots, strict=True))
     return {"added": added, "model": sum(w.numel() * w.element_size() for w in want),
             "largest": max(w.numel() * w.element_size() for w in want),
             "master_bytes": 0 if group.master_is_view else group.layout.shard_numel * 4,
             "master_in_buffer": group.master.data_ptr() == group.flat.data_ptr(),
-            "equal": all(torch.equal(p.detach(), w) for p, w in zip(params, want)), "views": views,
+            "equal": all(torch.equal(p.detach(), w) for p, w in zip(params, want, strict=True)), "views": views,
             "padding": group.layout.padded_numel - group.layout.numel,
             "padding_zero": not group.flat[group.layout.numel:].any(),
             "master": torch.equal(group.master.detach().to(dtype), group.flat[:group.layout.shard_numel])}

@@ -1,4 +1,4 @@
-"""`phalanx.zero.fused_step`: the gradient-clipping factor applied inside torch's fused optimizer
+"""`phalanx.amp.fused_step`: the gradient-clipping factor applied inside torch's fused optimizer
 kernels (their `grad_scale` input) gives the update that clipping the gradients in place and then
 stepping gives, without the pass that scales every gradient; where the step is not fused (the
 user chose a kernel), the gradients are scaled in place as before."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.zero.fused_step import fused_step
+from phalanx.amp.fused_step import fused_step
 
 CLIP = 0.3
 
@@ -24,7 +24,7 @@ def _run(make_opt, steps: int, in_kernel: bool):
     opt = make_opt(params)
     seen_before_step = []
     for step in range(steps):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone() * (step + 1)
         if in_kernel:
             with fused_step(opt, torch.device("cpu"), [p.grad for p in params], CLIP):
@@ -53,23 +53,23 @@ def _fused(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def test_clip_inside_the_fused_kernel_equals_clip_then_step(make_opt):
     want, _ = _run(lambda ps: _fused(make_opt(ps)), 3, in_kernel=False)
     got, seen = _run(make_opt, 3, in_kernel=True)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the gradients reached the step unscaled: the factor was applied inside the kernel
     _, grads = _params_and_grads()
     for step, before in enumerate(seen):
-        for g, g0 in zip(before, grads):
+        for g, g0 in zip(before, grads, strict=True):
             torch.testing.assert_close(g, g0 * (step + 1), rtol=0, atol=0)
 
 
 def test_a_users_kernel_choice_gets_the_gradients_scaled_first():
     params, grads = _params_and_grads()
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()
     with fused_step(opt, torch.device("cpu"), [p.grad for p in params], CLIP):
         assert not opt.param_groups[0].get("fused")
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             torch.testing.assert_close(p.grad, g * CLIP)
         opt.step()
     assert getattr(opt, "grad_scale", None) is None
@@ -78,10 +78,10 @@ def test_a_users_kernel_choice_gets_the_gradients_scaled_first():
 def test_no_clipping_leaves_the_gradients_and_the_optimizer_alone():
     params, grads = _params_and_grads()
     opt = torch.optim.AdamW(params, lr=1e-2)
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()
     with fused_step(opt, torch.device("cpu"), [p.grad for p in params], 1.0):
         assert opt.param_groups[0]["fused"] and getattr(opt, "grad_scale", None) is None
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             assert torch.equal(p.grad, g)
     assert opt.param_groups[0]["fused"] is None  # the user's setting is back

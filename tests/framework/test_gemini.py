@@ -332,7 +332,7 @@ def test_saved_weights_are_chunk_references_and_an_outer_saved_tensors_hook_stil
         model(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     assert seen and all(shape[0] == 5 for shape in seen)  # activations only: no (6, 8) / (8, 6) weight
-    for chunk, layer in zip(m.chunks, (ref[0], ref[2])):
+    for chunk, layer in zip(m.chunks, (ref[0], ref[2]), strict=True):
         want = torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad])
         torch.testing.assert_close(chunk.master_grad[:want.numel()], want, rtol=0, atol=1e-6)
 

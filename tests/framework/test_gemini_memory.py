@@ -69,7 +69,7 @@ def memory_worker(out_dir: str) -> dict:
     from phalanx.booster.plugins.gemini import GeminiPlugin
     from phalanx.gemini.manager import ChunkManager
     from phalanx.observe.memory import PeakResident, release_free_memory, resident_bytes
-    from phalanx.plan.measure import follow_live_memory
+    from phalanx.malloc import follow_live_memory
 
     if not follow_live_memory():
         return {"skip": "resident memory follows live memory only with glibc's mallopt"}

@@ -123,7 +123,7 @@ def test_training_updates_a_shared_master_and_a_parted_one_alike():
             losses.append(loss.item())
         results.append((losses, [c.shard.clone() for c in m.chunks]))
     assert results[0][0] == results[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
     assert results[0][0][-1] < results[0][0][0]
 
 

@@ -88,7 +88,7 @@ def test_compiled_greedy_tokens_equal_eager_and_transformers(models, family):
 def _run_staggered(eng, prompts, budgets) -> list[list[int]]:
     """Add a request every other step (different prompt lengths and budgets), so the step's token
     count takes many values; returns each request's tokens."""
-    owner, got, pending, step = {}, {}, list(enumerate(zip(prompts, budgets))), 0
+    owner, got, pending, step = {}, {}, list(enumerate(zip(prompts, budgets, strict=True))), 0
     while pending or eng.has_unfinished_requests():
         if pending and step % 2 == 0:
             i, (p, b) = pending.pop(0)

@@ -45,7 +45,7 @@ def test_greedy_tokens_match_transformers_for_a_mixed_length_batch(models, famil
     outs = eng.generate(prompts, GREEDY)
     want_batched = im.hf_greedy_batch(model, prompts, 20)
     want_alone = [im.hf_greedy(model, p, 20) for p in prompts]
-    for out, batched, alone in zip(outs, want_batched, want_alone):
+    for out, batched, alone in zip(outs, want_batched, want_alone, strict=True):
         assert out.token_ids == alone == batched
         assert out.prompt_token_ids in prompts
     assert eng.block_manager.all_free()
@@ -171,8 +171,9 @@ def test_logprobs_match_the_model_and_seeded_sampling_repeats(llama):
         logp = torch.log_softmax(model(torch.tensor([prompts[0] + out.token_ids])).logits[0].float(), -1)
     n = len(prompts[0])
     want = [logp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
-    assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4
-    assert all(list(top)[0] == t for top, t in zip(out.top_logprobs, out.token_ids))  # greedy = the top token
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want, strict=True)) < 1e-4
+    # greedy = the top token
+    assert all(list(top)[0] == t for top, t in zip(out.top_logprobs, out.token_ids, strict=True))
     sampled = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
     alone = eng.generate(prompts[1], sampled)[0].token_ids
     in_batch = eng.generate(prompts, [SamplingParams(max_new_tokens=16, temperature=1.0)] * 1 + [sampled]
@@ -382,7 +383,7 @@ def test_repetition_penalty_and_logit_bias_match_transformers_generate(llama):
     bias = {50: 3.0, 171: -100.0, 264: 2.0, 7: 5.0}
     ours = eng.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.3,
                                                 logit_bias=bias))
-    for prompt, out in zip(prompts, ours):
+    for prompt, out in zip(prompts, ours, strict=True):
         with torch.no_grad():
             hf = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=12, do_sample=False, pad_token_id=0, repetition_penalty=1.3,

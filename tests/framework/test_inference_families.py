@@ -11,7 +11,7 @@ import torch
 
 import inference_models as im
 from phalanx.inference import LLM, SamplingParams
-from phalanx.inference.families import SUPPORTED
+from phalanx.models import SUPPORTED
 
 FAMILIES = ["qwen3", "gpt2", "opt"]
 NEW_TOKENS = 16
@@ -61,6 +61,20 @@ def test_opt_with_project_in_and_out(tmp_path):
     assert model.model.decoder.project_in is not None
     _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8), model,
                                 im.mixed_prompts(3, seed=5, low=3, high=40))
+
+
+def test_opt_without_a_final_norm(tmp_path):
+    """OPT checkpoints saved with _remove_final_layer_norm have no final_layer_norm tensors: the
+    engine expects none and skips the norm."""
+    path, model = im.save_model(tmp_path / "opt-no-norm", "opt", _remove_final_layer_norm=True)
+    assert model.model.decoder.final_layer_norm is None
+    _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8), model,
+                                im.mixed_prompts(2, seed=7, low=3, high=30))
+
+
+def test_every_family_is_checked_against_transformers():
+    """Greedy tokens against transformers: these families here, the others in test_inference_engine.py."""
+    assert set(FAMILIES) | {"llama", "qwen2", "mistral"} == set(SUPPORTED)
 
 
 def test_learned_positions_are_read_at_the_right_offset(models):

@@ -56,7 +56,7 @@ def test_n_samples_share_prompt_blocks_and_match_solo_runs(model):
     assert [o.num_cached_tokens for o in together] == [0, 32, 32, 32]
     assert engine.stats()["prefix_cached_tokens"] == 96
     assert engine.block_manager.all_free()
-    for o, p in zip(together, params):
+    for o, p in zip(together, params, strict=True):
         solo = _engine(model).generate([prompt], p)[0]
         assert o.token_ids == solo.token_ids
         assert torch.allclose(torch.tensor(o.logprobs), torch.tensor(solo.logprobs), atol=1e-5)

@@ -63,7 +63,7 @@ def test_seeded_rows_are_independent_of_the_batch():
     def draw(order):
         gens = {i: new_generator(DEV).manual_seed(100 + i) for i in order}
         out = Sampler()(logits[order], [RowContext(SamplingParams(temperature=1.0), generator=gens[i]) for i in order])
-        return dict(zip(order, out.token_ids))
+        return dict(zip(order, out.token_ids, strict=True))
 
     assert draw([0, 1, 2, 3]) == draw([3, 1, 0, 2])
 

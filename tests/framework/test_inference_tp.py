@@ -79,3 +79,23 @@ def test_tp2_matches_tp1_for_qwen3_gpt2_and_opt(tmp_path):
                   f"{family}: log-probs (relative to the logits' magnitude {scale:.3g})")
     # GPT-2, 4 heads of 16: each rank's q, k and v are 2 heads -> 3 * 32 rows of the fused c_attn
     assert ranks[0][1]["shard"] == (96, 64)
+
+
+@pytest.mark.slow  # 2 then 4 ranks: ~40 s on 2 busy cores
+def test_replicated_kv_heads_match_transformers(tmp_path):
+    """Fewer key/value heads than ranks (tp a multiple of them, the rule of phalanx.models.heads):
+    each rank holds the kv head its query heads read, and its KV cache only that head. Greedy
+    tokens equal transformers' at tp 2 on a 1-kv-head Llama and at tp 4 on a 2-kv-head Qwen2
+    (its k/v biases are sliced by the same head)."""
+    tok = im.make_tokenizer()
+    llama, llama_model = im.save_model(tmp_path / "kv1", "llama", tokenizer=tok, num_key_value_heads=1)
+    qwen, qwen_model = im.save_model(tmp_path / "kv2", "qwen2", tokenizer=tok)
+    prompts = im.mixed_prompts(3, seed=14, low=3, high=40)
+    for tp, path, model in ((2, llama, llama_model), (4, qwen, qwen_model)):
+        ranks = spawn(tp_generate, tp, [{"path": str(path), "prompts": prompts, "new_tokens": 12, "tp": tp}],
+                      timeout=300)
+        assert all(r == ranks[0] for r in ranks), f"tp={tp}: the ranks returned different outputs"
+        got = ranks[0][0]
+        assert got["tokens"] == [im.hf_greedy(model, p, 12) for p in prompts], f"tp={tp}"
+        # 4 heads of 16 over tp ranks, one kv head each: q (4 / tp) heads + k 1 + v 1
+        assert got["shard"] == ((4 // tp + 2) * 16, 64) and got["kv_cache"][2:] == (1, 16), got

@@ -51,3 +51,33 @@ def test_freed_blocks_are_reused_not_faulted_in_again_and_trim_gives_them_back()
     # allocations between the blocks), and malloc_trim returns it
     assert on["held"] - off["held"] < 4 * (96 << 20), (on, off)
     assert on["held"] - on["after_trim"] > 64 << 20, on
+
+
+_ORDER_PROBE = r"""
+import json
+from phalanx import malloc
+follow = malloc.follow_live_memory()
+keep_after = malloc.keep_freed_memory(enabled=True)   # what launch() does in a measuring rank
+print(json.dumps({"follow": follow, "keep_after": keep_after, "setting": malloc._state["setting"]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_measuring_process_keeps_following_live_memory():
+    out = subprocess.run([sys.executable, "-c", _ORDER_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not got["follow"]:
+        pytest.skip("not glibc: phalanx.malloc leaves the allocator alone")
+    assert got == {"follow": True, "keep_after": False, "setting": "follow"}, got
+
+
+def test_phalanx_malloc_is_the_only_caller_of_mallopt():
+    """One owner of glibc's thresholds: the settings live in `phalanx.malloc.SETTINGS`."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    callers = [str(p.relative_to(repo)) for top in ("framework", "tests", "bench", "apps")
+               for p in sorted((repo / top).rglob("*.py"))
+               if ".mallopt(" in p.read_text() and p != Path(__file__).resolve()]
+    assert callers == ["framework/phalanx/malloc.py"], callers

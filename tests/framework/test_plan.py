@@ -197,7 +197,7 @@ def test_refusals_name_the_memory_and_its_parts():
     assert need == pytest.approx(ddp.memory.device_total / 2**30 + 2, rel=1e-2)  # + the 2 GiB reserve
     # layouts that cannot be built say why
     six = {e.name: e for e in plan("llama2-7b", 6, "80GiB")}
-    assert "tp=3 does not divide the 32 attention heads" in six["hybrid tp3 zero1"].reason
+    assert "tp_size=3 does not divide num_attention_heads=32 (32 % 3 = 2)" in six["hybrid tp3 zero1"].reason
     pipe = estimate_layout(load_spec("llama2-7b"), Layout("hybrid", 4, pp=4, zero_stage=1), Workload(seq=2048),
                            Hardware(device_memory=2**40))
     assert "needs at least pp=4 microbatches" in pipe.reason

@@ -84,7 +84,7 @@ def test_plugin_matches_single_process(name, world, reference, bf16_reference, s
 @pytest.mark.parametrize("name", PLUGINS)
 def test_clipping_matches_single_process(name, clipped_reference, spawned):
     """Clipping by the global norm (the factor applied inside torch's fused AdamW kernel,
-    `phalanx.zero.fused_step`) against torch's clip_grad_norm_ before a plain AdamW step."""
+    `phalanx.amp.fused_step`) against torch's clip_grad_norm_ before a plain AdamW step."""
     result = spawned[1][2].get(f"{CLIPPING}[{name}]")[0]
     _assert_close(result["fp32"], clipped_reference, FP32_LOSS_RTOL, ADAMW_UPDATE_RTOL, f"{name}, clipped")
 

@@ -1,19 +1,23 @@
 """precision="auto": bf16 only where the hardware computes it natively, fp32 elsewhere, and every
 bf16 path (plugins, the train loop, the fused cross-entropy, inference packing, evaluation
-autocast) falls back cleanly on a CPU that emulates bf16.
+autocast) falls back cleanly on a CPU that emulates bf16. The precision is one typed value
+(`Precision`), resolved once; no code below the configs compares precision names.
 
 Both kinds of CPU are exercised on whichever machine runs the suite: PHALANX_CPU_BF16 forces the
 decision (the probe still measures), and the cached answer is cleared around each test.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from phalanx.amp import precision as amp_precision
-from phalanx.amp.precision import resolve_precision
+from phalanx.amp.precision import BF16, CHOICES, FP16, FP32, resolve_precision
 from phalanx_kernels import capability, fused_linear_cross_entropy
 from phalanx_kernels.cross_entropy import linear_cross_entropy_eager
 
@@ -43,24 +47,37 @@ def test_detection_reports_capability_and_measured_rates():
     assert capability.cpu_bf16_support() is info  # measured once per process
 
 
-@pytest.mark.parametrize("kind, auto", [("native", "bf16"), ("emulated", "fp32")])
+def test_precision_fields():
+    assert [(p.name, p.compute_dtype, p.master_dtype) for p in (FP32, BF16, FP16)] == [
+        ("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.float32),
+        ("fp16", torch.float16, torch.float32)]
+    assert [p.mixed for p in (FP32, BF16, FP16)] == [False, True, True]
+    assert [p.loss_scaling for p in (FP32, BF16, FP16)] == [False, False, True]
+    assert [p.low_dtype for p in (FP32, BF16, FP16)] == [None, torch.bfloat16, torch.float16]
+    assert f"{BF16}" == "bf16" and CHOICES == ("auto", "fp32", "bf16", "fp16")
+    assert resolve_precision(FP16) is FP16  # a Precision passes through unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FP32.name = "bf16"
+
+
+@pytest.mark.parametrize("kind, auto", [("native", BF16), ("emulated", FP32)])
 def test_auto_follows_the_cpu(cpu_kind, kind, auto):
     cpu_kind(kind)
-    assert resolve_precision("auto", "cpu") == auto
-    assert resolve_precision("fp32", "cpu") == "fp32" and resolve_precision("fp16", "cpu") == "fp16"
+    assert resolve_precision("auto", "cpu") is auto
+    assert resolve_precision("fp32", "cpu") is FP32 and resolve_precision("fp16", "cpu") is FP16
 
 
 def test_explicit_bf16_is_honoured_with_one_warning_where_it_crawls(cpu_kind):
     cpu_kind("emulated")
     with pytest.warns(UserWarning, match=r"without native bf16.*GFLOP/s.*precision=auto \(or fp32\)"):
-        assert resolve_precision("bf16", "cpu") == "bf16"
+        assert resolve_precision("bf16", "cpu") is BF16
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second request says nothing more
-        assert resolve_precision("bf16", "cpu") == "bf16"
+        assert resolve_precision("bf16", "cpu") is BF16
     cpu_kind("native")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_precision("bf16", "cpu") == "bf16"
+        assert resolve_precision("bf16", "cpu") is BF16
 
 
 def test_native_bf16_slower_than_fp32_trains_in_fp32(monkeypatch):
@@ -78,12 +95,12 @@ def test_native_bf16_slower_than_fp32_trains_in_fp32(monkeypatch):
         info = capability.cpu_bf16_support()
         assert info.native and not info.faster_than_fp32 and "slower than fp32" in info.reason
         assert capability.native_bf16("cpu") and not capability.bf16_is_fastest("cpu")
-        assert resolve_precision("auto", "cpu") == "fp32"
+        assert resolve_precision("auto", "cpu") is FP32
         with pytest.warns(UserWarning, match=r"where bf16 is slower than fp32.*83\.0 GFLOP/s against 143\.0 for fp32, 1\.7x slower"):
-            assert resolve_precision("bf16", "cpu") == "bf16"
+            assert resolve_precision("bf16", "cpu") is BF16
         rates[torch.bfloat16] = 430.0  # the same CPU with AMX: bf16 ~3x faster
         capability.cpu_bf16_support.cache_clear()
-        assert capability.cpu_bf16_support().faster_than_fp32 and resolve_precision("auto", "cpu") == "bf16"
+        assert capability.cpu_bf16_support().faster_than_fp32 and resolve_precision("auto", "cpu") is BF16
     finally:
         capability.cpu_bf16_support.cache_clear()
 
@@ -100,13 +117,51 @@ def test_unknown_precision_and_override_are_refused_clearly(cpu_kind, monkeypatc
 @pytest.mark.parametrize("kind", ["native", "emulated"])
 def test_plugins_and_train_config_resolve_auto(cpu_kind, kind):
     from phalanx.booster.plugins import make_plugin
+    from phalanx.config import ConfigError
+    from phalanx.plan.run import layout_of
     from phalanx.train import TrainConfig
 
     cpu_kind(kind)
-    want = "bf16" if kind == "native" else "fp32"
-    for name in ("ddp", "fsdp", "zero2", "gemini"):
-        assert make_plugin(name, "auto").precision == want, name
-    TrainConfig(output_dir="unused", precision="auto").validate()
+    want = BF16 if kind == "native" else FP32
+    for name in ("ddp", "fsdp", "zero2", "gemini", "hybrid"):
+        plugin = make_plugin(name, "auto")
+        assert plugin.precision is want, name
+        assert f"precision={want.name}," in plugin.describe(), name
+        assert make_plugin(name, want).precision is want, name  # a resolved Precision passes through
+    # A config keeps the name; whatever it reaches (the plugin, the planner's estimate) resolves it.
+    cfg = TrainConfig(output_dir="unused", plugin="zero2", precision="auto")
+    cfg.validate()
+    assert cfg.precision == "auto"
+    assert make_plugin(cfg.plugin, cfg.precision).precision is want
+    assert layout_of(cfg, 2)[1]["dtype"] is want
+    with pytest.raises(ConfigError, match="precision.*auto, fp32, bf16, fp16"):
+        TrainConfig(output_dir="unused", precision="bfloat16").validate()
+
+
+PRECISION_NAMES = {"fp32", "bf16", "fp16"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _names_a_precision(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in PRECISION_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_precision(e) for e in node.elts)
+    return False
+
+
+def test_no_precision_name_comparisons_outside_the_precision_module():
+    """Below the configs the precision is a `Precision`: code reads `.mixed`, `.loss_scaling`,
+    `.compute_dtype`, never `precision == "fp16"` / `!= "fp32"` / `in ("bf16", ...)`."""
+    found = []
+    for root in ("framework", "apps"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            if path.match("phalanx/amp/precision.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Compare) and any(map(_names_a_precision, [node.left, *node.comparators])):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "compare a Precision's fields, not its name:\n" + "\n".join(found)
 
 
 def test_fused_cross_entropy_multiplies_in_fp32_where_bf16_is_emulated(cpu_kind):
@@ -182,4 +237,4 @@ def test_ranks_agree_on_the_least_capable_decision():
 
     results = spawn(_decide_with_rank_override, 2)
     assert [r[0] for r in results] == [True, False]  # they measured differently
-    assert all(r[1:] == (False, "fp32", True) for r in results), results
+    assert all(r[1:] == (False, FP32, True) for r in results), results

@@ -1,9 +1,11 @@
 """`phalanx.train.fit` in one process: learning, accumulation, outputs, checkpoints, bad input."""
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,11 +123,64 @@ def test_existing_checkpoints_need_resume(tmp_path):
     assert again.start_step == 2 and again.final_step == 2 and again.losses == []
 
 
+def _wandb_records(path: Path):
+    """The protobuf records of a wandb run file (`run-<id>.wandb`): a 7-byte header, then
+    LevelDB-log blocks of 32 KiB whose chunks (crc32, length, type) carry one record whole
+    (type 1) or in pieces (2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, record = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B", f"{path} is not a wandb run file: it starts {data[:7]!r}"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a chunk still being written
+            return
+        record += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            parsed = wandb_internal_pb2.Record()
+            parsed.ParseFromString(record)
+            yield parsed
+            record = b""
+
+
+def _wandb_key(item) -> str:
+    return item.key or "/".join(item.nested_key)  # wandb writes either form
+
+
 def test_wandb_offline_run_directory(tmp_path, monkeypatch):
+    """The offline run directory holds the run: its project and training config, and per step the
+    metrics that metrics.jsonl has, loss included."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    th.train(tmp_path, max_steps=2, wandb=True, wandb_project="phalanx-test")
+    result, _ = th.train(tmp_path, max_steps=2, wandb=True, wandb_project="phalanx-test")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs, sorted(p.name for p in (tmp_path / "wandb").iterdir())
+    assert len(runs) == 1, sorted(p.name for p in (tmp_path / "wandb").iterdir())
+    files = list(runs[0].glob("run-*.wandb"))
+    assert len(files) == 1, sorted(p.name for p in runs[0].iterdir())
+    # wandb's service process writes the file after `finish` returns: wait for the run's exit record
+    deadline = time.monotonic() + 60
+    while True:
+        records = list(_wandb_records(files[0]))
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert "exit" in kinds, f"no exit record in {files[0]} after 60 s: {kinds}"
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.project == "phalanx-test"
+    config = {_wandb_key(item): json.loads(item.value_json) for item in run.config.update}
+    assert config["max_steps"] == 2 and config["output_dir"] == str(tmp_path), config
+    history = {r.history.step.num: {_wandb_key(item): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"}
+    metrics = {m["step"]: m for m in read_metrics(tmp_path / "metrics.jsonl") if "loss" in m}
+    assert sorted(history) == sorted(metrics) == [1, 2], (sorted(history), sorted(metrics))
+    for step, logged in history.items():
+        for key in ("loss", "lr", "grad_norm", "tokens_seen"):
+            assert logged[key] == metrics[step][key], (step, key, logged[key], metrics[step][key])
+    assert [history[s]["loss"] for s in (1, 2)] == pytest.approx(result.losses, rel=1e-12)
 
 
 class _NotALanguageModel(torch.nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_warmup_cosine_schedule():
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
     assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
     values = [f(s) for s in range(4, 15)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in pairwise(values))
 
 
 def test_no_weight_decay_on_norms_and_biases():

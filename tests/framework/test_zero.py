@@ -206,7 +206,7 @@ def test_plugin_options_are_validated():
     from phalanx.booster.plugins import make_plugin
     from phalanx.booster.plugins.zero import ZeroPlugin
 
-    assert make_plugin("zero1").config.stage == 1 and make_plugin("zero2", precision="bf16").precision == "bf16"
+    assert make_plugin("zero1").config.stage == 1 and make_plugin("zero2", precision="bf16").precision.name == "bf16"
     with pytest.raises(ValueError, match="stage 3 shards parameters"):
         ZeroPlugin(stage=3)
     with pytest.raises(ValueError, match="reduce_bucket_mb"):

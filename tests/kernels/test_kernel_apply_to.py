@@ -49,7 +49,7 @@ def test_patched_matches_unpatched_on_reference(family):
     patched = apply_to(copy.deepcopy(model))
     layers = TINY["num_hidden_layers"]
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)  # qwen3 adds q/k norms
-    assert patched._phalanx_kernels == {"rms_norm": norms, "swiglu": layers, "rope": layers}
+    assert hf.patched_counts(patched) == {"rms_norm": norms, "swiglu": layers, "rope": layers}
     input_ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     _compare(model, patched, input_ids, 1e-6)
 

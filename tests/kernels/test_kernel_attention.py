@@ -42,7 +42,7 @@ def test_flash_reference_matches_dense(case):
     for fn in (flash_attention_reference, dense_attention):
         (fn(q, k, v, causal) * do).sum().backward()
         results.append([fn(q, k, v, causal), *grads(q, k, v)])
-    for name, a, e in zip(("o", "dq", "dk", "dv"), *results):
+    for name, a, e in zip(("o", "dq", "dk", "dv"), *results, strict=True):
         assert_close(a, e, 1e-5, name)
 
 
@@ -57,7 +57,7 @@ def test_flash_triton_matches_reference(triton_backend, device, dtype, case):
         o = fn(q, k, v, causal)
         (o.float() * do).sum().backward()
         results.append([o, *grads(q, k, v)])
-    for name, a, e in zip(("o", "dq", "dk", "dv"), *results):
+    for name, a, e in zip(("o", "dq", "dk", "dv"), *results, strict=True):
         assert_close(a, e, TOL[dtype] * (1 if name == "o" else 2), name)
 
 

@@ -28,7 +28,7 @@ def _run(fn, hidden, weight, bias, labels, reduction, grad_out, **kw):
 
 
 def _compare(got, want, tol):
-    for name, a, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), got, want):
+    for name, a, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), got, want, strict=True):
         if e is not None:
             assert_close(a, e, tol, name)
 

@@ -38,17 +38,17 @@ def test_training_kernels_at_gpu_sizes(dtype):
     for got, want in [_both(pk.rms_norm, x, w, grad=torch.randn_like(x)),
                       _both(pk.layer_norm, x, w, w, grad=torch.randn_like(x)),
                       _both(pk.swiglu, x, mk(1000, 4096), grad=torch.randn_like(x))]:
-        for a, e in zip(got, want):
+        for a, e in zip(got, want, strict=True):
             assert_close(a, e, TOL[dtype] * 4)
     q, k, v = mk(2, 8, 300, 128), mk(2, 2, 300, 128), mk(2, 2, 300, 128)
     got, want = _both(lambda *t: pk.flash_attention(*t, causal=True), q, k, v, grad=torch.randn_like(q))
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         assert_close(a, e, TOL[dtype] * 4)
     h, lm = mk(3000, 256), mk(5000, 256)
     labels = torch.randint(0, 5000, (3000,), device="cuda")
     got, want = _both(lambda a, b: pk.fused_linear_cross_entropy(a, b, labels, label_smoothing=0.1), h, lm,
                       grad=torch.ones((), device="cuda"))
-    for a, e in zip(got, want):
+    for a, e in zip(got, want, strict=True):
         assert_close(a, e, TOL[dtype] * 4)
 
 

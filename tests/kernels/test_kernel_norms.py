@@ -27,7 +27,7 @@ def test_rms_norm_matches_reference(triton_backend, device, dtype, shape, residu
         loss = (y.float() * dy).sum() + ((h.float() * dh).sum() if residual else 0)
         loss.backward()
         results.append([y, h, *grads(x, w, r)])
-    for name, a, e in zip(("y", "h", "dx", "dw", "dresidual"), *results):
+    for name, a, e in zip(("y", "h", "dx", "dw", "dresidual"), *results, strict=True):
         if e is not None:
             assert_close(a, e, TOL[dtype] * (4 if name == "dw" else 1), name)
 
@@ -66,7 +66,7 @@ def test_layer_norm_matches_reference(triton_backend, device, dtype, shape, affi
         y = fn(x, w, b, 1e-5)
         (y.float() * dy).sum().backward()
         results.append([y, *grads(x, w, b)])
-    for name, a, e in zip(("y", "dx", "dw", "db"), *results):
+    for name, a, e in zip(("y", "dx", "dw", "db"), *results, strict=True):
         if e is not None:
             assert_close(a, e, TOL[dtype] * (4 if name in ("dw", "db") else 1), name)
 
@@ -88,5 +88,5 @@ def test_expanded_upstream_gradients(triton_backend, device):
         ours().sum().backward()
         got = grads(*inputs)
         ref().sum().backward()
-        for a, e in zip(got, grads(*inputs)):
+        for a, e in zip(got, grads(*inputs), strict=True):
             assert_close(a, e, TOL[torch.float32] * 4, "grad")

@@ -36,7 +36,7 @@ def test_apply_rope_matches_reference(triton_backend, device, dtype, B, T, Hq, H
         assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place
         ((q_out.float() * dq).sum() + (k_out.float() * dk).sum()).backward()
         results.append([q_out, k_out, *grads(wq, wk)])
-    for name, a, e in zip(("q", "k", "dwq", "dwk"), *results):
+    for name, a, e in zip(("q", "k", "dwq", "dwk"), *results, strict=True):
         assert_close(a, e, TOL[dtype] * (2 if name.startswith("d") else 1), name)
 
 
@@ -64,7 +64,7 @@ def test_rope_and_cache_write_matches_reference(triton_backend, device, dtype):
         qq, kk = q.clone(), k.clone()
         fn(qq, kk, v, cos, sin, kc, vc, slots)
         outs.append((qq, kk, kc, vc))
-    for name, a, e in zip(("q", "k", "k_cache", "v_cache"), *outs):
+    for name, a, e in zip(("q", "k", "k_cache", "v_cache"), *outs, strict=True):
         assert_close(a, e, TOL[dtype], name)
     kc = outs[0][2].flatten(0, 1)
     assert torch.equal(kc[[1, 3, 4, 7, 8, 9, 10]].abs().sum(), torch.zeros((), dtype=dtype, device=device))

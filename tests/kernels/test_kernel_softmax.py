@@ -26,7 +26,7 @@ def test_evoformer_shapes_match_reference(triton_backend, device, dtype, use_mas
         y = fn(x, mask, bias)
         (y.float() * dy).sum().backward()
         results.append([y, *grads(x, bias)])
-    for name, a, e in zip(("y", "dx", "dbias"), *results):
+    for name, a, e in zip(("y", "dx", "dbias"), *results, strict=True):
         if e is not None:
             assert_close(a, e, TOL[dtype] * (1 if name == "y" else 4), name)
     if use_mask:

@@ -19,7 +19,7 @@ def test_swiglu_matches_reference(triton_backend, device, dtype, shape):
         y = fn(a, b)
         (y.float() * dy).sum().backward()
         results.append([y, *grads(a, b)])
-    for name, got, want in zip(("y", "da", "db"), *results):
+    for name, got, want in zip(("y", "da", "db"), *results, strict=True):
         assert_close(got, want, TOL[dtype], name)
 
 

@@ -6,12 +6,15 @@ overflow, skipped steps): every phalanx optimizer has one as `.scaler`, and the 
 its `state_dict()` with the optimizer's checkpoint (nowhere else)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.distributed as dist
 
 from phalanx_kernels.accelerator import current_device
+
+if TYPE_CHECKING:
+    from phalanx.amp.precision import Precision
 
 
 class DynamicLossScaler:
@@ -27,6 +30,11 @@ class DynamicLossScaler:
         self.enabled = enabled
         self.good_steps = 0
         self.skipped_steps = 0
+
+    @classmethod
+    def for_precision(cls, precision: "Precision", **kwargs) -> "DynamicLossScaler":
+        """A scaler that is enabled exactly when `precision` needs loss scaling (fp16)."""
+        return cls(enabled=precision.loss_scaling, **kwargs)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss

@@ -5,7 +5,7 @@ The model's parameters are cast to the low precision, so forward and backward ru
 optimizer updates fp32 master copies; after each step the masters are copied back into the
 model. For fp16 a dynamic loss scaler skips steps whose gradients overflow.
 
-On CPU the step runs torch's fused kernel (`phalanx.zero.fused_step`) where the user left the
+On CPU the step runs torch's fused kernel (`phalanx.amp.fused_step`) where the user left the
 implementation to torch: torch's CPU default is the per-tensor loop, about 5x slower for AdamW
 (1.6 s against 0.3 s per step at 135M parameters, one thread). On CUDA torch's own default (foreach)
 is kept: a checkpoint's `step` state would have to move to the device for the fused kernel.
@@ -19,23 +19,23 @@ import torch.distributed as dist
 
 from phalanx.amp.clip import clip_coefficient, clip_grads, global_grad_norm
 from phalanx.amp.optimizer_wrapper import OptimizerWrapper
-from phalanx.zero.fused_step import fused_step
+from phalanx.amp.precision import Precision
+from phalanx.amp.fused_step import fused_step
 
 
 class MixedPrecisionOptimizer(OptimizerWrapper):
     """Wraps a torch optimizer whose param groups hold the model's (possibly low-precision)
     parameters. In fp32 it only adds clipping; otherwise it swaps in fp32 masters."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: str = "fp32", max_norm: float | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: str | Precision = "fp32", max_norm: float | None = None,
                  grad_group: dist.ProcessGroup | None = None, grads_sharded: bool = False,
                  names: dict[int, str] | None = None):
-        super().__init__(optimizer, precision, max_norm)
-        self.precision = precision
+        super().__init__(optimizer, precision, max_norm)  # sets self.precision, resolved
         self.grad_group = grad_group
         self.grads_sharded = grads_sharded
         self.master_of: dict[int, torch.nn.Parameter] = {}
         self.model_params: list[torch.nn.Parameter] = []
-        self._use_master = precision != "fp32"
+        self._use_master = self.precision.mixed
         self._clip, self._clip_grads = 1.0, []  # the clipping factor `step` applies, and to what
         for group in optimizer.param_groups:
             new_params = []

@@ -9,13 +9,16 @@ from __future__ import annotations
 import torch
 
 from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.precision import Precision, resolve_precision
 
 
 class OptimizerWrapper:
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: str = "fp32", max_norm: float | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: str | Precision = "fp32",
+                 max_norm: float | None = None):
         self.optim = optimizer
+        self.precision = resolve_precision(precision)
         self.max_norm = max_norm
-        self.scaler = DynamicLossScaler(enabled=precision == "fp16")
+        self.scaler = DynamicLossScaler.for_precision(self.precision)
         self.last_grad_norm: float | None = None  # global norm over all shards, before clipping
         self.skipped = False  # the last step was skipped on fp16 overflow
 

@@ -1,4 +1,9 @@
-"""The precisions every plugin supports, and `auto`: the one the hardware computes fast.
+"""The precision a run computes in, as one typed value resolved once at the entry point.
+
+`Precision` names the compute dtype and the optimizer's master dtype (always fp32); plugins,
+optimizers and the planner read its fields (`mixed`, `loss_scaling`, `low_dtype`,
+`compute_dtype`) instead of comparing names. Strings stay in user-facing configs and CLI flags;
+whatever takes `str | Precision` calls `resolve_precision` once at its boundary.
 
 `auto` resolves to bf16 where the device has fast bf16 arithmetic (CUDA with bf16; CPUs with
 AVX512-BF16 or AMX whose bf16 matmul measures faster than fp32, see `phalanx_kernels.capability`)
@@ -8,6 +13,7 @@ honoured everywhere, with one warning per process where it is slower than fp32.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -16,8 +22,40 @@ from phalanx_kernels.accelerator import current_device
 
 from phalanx_kernels.capability import bf16_is_fastest, cpu_bf16_support
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CHOICES = ("auto", *PRECISIONS)
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """name: "fp32" | "bf16" | "fp16" (never "auto"); compute_dtype: what the model computes in;
+    master_dtype: the optimizer's copy of the weights (fp32)."""
+    name: str
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        """The model computes in a lower dtype than the optimizer's fp32 masters."""
+        return self.compute_dtype != self.master_dtype
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16 only: its narrow exponent needs the dynamic loss scaler."""
+        return self.compute_dtype == torch.float16
+
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """The dtype plugins cast the model to: the compute dtype when mixed, else None."""
+        return self.compute_dtype if self.mixed else None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FP32 = Precision("fp32", torch.float32)
+BF16 = Precision("bf16", torch.bfloat16)
+FP16 = Precision("fp16", torch.float16)
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16, FP16)}
+NAMES = tuple(PRECISIONS)  # the concrete names
+CHOICES = ("auto", *NAMES)  # for configs and argparse
 
 _warned: set[str] = set()
 
@@ -45,20 +83,37 @@ def warn_if_emulated_bf16(device: torch.device | str | None = None, what: str = 
     return True
 
 
-def resolve_precision(precision: str, device: torch.device | str | None = None) -> str:
-    """A concrete precision (fp32, bf16 or fp16) for `precision`, which may be `auto`, on `device`
-    (default: CUDA if present, else CPU). Unknown names raise with the valid list."""
-    if precision not in CHOICES:
-        raise ValueError(f"precision={precision!r} is not supported; use one of {', '.join(CHOICES)}")
-    if precision == "auto":
-        return "bf16" if bf16_is_fastest(device) else "fp32"
-    if precision == "bf16":
+def precision_named(name: str | Precision) -> Precision:
+    """The Precision called `name` (fp32, bf16 or fp16), with no device involved: no `auto`, no
+    warning (for the planner, which sizes runs on other machines). Unknown names raise."""
+    if isinstance(name, Precision):
+        return name
+    if name not in PRECISIONS:
+        raise ValueError(f"precision={name!r} is not supported here; use one of {', '.join(NAMES)}")
+    return PRECISIONS[name]
+
+
+def resolve_precision(value: str | Precision, device: torch.device | str | None = None) -> Precision:
+    """The concrete Precision for `value` on `device` (default: CUDA if present, else CPU): the one
+    place `auto` is resolved, names are validated (unknown names raise with the valid list) and the
+    slow-bf16 warning is given. A Precision passes through unchanged."""
+    if isinstance(value, Precision):
+        return value
+    if value not in CHOICES:
+        raise ValueError(f"precision={value!r} is not supported; use one of {', '.join(CHOICES)}")
+    if value == "auto":
+        return BF16 if bf16_is_fastest(device) else FP32
+    precision = PRECISIONS[value]
+    if precision.compute_dtype == torch.bfloat16:
         warn_if_emulated_bf16(device)
     return precision
 
 
-check_precision = resolve_precision  # validates too: the name plugins and configs call
-
-
-def dtype_of(precision: str) -> torch.dtype:
-    return PRECISIONS[check_precision(precision)]
+def precision_of_dtype(dtype: torch.dtype) -> Precision:
+    """The Precision whose compute dtype is `dtype`: for optimizers built standalone on a model
+    already cast (their plugin passes its own Precision instead)."""
+    for precision in PRECISIONS.values():
+        if precision.compute_dtype == dtype:
+            return precision
+    raise ValueError(f"no precision computes in {dtype}; cast the model to one of "
+                     f"{', '.join(str(p.compute_dtype) for p in PRECISIONS.values())}")

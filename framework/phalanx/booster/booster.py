@@ -23,7 +23,8 @@ from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.atomic import CheckpointError, atomic_directory, verify_manifest
 from phalanx.checkpoint.hf import load_hf_state_dict, save_hf_model
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments, save_fragments
-from phalanx.checkpoint.train_state import TrainState, load_rng_state, save_rng_state
+from phalanx.checkpoint.train_state import TrainState, load_rng_state, scheduler_state
+from phalanx.checkpoint.writer import CheckpointWriter
 from phalanx.launch import context
 
 MODEL_DIR, OPTIM_DIR, SCHED_FILE = "model", "optimizer", "lr_scheduler.json"
@@ -37,8 +38,8 @@ class Booster:
         context()  # launch a one-rank group if the script did not call phalanx.launch()
         self.plugin = plugin or DDPPlugin()
         if mixed_precision is not None:
-            from phalanx.amp.precision import check_precision
-            self.plugin.precision = check_precision(mixed_precision)
+            from phalanx.amp.precision import resolve_precision
+            self.plugin.precision = resolve_precision(mixed_precision)
         self.plugin.setup()
 
     @property
@@ -107,7 +108,20 @@ class Booster:
     def _write_model(self, model, directory: Path, **kwargs) -> None:
         """Rank 0 writes the tensors as the plugin gathers them, one at a time
         (`iter_full_model_state`, a collective every rank walks to the end)."""
-        write_streamed_model(self.plugin, model, directory, self.rank == 0, **kwargs)
+        self.stream_model(model, directory, writer=self.rank == 0, **kwargs)
+
+    # ------------------------------------------------------------------ what the checkpoint writer asks for
+    # `phalanx.checkpoint.writer` sits below the booster and reaches it only through these.
+    def stream_model(self, model: nn.Module, directory: Path, *, writer: bool, **kwargs) -> None:
+        """Collective: every rank walks the plugin's gather of the full model; where `writer` is
+        true the tensors are written into `directory` (HF layout) as they come
+        (`write_streamed_model`)."""
+        write_streamed_model(self.plugin, model, directory, writer, **kwargs)
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The user's module inside the plugin's wrappers (its config is saved with the weights)."""
+        return unwrap_model(model)
 
     def load_model(self, model: nn.Module, path: str | Path) -> None:
         """Load HF-layout weights (saved by any plugin and world size, or by transformers)."""
@@ -128,7 +142,7 @@ class Booster:
         """Write optimizer state sharded (each rank its part); loadable on any world size."""
         path = Path(path)
         with atomic_directory(path) as tmp:
-            save_fragments(self._optimizer_fragments(optimizer), tmp)
+            save_fragments(self.optimizer_fragments(optimizer), tmp)
         return path
 
     def load_optimizer(self, optimizer: Any, path: str | Path) -> None:
@@ -136,7 +150,7 @@ class Booster:
         verify_manifest(path)
         self._load_optimizer_fragments(optimizer, FragmentReader(path))
 
-    def _optimizer_fragments(self, optimizer: Any) -> OptimizerFragments:
+    def optimizer_fragments(self, optimizer: Any) -> OptimizerFragments:
         """The plugin's fragments of the optimizer state, plus the loss scaler's state: the one
         place it is saved (every rank's scaler agrees, the index keeps rank 0's)."""
         frags = self.plugin.optimizer_fragments(optimizer)
@@ -156,7 +170,7 @@ class Booster:
         path = Path(path)
         with atomic_directory(path) as tmp:
             if self.rank == 0:
-                (tmp / SCHED_FILE).write_text(json.dumps(_scheduler_state(lr_scheduler)))
+                (tmp / SCHED_FILE).write_text(json.dumps(scheduler_state(lr_scheduler)))
         return path
 
     def load_lr_scheduler(self, lr_scheduler: Any, path: str | Path) -> None:
@@ -167,29 +181,19 @@ class Booster:
     # ------------------------------------------------------------------ whole training checkpoint
     def save_checkpoint(self, path: str | Path, model: nn.Module, optimizer: Any = None, lr_scheduler: Any = None,
                         train_state: TrainState | None = None, tokenizer=None,
-                        extra_writer: Callable[[Path], None] | None = None) -> Path:
+                        extra_writer: Callable[[Path], Any] | None = None) -> Path:
         """One atomic directory: model/ (HF layout), optimizer/, train_state.json, rng/.
 
         extra_writer(tmp_dir), called on every rank, adds more state (e.g. EMA weights) inside the
-        same atomic directory, so it is covered by the manifest and appears only when complete."""
+        same atomic directory, so it is covered by the manifest and appears only when complete.
+        The save is `fit`'s (`CheckpointWriter`, synchronous): when any rank cannot write, every
+        rank raises `CheckpointSaveError` naming that rank and its error, and nothing appears at
+        `path` (no rank is left waiting at a barrier for the one that failed)."""
         path = Path(path)
+        writer = CheckpointWriter(self, path.parent, keep_last=0, async_write=False, on_error="stop")
         state = train_state or TrainState()
-        state.world_size = dist.get_world_size()
-        if lr_scheduler is not None:
-            state.lr_scheduler = _scheduler_state(lr_scheduler)
-        with atomic_directory(path, manifest_extra={"step": state.step}) as tmp:
-            self._write_model(model, tmp / MODEL_DIR, tokenizer=tokenizer)
-            if optimizer is not None:
-                if self.rank == 0:
-                    (tmp / OPTIM_DIR).mkdir()
-                if dist.get_world_size() > 1:
-                    dist.barrier()
-                save_fragments(self._optimizer_fragments(optimizer), tmp / OPTIM_DIR)
-            save_rng_state(tmp, self.rank)
-            if extra_writer is not None:
-                extra_writer(tmp)
-            if self.rank == 0:
-                state.save(tmp)
+        writer.save(path, state.step, model, optimizer, lr_scheduler, state, tokenizer=tokenizer,
+                    hooks_writer=extra_writer)
         return path
 
     def load_checkpoint(self, path: str | Path, model: nn.Module, optimizer: Any = None,
@@ -222,8 +226,3 @@ def write_streamed_model(plugin: Plugin, model: nn.Module, directory: Path, writ
         for pair in stream:
             del pair  # not kept while the next tensor is gathered
 
-
-def _scheduler_state(lr_scheduler: Any) -> dict:
-    state = lr_scheduler.state_dict()
-    # LambdaLR keeps callables in its state: they are rebuilt from code, not saved.
-    return {k: v for k, v in state.items() if k != "lr_lambdas" or all(x is None for x in v)}

@@ -2,8 +2,23 @@
 `unwrapped` is the user's original model (for saving, generation, inspection)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass
+class GradForwards:
+    """Forwards with gradients since the last backward: a backward with none means the loss was
+    computed past the parallel module (see `phalanx.booster.plugins.base.check_forward_went_through`)."""
+
+    count: int = 0
+
+    def take(self) -> int:
+        """The count so far, and start again from zero."""
+        count, self.count = self.count, 0
+        return count
 
 
 class ModelWrapper(nn.Module):
@@ -11,9 +26,7 @@ class ModelWrapper(nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "_unwrapped", unwrapped)  # not a registered submodule: no double state
-        # forwards with gradients since the last backward: a backward with none means the loss was
-        # computed past the parallel module (see `phalanx.booster.plugins.base.check_forward_went_through`)
-        object.__setattr__(self, "grad_forwards", 0)
+        self.grad_forwards = GradForwards()
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -21,7 +34,7 @@ class ModelWrapper(nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
-            object.__setattr__(self, "grad_forwards", self.grad_forwards + 1)
+            self.grad_forwards.count += 1
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):

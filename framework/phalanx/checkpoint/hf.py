@@ -38,7 +38,7 @@ def _alias_names(model: nn.Module) -> set[str]:
     return aliases
 
 
-def _names_not_saved(model: nn.Module) -> set[str]:
+def names_not_saved(model: nn.Module) -> set[str]:
     """A tied parameter's later names and a transformers model's `_keys_to_ignore_on_save`: the
     state-dict keys an export leaves out."""
     from transformers import PreTrainedModel
@@ -174,7 +174,7 @@ def save_hf_model(model: nn.Module, state_dict: dict[str, torch.Tensor] | Iterab
     is_hf = isinstance(model, PreTrainedModel)
     if is_hf and _needs_transformers_writer(model):
         return _save_with_transformers(model, dict(pairs), directory, size, dtype, tokenizer)
-    skipped = _names_not_saved(model)
+    skipped = names_not_saved(model)
     writer = ShardedSafetensorsWriter(directory, size)
     written_dtype = None
     for name, tensor in pairs:
@@ -281,7 +281,7 @@ def spread_model_copy(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
     `iter_full_model_state` where `full_state_on_every_rank`): each tensor goes to the rank that
     holds the fewest bytes so far (`SpreadOwners`), which keeps a copy. Tied aliases and ignored
     keys are dropped as `save_hf_model` drops them."""
-    skipped = _names_not_saved(model)
+    skipped = names_not_saved(model)
     owners = SpreadOwners(world)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in pairs:

@@ -51,6 +51,13 @@ class TrainState:
         return cls(**known)
 
 
+def scheduler_state(lr_scheduler: Any) -> dict:
+    """The LR scheduler's state as `TrainState.lr_scheduler` keeps it (JSON-ready)."""
+    state = lr_scheduler.state_dict()
+    # LambdaLR keeps callables in its state: they are rebuilt from code, not saved.
+    return {k: v for k, v in state.items() if k != "lr_lambdas" or all(x is None for x in v)}
+
+
 def _to_json(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.tolist()

@@ -39,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,25 @@ from phalanx.checkpoint.atomic import CheckpointError, commit_directory
 from phalanx.checkpoint.hf import (SpreadModelCopy, quiet_hf_progress, save_hf_model, spread_model_copy, spreads,
                                    write_spread_model)
 from phalanx.checkpoint.optimizer import INDEX as OPTIM_INDEX
-from phalanx.checkpoint.optimizer import fragment_index, fragment_tensors
-from phalanx.checkpoint.train_state import TrainState, list_checkpoints, rng_state, write_rng_state
+from phalanx.checkpoint.optimizer import OptimizerFragments, fragment_index, fragment_tensors
+from phalanx.checkpoint.train_state import TrainState, list_checkpoints, rng_state, scheduler_state, write_rng_state
 from phalanx.json_collectives import broadcast_json
 from phalanx.observe import get_logger
 
 MODEL_DIR, OPTIM_DIR = "model", "optimizer"  # the layout Booster.load_checkpoint reads
+
+
+class SavesModels(Protocol):
+    """What the writer asks of the booster (`phalanx.booster.Booster`, a floor above: reached
+    through these public members only, never imported)."""
+
+    plugin: Any  # its `full_state_on_every_rank`, `spreads_model_copy` and gathers
+
+    def optimizer_fragments(self, optimizer: Any) -> OptimizerFragments: ...
+
+    def stream_model(self, model: Any, directory: Path, *, writer: bool, **kwargs: Any) -> None: ...
+
+    def unwrap(self, model: Any) -> Any: ...
 
 
 class CheckpointSaveError(CheckpointError):
@@ -87,6 +100,7 @@ class _Snapshot:
     rng: dict[str, Any] = field(default_factory=dict)
     train_state: TrainState | None = None               # rank 0
     error: str = ""              # a failure already met while snapshotting (e.g. a hook's write)
+    hook_files: Callable[[], None] | None = None  # what the hooks left to write (no collectives)
 
 
 def _store() -> dist.Store:
@@ -102,7 +116,7 @@ def _describe(exc: BaseException) -> str:
 class CheckpointWriter:
     """Writes `fit`'s checkpoints; see the module docstring. One per training run."""
 
-    def __init__(self, booster: Any, output_dir: str | Path, *, keep_last: int = 0, async_write: bool = False,
+    def __init__(self, booster: SavesModels, output_dir: str | Path, *, keep_last: int = 0, async_write: bool = False,
                  on_error: str = "warn", last_good: Path | None = None, timeout_s: float = 600.0):
         if on_error not in ("warn", "stop"):
             raise ValueError(f"on_error={on_error!r}: choose 'warn' or 'stop'")
@@ -123,9 +137,14 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ the training thread
     def save(self, path: str | Path, step: int, model: Any, optimizer: Any, lr_scheduler: Any,
              train_state: TrainState, *, tokenizer: Any = None,
-             hooks_writer: Callable[[Path], None] | None = None) -> SaveOutcome | None:
+             hooks_writer: Callable[[Path], Callable[[], None] | None] | None = None
+             ) -> SaveOutcome | None:
         """Snapshot now and write (in the background when async). Collective: every rank calls.
-        Returns the outcome when the write was synchronous, else None (see `wait`)."""
+        Returns the outcome when the write was synchronous, else None (see `wait`).
+
+        hooks_writer(tmp) runs on every rank while snapshotting (it may gather); it may return a
+        callable that writes its files later, with this rank's other files (in the background
+        when async), so a hook's disk time is hidden like the model's."""
         self.wait()
         snap = self._snapshot(Path(path), step, model, optimizer, lr_scheduler, train_state, tokenizer, hooks_writer)
         if self.async_write:
@@ -168,10 +187,8 @@ class CheckpointWriter:
                 "another output_dir (check the disk quota and file-size limit, `ulimit -f`).")
 
     def _snapshot(self, path: Path, step: int, model: Any, optimizer: Any, lr_scheduler: Any,
-                  train_state: TrainState, tokenizer: Any, hooks_writer: Callable[[Path], None] | None) -> _Snapshot:
-        from phalanx.booster.booster import _scheduler_state
-        from phalanx.booster.plugins.base import unwrap_model
-
+                  train_state: TrainState, tokenizer: Any, hooks_writer: Callable[[Path], Any] | None) -> _Snapshot:
+        unwrap = self.booster.unwrap
         copy = self.async_write
         # Rank 0 creates the temporary directory, then tells every rank its name (or the error).
         box: list[Any] = [uuid.uuid4().hex[:8], ""]
@@ -187,7 +204,7 @@ class CheckpointWriter:
         snap = _Snapshot(step=step, path=path, tmp=path.parent / f"{path.name}.tmp-{token}", token=token, error=error)
 
         if self.rank == 0:
-            snap.model = unwrap_model(model)
+            snap.model = unwrap(model)
             snap.tokenizer = tokenizer
         shared_error = snap.error  # the same on every rank (broadcast above): collectives follow it
         if copy:
@@ -195,10 +212,10 @@ class CheckpointWriter:
             # where the plugin hands every rank every tensor or spreads the copy itself, else
             # whole on rank 0.
             plugin = self.booster.plugin
-            if plugin.full_state_on_every_rank and spreads(unwrap_model(model)):
-                snap.model_spread = spread_model_copy(unwrap_model(model), plugin.iter_full_model_state(model),
+            if plugin.full_state_on_every_rank and spreads(unwrap(model)):
+                snap.model_spread = spread_model_copy(unwrap(model), plugin.iter_full_model_state(model),
                                                       self.rank, self.world)  # collective
-            elif plugin.spreads_model_copy and spreads(unwrap_model(model)):
+            elif plugin.spreads_model_copy and spreads(unwrap(model)):
                 snap.model_spread = plugin.spread_model_copy(model)  # collective
             else:
                 state = plugin.full_model_state_dict(model)  # collective under FSDP / ZeRO
@@ -206,7 +223,7 @@ class CheckpointWriter:
                     snap.model_state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
                 del state
         if optimizer is not None:
-            frags = self.booster._optimizer_fragments(optimizer)
+            frags = self.booster.optimizer_fragments(optimizer)
             snap.optim_file, snap.optim_tensors, local = fragment_tensors(frags, self.rank, copy=copy)
             snap.optim_index = fragment_index(frags, local)  # collective
         snap.rng = rng_state()
@@ -214,26 +231,26 @@ class CheckpointWriter:
             state_copy = _copy.deepcopy(train_state)
             state_copy.world_size = self.world
             if lr_scheduler is not None:
-                state_copy.lr_scheduler = _copy.deepcopy(_scheduler_state(lr_scheduler))
+                state_copy.lr_scheduler = _copy.deepcopy(scheduler_state(lr_scheduler))
             snap.train_state = state_copy
         if hooks_writer is not None:
-            # Hooks write synchronously (they may gather, so every rank calls them or none: the
-            # decision follows the shared error only); a failure is reported like any other.
+            # Hooks snapshot here (they may gather, so every rank calls them or none: the decision
+            # follows the shared error only); what they return is their file writing, done with
+            # this rank's other files (in the background when async). A failure is reported like
+            # any other.
             try:
                 if not shared_error:
-                    hooks_writer(snap.tmp)
+                    snap.hook_files = hooks_writer(snap.tmp)
             except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
                 snap.error = snap.error or _describe(exc)
         if not copy:
             # Synchronous: rank 0 writes each tensor as it is gathered (one file of max_shard_size
             # held at a time); every rank walks the gather to the end even when rank 0 cannot
             # write, and a failure becomes that rank's error, reported like any other.
-            from phalanx.booster.booster import write_streamed_model
-
             try:
                 with quiet_hf_progress():
-                    write_streamed_model(self.booster.plugin, model, snap.tmp / MODEL_DIR,
-                                         self.rank == 0 and not snap.error, tokenizer=tokenizer)
+                    self.booster.stream_model(model, snap.tmp / MODEL_DIR, writer=self.rank == 0 and not snap.error,
+                                              tokenizer=tokenizer)
                 snap.model_written = True
             except Exception as exc:  # noqa: BLE001 - becomes this rank's error in the outcome
                 snap.error = snap.error or _describe(exc)
@@ -258,6 +275,8 @@ class CheckpointWriter:
         if snap.optim_index is not None:
             (optim_dir / OPTIM_INDEX).write_text(json.dumps(snap.optim_index))
         write_rng_state(snap.tmp, self.rank, snap.rng)
+        if snap.hook_files is not None:
+            snap.hook_files()
         if snap.train_state is not None:
             snap.train_state.save(snap.tmp)
 
@@ -288,7 +307,7 @@ class CheckpointWriter:
                                                       else "") + (" in the background" if self.async_write else ""))
             else:
                 self.log.warning(self.failure_message(self._outcome))
-        snap.model_state = snap.model_spread = None
+        snap.model_state = snap.model_spread = snap.hook_files = None
         snap.optim_tensors = {}
 
     def _commit(self, snap: _Snapshot, store: dist.Store, prefix: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from phalanx.train.losses import IGNORE_INDEX
+from phalanx.data.labels import IGNORE_INDEX
 
 # Used when a tokenizer has no chat template (the bare LLaMA SentencePiece tokenizer): the
 # LLaMA-2 chat layout, prefix-stable, with EOS closing every assistant turn.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from phalanx.train.losses import IGNORE_INDEX
+from phalanx.data.labels import IGNORE_INDEX
 
 
 class SequencePacker:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.precision import Precision, precision_of_dtype, resolve_precision
 from phalanx.gemini.manager import ChunkManager
 from phalanx.gemini.tiers import DISK
 from phalanx.launch import collective
@@ -84,7 +85,8 @@ class GeminiOptimizer(OptimizerWrapper):
     hyper-parameters it reads); surface: backward, step, zero_grad, param_groups, scaler,
     last_grad_norm, skipped, clip_grad_norm."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, *, max_norm: float | None = None):
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: ChunkManager, *, max_norm: float | None = None,
+                 precision: str | Precision | None = None):
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(f"GeminiPlugin runs its own hybrid Adam on the chunks: pass torch.optim.Adam or AdamW "
                              f"(got {type(optimizer).__name__}); other optimizers: ZeroPlugin or FSDPPlugin")
@@ -97,7 +99,9 @@ class GeminiOptimizer(OptimizerWrapper):
         self.max_norm = max_norm
         self.last_grad_norm: float | None = None
         self.skipped = False
-        self.scaler = DynamicLossScaler(enabled=manager.chunks[0].dtype == torch.float16 if manager.chunks else False)
+        dtype = manager.chunks[0].dtype if manager.chunks else torch.float32
+        self.precision = resolve_precision(precision) if precision is not None else precision_of_dtype(dtype)
+        self.scaler = DynamicLossScaler.for_precision(self.precision)
         self.group_of: dict[int, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:

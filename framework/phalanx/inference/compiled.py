@@ -285,7 +285,7 @@ class CompiledModelStep:
             h_bias = layer.down_bias
         if residual is not None:
             self._rows(h, residual)
-        out = self._final_norm(h, h_bias, residual, model.norm, model.spec.rms_norm_eps)
+        out = self._final_norm(h, h_bias, residual, model.norm, model.spec.norm_eps)
         if rows != n:
             out = out[:n]
         if first_time:

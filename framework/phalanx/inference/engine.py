@@ -24,7 +24,7 @@ from phalanx_kernels.accelerator import current_device, new_generator
 
 from phalanx.inference.block_manager import BlockManager
 from phalanx.inference.config import EngineConfig
-from phalanx.inference.llama import ModelSpec
+from phalanx.inference.llama import check_tp, spec_for_inference
 from phalanx.inference.model_runner import Chunk, ModelRunner, resolve_dtype
 from phalanx.inference.outputs import CompletionOutput, RequestOutput
 from phalanx.inference.sampler import RowContext, Sampler
@@ -79,7 +79,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 class LLM:
-    """A decoder-only model (see `phalanx.inference.families.SUPPORTED`) served with a paged KV cache and continuous
+    """A decoder-only model (see `phalanx.models.SUPPORTED`) served with a paged KV cache and continuous
     batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
     module) enables speculative decoding."""
 
@@ -115,8 +115,8 @@ class LLM:
         self.config = EngineConfig(**engine_kwargs)
         self.model_name = name or "model"
         self.hf_config = config
-        self.spec = ModelSpec.from_hf_config(config)
-        self.spec.check_tp(self.config.tp_size)  # before any process group is touched
+        self.spec = spec_for_inference(config)
+        check_tp(self.spec, self.config.tp_size)  # before any process group is touched
         self.tp = TPGroup(self.config.tp_size)
         self.device = torch.device(device) if device is not None else _default_device(self.tp)
         self.dtype = resolve_dtype(self.config.dtype, config, self.device)
@@ -156,7 +156,7 @@ class LLM:
             config, weights = draft_model.config, state_dict_source(draft_model.state_dict())
         else:
             config, weights = _load_config(Path(draft_model)), directory_source(Path(draft_model))
-        spec = ModelSpec.from_hf_config(config)
+        spec = spec_for_inference(config)
         if spec.vocab_size != self.spec.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({spec.vocab_size}) differs from the target's "
                              f"({self.spec.vocab_size}); speculative decoding needs the same tokenizer")

@@ -1,12 +1,14 @@
 """Our own compact decoder for inference over the paged KV cache, for every family in
-`families.FAMILIES` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT), reading Hugging Face configs and
-weight names. The families differ in data (norm kind, positions, MLP kind, q/k norm, biases), not
-in code: one forward reads those flags.
+`phalanx.models` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT), reading Hugging Face configs and
+weight names through each family's `ModelSpec` and weight-name table. The families differ in
+data (norm kind, positions, MLP kind, q/k norm, biases), not in code: one forward reads those
+flags.
 
 Written for serving, not training: the batch is flattened (token-major [N, hidden], every
 sequence's tokens back to back, no padding), q/k/v and gate/up are fused into one matmul each,
 and the logits are computed only for rows that sample. Tensor parallelism is in the weights'
-shapes: q/k/v and gate/up hold this rank's heads and intermediate columns (column-parallel),
+shapes: q/k/v and gate/up hold this rank's heads and intermediate columns (column-parallel; with
+fewer key/value heads than ranks each rank holds the one kv head its query heads read),
 o_proj and down_proj the matching input columns (row-parallel, summed with one all-reduce each),
 and lm_head a slice of the vocabulary (gathered by the runner). The numerics follow HF operation
 for operation (RMSNorm in fp32, RoPE cos/sin in fp32 then cast, HF's own activation functions),
@@ -14,7 +16,6 @@ so greedy decoding reproduces `transformers`' tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
@@ -23,77 +24,41 @@ import torch.nn.functional as F
 
 from phalanx.inference import packed_linear
 from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, store_kv
-from phalanx.inference.families import SUPPORTED, family_of, rope_parameters
 from phalanx.inference.kernels import rms_norm, swiglu
+from phalanx.models import SUPPORTED, ModelSpec, family_of, rope_parameters, spec_from_config
+from phalanx.models.heads import first_kv_head, head_problem, local_heads
 
-__all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "rope_tables"]
+__all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "check_tp", "kv_bytes_per_block", "rope_tables",
+           "spec_for_inference"]
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a decoder-only model, read from its HF config (see `families`)."""
-
-    family: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    sliding_windows: tuple  # per layer: a window size or None
-    config: object  # the HF config (RoPE parameters are computed from it)
-    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with bias)
-    activation: str | None = None  # None: gated SwiGLU MLP; else the HF name of a plain MLP's activation
-    positions: str = "rope"  # "rope" or "learned" (an embedding table added to the token embeddings)
-    position_offset: int = 0  # learned positions: row of position 0 (OPT: 2)
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
-    embed_dim: int | None = None  # token-embedding width when it differs from hidden (OPT project_in/out)
-    final_norm: bool = True
-
-    @classmethod
-    def from_hf_config(cls, config) -> "ModelSpec":
+def spec_for_inference(config) -> ModelSpec:
+    """The `ModelSpec` of an HF config, refusing (ValueError, by name) the families and variants
+    this engine does not run."""
+    try:
         family = family_of(config)
-        fields = family.read_config(config)
-        tied = getattr(config, "tie_word_embeddings", None)
-        if tied is None:
-            tied = family.name in ("gpt2", "opt")
-        return cls(family=family.name, vocab_size=config.vocab_size, tie_word_embeddings=bool(tied), config=config,
-                   **fields)
+    except ValueError:
+        raise ValueError(f"model type {getattr(config, 'model_type', None)!r} is not supported by phalanx.inference; "
+                         f"supported families: {', '.join(SUPPORTED)}") from None
+    family.check_inference(config)
+    return spec_from_config(config)
 
-    @property
-    def rope(self) -> bool:
-        return self.positions == "rope"
 
-    @property
-    def embedding_width(self) -> int:
-        return self.embed_dim or self.hidden_size
+def check_tp(spec: ModelSpec, tp_size: int) -> None:
+    """Refuse a TP size that fits neither the heads (`phalanx.models.heads`: key/value heads split
+    or replicated) nor the MLP width."""
+    problem = head_problem(spec.heads, tp_size)
+    if problem is None and spec.intermediate_size % tp_size:
+        problem = (f"tp_size={tp_size} does not divide the model's intermediate size ({spec.intermediate_size}); "
+                   f"choose a tp_size that divides {spec.intermediate_size}")
+    if problem:
+        raise ValueError(problem)
 
-    @property
-    def projects_embeddings(self) -> bool:
-        return self.embedding_width != self.hidden_size
 
-    @property
-    def rms_norm_eps(self) -> float:  # the name before LayerNorm families existed
-        return self.norm_eps
-
-    def check_tp(self, tp_size: int) -> None:
-        """Refuse a TP size that does not divide the heads, KV heads or MLP width."""
-        for what, n in (("attention heads", self.num_heads), ("key/value heads", self.num_kv_heads),
-                        ("intermediate size", self.intermediate_size)):
-            if n % tp_size:
-                raise ValueError(f"tp_size={tp_size} does not divide the model's {what} ({n}); "
-                                 f"choose a tp_size that divides {n}")
-
-    def kv_bytes_per_block(self, block_size: int, tp_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * self.num_layers * (self.num_kv_heads // tp_size) * self.head_dim
-        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, tp_size: int, dtype: torch.dtype) -> int:
+    """KV-cache bytes of one block on one rank: its key/value heads (one when replicated)."""
+    per_token = 2 * spec.num_layers * local_heads(spec.heads, tp_size).kv_heads * spec.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def rope_tables(spec: ModelSpec, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +100,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, tp_size: int, sliding_window: int | None) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
-        self.heads, self.kv_heads = spec.num_heads // tp_size, spec.num_kv_heads // tp_size
+        local = local_heads(spec.heads, tp_size)
+        self.heads, self.kv_heads = local.heads, local.kv_heads
         self.head_dim = d
         inter = spec.intermediate_size // tp_size
         self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
@@ -150,7 +116,7 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
         self.o_weight = _param(h, self.q_size)
         self.o_bias = _param(h) if spec.o_bias else None
-        self.gated = spec.activation is None
+        self.gated = spec.gated_mlp  # SwiGLU (SiLU: checked by spec_for_inference)
         width = (2 if self.gated else 1) * inter  # gate and up side by side, or up alone
         self.gate_up_weight = _param(width, h)
         self.gate_up_bias = _param(width) if spec.mlp_bias else None
@@ -209,9 +175,10 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1,
                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
-        spec.check_tp(tp_size)
+        check_tp(spec, tp_size)
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
-        self.family = family_of(spec.config)
+        self.names = family_of(spec.family).names
+        self.first_kv_head = first_kv_head(spec.heads, tp_size, tp_rank)
         self.all_reduce = all_reduce
         self.vocab_shard = -(-spec.vocab_size // tp_size)  # padded: the last shard may run short
         width = spec.embedding_width
@@ -221,8 +188,8 @@ class DecoderModel(nn.Module):
         self.project_in = _param(spec.hidden_size, width) if spec.projects_embeddings else None
         self.project_out = _param(width, spec.hidden_size) if spec.projects_embeddings else None
         self.layers = nn.ModuleList(DecoderLayer(spec, tp_size, w) for w in spec.sliding_windows)
-        self.norm = _param(spec.hidden_size)
-        self.norm_bias = _param(spec.hidden_size) if spec.norm == "layer" else None
+        self.norm = _param(spec.hidden_size) if spec.final_norm else None  # OPT may have none
+        self.norm_bias = _param(spec.hidden_size) if spec.final_norm and spec.norm == "layer" else None
         self.lm_head = _param(self.vocab_shard, width)
         nn.init.zeros_(self.lm_head)  # rows past the vocabulary (padding of the last shard) stay 0
         self._lm_head_packed = None
@@ -298,9 +265,9 @@ class DecoderModel(nn.Module):
     def weight_targets(self, name: str) -> list[Target]:
         """Where an HF weight goes (a list of `Target`s: a fused source such as GPT-2's c_attn
         fills several). Unknown names raise KeyError; buffers and tied heads give []."""
-        if name.endswith(self.family.ignored):
+        if name.endswith(self.names.ignored):
             return []
-        index, pieces, kind = self.family.pieces(name)
+        index, pieces, kind = self.names.pieces(name)
         if index is not None and index >= len(self.layers):
             raise KeyError(name)
         tied = self.spec.tie_word_embeddings
@@ -332,6 +299,9 @@ class DecoderModel(nn.Module):
             fused, part = _COLUMN[role]
             size = (layer.q_size, layer.kv_size, layer.kv_size)[part] if fused == "qkv" else layer.inter
             at = (0, layer.q_size, layer.q_size + layer.kv_size)[part] if fused == "qkv" else part * layer.inter
+            # where this rank's rows start in the source: its query heads / MLP columns, or its
+            # first key/value head (the one shared by a group of ranks when replicated)
+            first = self.first_kv_head * layer.head_dim if fused == "qkv" and part else r * size
             if fused == "gate_up" and not layer.gated:
                 if role == "gate":
                     raise KeyError(role)
@@ -340,7 +310,7 @@ class DecoderModel(nn.Module):
             if dest is None:
                 raise KeyError(role)
             out_dim = 1 if transposed and kind == "weight" else 0
-            return Target(dest.narrow(0, at, size), out_dim, offset + r * size, size,
+            return Target(dest.narrow(0, at, size), out_dim, offset + first, size,
                           transposed and kind == "weight")
         if role in _ROW:  # this rank's input columns; the bias is added once, after the all-reduce
             dest = getattr(layer, f"{_ROW[role]}_{kind}")
@@ -360,7 +330,7 @@ class DecoderModel(nn.Module):
     def expected_weight_names(self) -> set[str]:
         """The HF names a complete checkpoint provides for this model."""
         names = set()
-        for name, _ in self.family.names(len(self.layers)):
+        for name, _ in self.names.names(len(self.layers)):
             try:
                 if self.weight_targets(name):
                     names.add(name)

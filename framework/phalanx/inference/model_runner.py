@@ -21,7 +21,7 @@ from phalanx_kernels.capability import fast_compute_dtype
 from phalanx.inference import compiled
 from phalanx.inference.attention import AttentionBatch, BatchedGroup, PrefillSegment
 from phalanx.inference.config import EngineConfig
-from phalanx.inference.llama import LlamaModel, ModelSpec, rope_tables
+from phalanx.inference.llama import LlamaModel, ModelSpec, kv_bytes_per_block, rope_tables
 from phalanx.inference.tp import TPGroup
 
 _CMD_STOP, _CMD_STEP, _CMD_KEEPALIVE = 0, 1, 2
@@ -126,7 +126,7 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return self.spec.kv_bytes_per_block(self.block_size, self.tp.size, self.dtype)
+        return kv_bytes_per_block(self.spec, self.block_size, self.tp.size, self.dtype)
 
     def kv_budget_bytes(self) -> int:
         """Memory this rank may give the KV cache: what is left of the GPU after weights and a

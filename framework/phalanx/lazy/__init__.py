@@ -22,6 +22,7 @@ dtype; HybridParallelPlugin reads only this rank's tensor-parallel pieces.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -32,11 +33,13 @@ from phalanx.lazy.materialise import (buffers_first, flat_reader, materialise_fs
                                      swap_in)
 from phalanx.lazy.sources import CheckpointSource, RandomInitSource, flat_range, is_lazy, materialise_buffers
 
-__all__ = ["init_empty", "from_config", "from_pretrained", "source_for", "materialize", "materialise_buffers",
-           "is_lazy", "CheckpointSource", "RandomInitSource", "flat_range", "flat_reader", "materialise_whole",
-           "materialise_fsdp_shards", "buffers_first", "swap_in"]
+__all__ = ["init_empty", "from_config", "from_pretrained", "checkpoint_of", "source_for", "materialize",
+           "materialise_buffers", "is_lazy", "CheckpointSource", "RandomInitSource", "flat_range", "flat_reader",
+           "materialise_whole", "materialise_fsdp_shards", "buffers_first", "swap_in"]
 
-CHECKPOINT_ATTR = "phalanx_checkpoint"
+# lazy model built by `from_pretrained` -> the Hugging Face directory its weights come from.
+# Weak keys: the entry goes with the model. A copy of a lazy model (copy.deepcopy) is not in it.
+_CHECKPOINTS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -64,8 +67,13 @@ def from_pretrained(path: str | Path, model_class=None, **config_overrides) -> n
         raise FileNotFoundError(f"{str(path)!r} holds no config.json: not a Hugging Face model directory")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     model = from_config(config, model_class)
-    setattr(model, CHECKPOINT_ATTR, str(path))
+    _CHECKPOINTS[model] = str(path)
     return model
+
+
+def checkpoint_of(model: nn.Module) -> str | None:
+    """The directory `from_pretrained` built `model` from, or None."""
+    return _CHECKPOINTS.get(model)
 
 
 def source_for(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None, group=None):
@@ -76,7 +84,7 @@ def source_for(model: nn.Module, device: torch.device | str = "cpu", seed: int |
     if not is_lazy(model):
         return None
     for prefix, module in model.named_modules():  # the model itself, or the one inside a wrapper
-        path = getattr(module, CHECKPOINT_ATTR, None)
+        path = checkpoint_of(module)
         if path is not None:
             return CheckpointSource(model, path, device=device, prefix=prefix)
     if seed is None and group is not None:

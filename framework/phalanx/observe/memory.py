@@ -88,6 +88,27 @@ def release_free_memory() -> None:
             pass
 
 
+def tensor_bytes_on(tensors, device: torch.device | str | None = None) -> int:
+    """Bytes of the distinct storages among `tensors` that lie on `device`'s type (the CPU, or the
+    accelerator): what of them `current_memory_bytes(device)` already counts."""
+    kind = _device(device).type
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t.device.type != kind:
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage of its own
+            total += t.numel() * t.element_size()
+            continue
+        if storage.data_ptr() in seen:  # tied weights, views
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
 # ---------------------------------------------------------------------------- resident memory by kind (Linux)
 def resident_bytes() -> dict[str, int]:
     """{"anon", "shmem", "file", "total"}: resident bytes of this process by kind, from

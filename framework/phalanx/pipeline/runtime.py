@@ -13,6 +13,7 @@ ignore-index labels leave microbatches with different token counts.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -24,12 +25,13 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from phalanx.launch import collective
 from phalanx.pipeline.layout import StageLayout, check_microbatches
+from phalanx.data.labels import IGNORE_INDEX
 from phalanx.pipeline.stage import StageModule
+from phalanx.shard.layers import VocabParallelLMHead
 from phalanx.shard.loss import CausalLMLoss
 
 _TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                     "zero_bubble": ScheduleZBVZeroBubble}
-IGNORE_INDEX = -100
 _MAX_DIMS = 6  # activations sent by pipeline evaluation: [batch, seq, hidden] in practice
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -100,6 +102,14 @@ class PipelineRunner:
     def _head(self):
         return next((s.head for s in self.stages if s.is_last), None)
 
+    def _head_logits(self, return_outputs: bool):
+        """Inside: a vocabulary-parallel head on this rank returns local logits unless the caller
+        wants the outputs (the loss needs no gathered logits)."""
+        head = self._head()
+        if isinstance(head, VocabParallelLMHead):
+            return head.local_logits(not return_outputs)
+        return contextlib.nullcontext()
+
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, criterion: Callable | None = None,
             return_outputs: bool = False, loss_scale: float = 1.0) -> dict:
         """One forward+backward of the whole (data-parallel rank's) batch. Returns {"loss": the
@@ -114,18 +124,11 @@ class PipelineRunner:
         self.loss.tokens = (shifted != IGNORE_INDEX).sum().clamp(min=1).float()
         self.loss.criterion = criterion
         self.loss.scale = loss_scale
-        head = self._head()
-        local = getattr(head, "local_output", None)
-        if head is not None and local is not None:
-            head.local_output = not return_outputs  # the loss needs no gathered logits
         losses: list[torch.Tensor] = []
         device = self.pipeline_stages[0].device
-        try:
+        with self._head_logits(return_outputs):
             outputs = self.schedule.step(input_ids.to(device), target=labels.to(device), losses=losses,
                                          return_outputs=return_outputs)
-        finally:
-            if head is not None and local is not None:
-                head.local_output = local
         return {"loss": self._batch_loss(losses, loss_scale, device),
                 "outputs": outputs if self.has_last and return_outputs else None}
 
@@ -144,12 +147,8 @@ class PipelineRunner:
         me = dist.get_rank(self.group)
         last = self.layout.num_stages - 1
         by_index = {s.index: s for s in self.stages}
-        head = self._head()
-        local = getattr(head, "local_output", None)
-        if head is not None and local is not None:
-            head.local_output = not return_outputs  # the loss needs no gathered logits
         x, losses = input_ids.to(device), []
-        try:
+        with self._head_logits(return_outputs):
             for index in range(self.layout.num_stages):
                 if self.layout.rank_of(index) != me:
                     continue
@@ -158,9 +157,6 @@ class PipelineRunner:
                 x = by_index[index](x)
                 if index < last and self.layout.rank_of(index + 1) != me:
                     self._send(x, self.layout.rank_of(index + 1))
-        finally:
-            if head is not None and local is not None:
-                head.local_output = local
         if self.has_last:
             labels = labels.to(device)
             if criterion is not None:

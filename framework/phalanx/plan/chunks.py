@@ -6,7 +6,8 @@ this uses). With no size given, Gemini searches 8–64 MiB (1 MiB steps) for the
 packing; so does this."""
 from __future__ import annotations
 
-from phalanx.plan.model import ModelSpec
+from phalanx.models import ModelSpec
+from phalanx.models.heads import kv_weight_heads
 
 SEARCH_MIB = (8, 64, 1)
 
@@ -17,7 +18,7 @@ def parameter_numels(spec: ModelSpec, tp: int = 1) -> list[int]:
     final norm; LM head unless tied), split over tp where tensor parallelism splits them."""
     h, f, hd = spec.hidden_size, spec.intermediate_size // tp, spec.head_dim
     q = spec.q_dim // tp
-    kv = spec.kv_dim // tp if spec.num_kv_heads % tp == 0 else spec.kv_dim
+    kv = kv_weight_heads(spec.heads, tp) * hd
     vocab = -(-spec.vocab_size // tp)
     out = [vocab * h] + ([spec.position_table * h] if spec.position_table else [])
     for _ in range(spec.num_layers):

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from phalanx.amp.precision import NAMES, precision_named
 from phalanx.plan.model import PRESETS
 from phalanx.plan.planner import plan
 from phalanx.plan.report import format_plan
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=1, help="samples per forward per data-parallel rank")
     ap.add_argument("--global-batch", type=int, default=None,
                     help="samples per optimizer step (default: micro batch × data-parallel ranks)")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--dtype", default="bf16", choices=NAMES, help="compute precision (mixed: fp32 masters)")
     ap.add_argument("--peak-tflops", default="989",
                     help="one device's dense peak in --dtype, TFLOP/s (H100 bf16: 989), or 'measure': time a "
                          "matmul on this machine's device")
@@ -39,14 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _measured_peak_tflops(dtype: str) -> float:
-    import torch
-
-    from phalanx.amp.precision import dtype_of
     from phalanx.observe.throughput import measure_matmul_flops
     from phalanx_kernels.accelerator import current_device
 
     device = current_device()
-    return measure_matmul_flops(device, dtype_of(dtype)) / 1e12
+    return measure_matmul_flops(device, precision_named(dtype).compute_dtype) / 1e12
 
 
 def plan_main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 On a CPU-only machine the figure is resident memory (`phalanx.observe.memory.resident_bytes`):
 "anon" is everything torch allocates (the device side), "shmem" the host pool of
 `phalanx.hostmem` (offloaded optimizer state). glibc is first told to unmap freed blocks, or
-resident memory lags live memory by what the allocator keeps for reuse. On a GPU the figure is
+resident memory lags live memory by what the allocator keeps for reuse
+(`phalanx.malloc.follow_live_memory`). On a GPU the figure is
 `torch.cuda.max_memory_allocated`. The baseline is taken after a warm-up step of a tiny model
 (imports, thread pools, autograd's engine and the process group's first collectives take memory
 once per process) and before the measured model is built.
@@ -15,17 +16,13 @@ from typing import Any
 
 import torch
 
+from phalanx.malloc import follow_live_memory
 
-def follow_live_memory() -> bool:
-    """Make resident memory follow live memory (glibc: fixed 64 KiB mmap threshold, 128 KiB trim
-    threshold). False where there is no glibc `mallopt`."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        return libc.mallopt(-3, 64 * 1024) == 1 and libc.mallopt(-1, 128 * 1024) == 1  # M_MMAP/TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+# The warm-up model: a Llama of ~100k parameters, built before the baseline so that the
+# per-process first-use memory is not counted in the measured peak.
+_WARM_UP_CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=False, attn_implementation="sdpa")
 
 
 def _quiesce() -> None:
@@ -92,12 +89,11 @@ def measure_training_peak(plugin_kwargs: dict, config_kwargs: dict, seq: int, mi
     from transformers import LlamaConfig
 
     from phalanx.observe.memory import PeakResident, resident_bytes
-    from phalanx.testing import tiny_llama_config
 
     if not follow_live_memory():
         return {"skip": "resident memory follows live memory only with glibc's mallopt"}
     # warm-up: the same plugin on a tiny model, so per-process first-use memory is in the baseline
-    _train_steps(plugin_kwargs, tiny_llama_config(), 16, 1, 2)
+    _train_steps(plugin_kwargs, LlamaConfig(**_WARM_UP_CONFIG), 16, 1, 2)
     _quiesce()
     config = LlamaConfig(**{"attn_implementation": "sdpa", **config_kwargs})
     base = resident_bytes()

@@ -16,7 +16,8 @@ import dataclasses
 import math
 
 from phalanx.plan.layout import Layout
-from phalanx.plan.model import ModelSpec
+from phalanx.models import ModelSpec
+from phalanx.models.heads import kv_weight_heads
 from phalanx.plan.workload import Workload
 
 FP32 = 4
@@ -38,23 +39,22 @@ class LocalModel:
 def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
     t, pp = layout.tp, layout.pp
     h, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    kv_split = spec.num_kv_heads % t == 0
     q = spec.q_dim // t
-    kv = spec.kv_dim // t if kv_split else spec.kv_dim
+    kv = kv_weight_heads(spec.heads, t) * hd  # replicated key/value heads: whole on every rank
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
     attn += 2 * hd if spec.qk_norm else 0
     fl = f // t
     mlp = (3 if spec.gated_mlp else 2) * h * fl + (((2 if spec.gated_mlp else 1) * fl + h) if spec.mlp_bias else 0)
     layer = attn + mlp + 2 * spec.norm_params()
     vocab_rows = math.ceil(spec.vocab_size / t)
-    embed = vocab_rows * h + spec.position_table * h
-    head = vocab_rows * h
+    embed = vocab_rows * spec.embedding_width + spec.position_table * h + spec.projection_params()
+    head = vocab_rows * spec.embedding_width
     if pp == 1:
-        root = embed + spec.norm_params() + (0 if spec.tie_word_embeddings else head)
+        root = embed + spec.final_norm_params() + (0 if spec.tie_word_embeddings else head)
         return LocalModel(root + spec.num_layers * layer, spec.num_layers, layer, root, max(embed, h * f // t), True)
     base, rem = divmod(spec.num_layers, pp)
     first = base * layer + embed
-    last = base * layer + head + spec.norm_params()  # a tied head is a second copy on the last stage
+    last = base * layer + head + spec.final_norm_params()  # a tied head is a second copy on the last stage
     middle = (base + (1 if rem else 0)) * layer if pp > 2 else 0
     if pp == 2 and rem:
         last += layer  # 2 stages: the extra layer goes to one of them
@@ -79,7 +79,7 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) ->
     t = layout.tp
     h, f = spec.hidden_size, spec.intermediate_size
     q = spec.q_dim / t
-    kv = spec.kv_dim / t if spec.num_kv_heads % t == 0 else spec.kv_dim
+    kv = kv_weight_heads(spec.heads, t) * spec.head_dim
     norm = FP32 * h + FP32 + 2 * p * h
     if layout.sp_mode == "split_gather":
         norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole

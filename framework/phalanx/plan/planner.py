@@ -89,7 +89,7 @@ def rank(estimates: list[LayoutEstimate]) -> list[LayoutEstimate]:
 
 def plan(model: str | Path | dict | ModelSpec, world_size: int, device_memory: str | int, *,
          host_memory: str | int | None = None, seq: int = 2048, micro_batch: int = 1,
-         global_batch: int | None = None, dtype: str = "bf16", peak_tflops: str | float = 989,
+         global_batch: int | None = None, dtype: str | Precision = "bf16", peak_tflops: str | float = 989,
          efficiency: float = 0.45, bandwidth: str | float = "100GB/s", host_bandwidth: str | float = "25GB/s",
          reserve: str | int = "2GiB", loss: str = "fused", max_tp: int = 8) -> list[LayoutEstimate]:
     """Every candidate layout for `world_size` ranks, estimated and ranked (see rank()).

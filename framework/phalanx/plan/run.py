@@ -13,35 +13,14 @@ from phalanx.plan.workload import Hardware, Workload
 def layout_of(plugin: Any, world: int) -> tuple[Layout, dict]:
     """The Layout of a Booster plugin object (or a TrainConfig: its plugin name and options),
     and the workload settings the plugin fixes (precision, bucket and chunk sizes, pipeline
-    microbatches)."""
+    microbatches): each plugin says its own (`Plugin.plan_layout`)."""
     if hasattr(plugin, "plugin_options") and hasattr(plugin, "micro_batch_size"):  # a TrainConfig
-        from phalanx.amp.precision import resolve_precision
         from phalanx.booster.plugins import make_plugin
-        plugin = make_plugin(plugin.plugin, resolve_precision(plugin.precision), None, **plugin.plugin_options)
-    kind = type(plugin).__name__
-    extra = {"dtype": getattr(plugin, "precision", "fp32")}
-    if kind == "DDPPlugin":
-        return Layout("ddp", world), extra
-    if kind == "FSDPPlugin":
-        return Layout("fsdp", world), extra
-    if kind == "ZeroPlugin":
-        c = plugin.config
-        extra["bucket_mb"] = c.reduce_bucket_mb
-        return Layout("zero", world, zero_stage=c.stage, offload_optim=c.cpu_offload), extra
-    if kind == "GeminiPlugin":
-        if plugin.chunk_size_mb is not None:
-            extra["gemini_chunk_mb"] = plugin.chunk_size_mb
-        return Layout("gemini", world, offload_optim=plugin.offload_optim_frac > 0,
-                      offload_param=plugin.offload_param_frac > 0), extra
-    if kind == "HybridParallelPlugin":
-        extra["bucket_mb"] = plugin.zero_options.get("reduce_bucket_mb", 25.0)
-        extra["microbatches"] = plugin.num_microbatches or 1
-        return Layout("hybrid", world, zero_stage=plugin.zero_stage, tp=plugin.tp_size, pp=plugin.pp_size,
-                      sp=plugin.sp_size, sp_mode=plugin.sequence_parallelism, pp_schedule=plugin.pp_schedule,
-                      checkpointing=bool(plugin.gradient_checkpointing),
-                      offload_optim=bool(plugin.zero_options.get("cpu_offload", False))), extra
-    raise ValueError(f"estimate_for_run does not know plugin {kind}: pass DDPPlugin, FSDPPlugin, ZeroPlugin, "
-                     "GeminiPlugin, HybridParallelPlugin or a TrainConfig")
+        plugin = make_plugin(plugin.plugin, plugin.precision, None, **plugin.plugin_options)
+    if not callable(getattr(plugin, "plan_layout", None)):
+        raise ValueError(f"estimate_for_run does not know plugin {type(plugin).__name__}: pass a Booster plugin "
+                         "(DDPPlugin, FSDPPlugin, ZeroPlugin, GeminiPlugin, HybridParallelPlugin) or a TrainConfig")
+    return plugin.plan_layout(world)
 
 
 def estimate_for_run(model: Any, plugin: Any, seq: int, micro_batch: int, world: int, *,
@@ -60,9 +39,6 @@ def estimate_for_run(model: Any, plugin: Any, seq: int, micro_batch: int, world:
     dtype = extra.pop("dtype")
     from_plugin = extra.pop("microbatches", 1)
     m = microbatches or from_plugin
-    if dtype not in ("fp32", "bf16", "fp16"):
-        from phalanx.amp.precision import resolve_precision
-        dtype = resolve_precision(dtype)
     if layout.pp > 1:  # the pipeline cuts the rank's batch into m microbatches
         per_microbatch = max(1, micro_batch // m)
         work = Workload(seq=seq, micro_batch=per_microbatch, global_batch=per_microbatch * m * layout.dp,
@@ -88,22 +64,27 @@ class MemoryProbe:
         ...train...
         log.info(probe.report(plugin_or_cfg, seq, micro_batch, world))
 
-    On a GPU the peak is `torch.cuda.max_memory_allocated` since the probe started. On CPU it is
-    the resident high-water mark minus the baseline at the start, where the baseline leaves out
-    the model's own parameters and buffers (already resident, and part of what the plan counts)."""
+    The measured peak is the high-water mark since the probe started (on a GPU the allocator's
+    `max_memory_allocated`, on CPU the resident set's VmHWM) minus a baseline taken at the start
+    that leaves out the model's own parameters and buffers already on that device: they are part
+    of what the plan counts, as are the gradients, optimizer state and activations that come later.
+    On CPU, memory freed earlier in the process (a previous model, a warm-up) stays resident until
+    it is handed back; later allocations would reuse it without raising the resident set, so the
+    probe hands it back before taking the baseline."""
 
     def __init__(self, model: Any, device: Any = None):
-        from phalanx.observe.memory import current_memory_bytes, reset_peak_memory
+        from phalanx.observe.memory import (current_memory_bytes, release_free_memory, reset_peak_memory,
+                                            tensor_bytes_on)
 
         import torch
 
         from phalanx_kernels.accelerator import current_device
 
         self.model = model
-        self.device = torch.device(device) if device is not None else None
-        on_cpu = (self.device or current_device()).type == "cpu"
-        resident_model = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
-                             if t.device.type == "cpu") if on_cpu and hasattr(model, "parameters") else 0
+        self.device = torch.device(device) if device is not None else current_device()
+        release_free_memory()
+        tensors = list(model.parameters()) + list(model.buffers()) if hasattr(model, "parameters") else []
+        resident_model = tensor_bytes_on(tensors, self.device)
         reset_peak_memory(self.device)
         self.baseline = current_memory_bytes(self.device) - resident_model
 

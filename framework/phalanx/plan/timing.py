@@ -8,7 +8,7 @@ import dataclasses
 
 from phalanx.plan.layout import Layout
 from phalanx.plan.memory import local_model
-from phalanx.plan.model import ModelSpec
+from phalanx.models import ModelSpec
 from phalanx.plan.workload import Hardware, Workload
 
 

@@ -3,28 +3,28 @@ from __future__ import annotations
 
 import dataclasses
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from phalanx.amp.precision import BF16, Precision, precision_named
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """seq: tokens per sample; micro_batch: samples per forward on one data-parallel rank (a
     pipeline microbatch under pp); global_batch: samples per optimizer step over all ranks
-    (default micro_batch × dp: no accumulation); dtype: compute precision (bf16/fp16 keep fp32
-    masters); loss: "hf" (the model's own loss, full fp32 logits) or "fused" (phalanx.train's
-    chunked head + cross-entropy: no full logits); bucket_mb: ZeRO's reduce bucket; gemini_chunk_mb:
+    (default micro_batch × dp: no accumulation); dtype: the compute precision, a `Precision` or
+    its name (bf16/fp16 keep fp32 masters; no `auto`: the planner sizes other machines); loss:
+    "hf" (the model's own loss, full fp32 logits) or "fused" (phalanx.train's chunked head +
+    cross-entropy: no full logits); bucket_mb: ZeRO's reduce bucket; gemini_chunk_mb:
     Gemini's chunk size (MiB of the compute dtype)."""
     seq: int = 2048
     micro_batch: int = 1
     global_batch: int | None = None
-    dtype: str = "bf16"
+    dtype: Precision = BF16
     loss: str = "fused"
     bucket_mb: float = 25.0
     gemini_chunk_mb: float | None = None  # None: searched as GeminiPlugin does
 
     def __post_init__(self):
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+        object.__setattr__(self, "dtype", precision_named(self.dtype))  # a name becomes its Precision
         if self.loss not in ("hf", "fused"):
             raise ValueError(f"loss={self.loss!r}: use 'hf' or 'fused'")
         if self.seq < 1 or self.micro_batch < 1:
@@ -33,11 +33,11 @@ class Workload:
     @property
     def p(self) -> int:
         """Bytes per element of the compute dtype."""
-        return DTYPE_BYTES[self.dtype]
+        return self.dtype.compute_dtype.itemsize
 
     @property
     def mixed(self) -> bool:
-        return self.dtype != "fp32"
+        return self.dtype.mixed
 
     def steps_per_batch(self, dp: int) -> int:
         """Microbatches (accumulation steps, or pipeline microbatches) per optimizer step per dp rank."""

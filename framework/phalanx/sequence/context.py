@@ -7,7 +7,10 @@ holds chunks r and 2·sp−1−r, so under a causal mask every rank has the same
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,9 +18,9 @@ import torch.distributed as dist
 from phalanx.mesh import LayoutError
 
 MODES = ("split_gather", "ulysses", "ring")
-# Each attention module carries its context: transformers calls the registered attention function
-# with the module alone (phalanx.sequence.attention), so that is where the function finds it.
-MODULE_ATTR = "phalanx_sequence"
+# attention module -> the context it runs under: transformers calls the registered attention
+# function with the module alone (phalanx.sequence.attention), so the function looks it up here.
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -39,13 +42,22 @@ class SequenceContext:
 
     def attach(self, module) -> None:
         """Mark an attention module as running under this context."""
-        object.__setattr__(module, MODULE_ATTR, self)
+        _ATTACHED[module] = self
 
     @staticmethod
     def of(module) -> "SequenceContext | None":
         """The context `attach` gave `module`, or None."""
-        seq = getattr(module, MODULE_ATTR, None)
-        return seq if isinstance(seq, SequenceContext) else None
+        return _ATTACHED.get(module)
+
+    @contextlib.contextmanager
+    def sharded_inputs(self, on: bool = True) -> Iterator[None]:
+        """`inputs_sharded` is `on` inside (a forward on a batch cut by `shard_inputs`), and back
+        to what it was after."""
+        before, self.inputs_sharded = self.inputs_sharded, on
+        try:
+            yield
+        finally:
+            self.inputs_sharded = before
 
     @property
     def layout(self) -> str:

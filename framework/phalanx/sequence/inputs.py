@@ -12,10 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx.data.labels import IGNORE_INDEX
 from phalanx.sequence.context import SequenceContext
 from phalanx.shard import comm
-
-IGNORE_INDEX = -100
 
 
 def _drop_full_mask(mask: torch.Tensor | None, mode: str) -> None:

@@ -1,7 +1,7 @@
 """Tensor parallelism for Hugging Face models, driven by per-family shard policies.
 
 - `policy`: the `Policy` dataclass, `register_policy`, `policy_for(model)`, `supported_families()`;
-  built-in policies live in `phalanx.shard.policies` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT);
+  the built-in policies are part of each family in `phalanx.models` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT);
 - `tensor_parallel`: `apply_tp(model, policy, group=...)` and the `TPPlan` it returns;
 - `layers`: the column/row-parallel linears, vocabulary-parallel embedding and LM head;
 - `loss`: vocabulary-parallel cross-entropy and the causal-LM loss a split model uses;

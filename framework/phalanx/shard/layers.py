@@ -11,6 +11,9 @@ row-parallel layer reduce-scatters its output back to sequence shards.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -169,20 +172,30 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelLMHead(ColumnParallelLinear):
     """The output projection split over the vocabulary. It returns the full logits (gathered over
-    the group: what `generate` and any caller of the plain model expect), or, while `local_output`
-    is set (the HybridParallelPlugin sets it when labels are given), this rank's vocabulary range
-    only (padding columns included; `real_logits` drops them), for
-    `phalanx.shard.loss.vocab_parallel_cross_entropy`."""
+    the group: what `generate` and any caller of the plain model expect), or, inside
+    `with head.local_logits():` (the HybridParallelPlugin and the pipeline runtime enter it when
+    only the loss needs the logits), this rank's vocabulary range only (padding columns included;
+    `real_logits` drops them), for `phalanx.shard.loss.vocab_parallel_cross_entropy`."""
 
     def __init__(self, weight, bias, *, vocab: VocabRange, **kwargs):
         super().__init__(weight, bias, **kwargs)
         self.vocab = vocab
         self.out_features = vocab.vocab_size
-        self.local_output = False
+        self._local = False  # set by `local_logits` only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        return y if self.local_output else self.gather_logits(y)
+        return y if self._local else self.gather_logits(y)
+
+    @contextlib.contextmanager
+    def local_logits(self, on: bool = True) -> Iterator[None]:
+        """Forwards inside return this rank's vocabulary range (`on`) or the gathered logits (not
+        `on`); the setting before is back after."""
+        before, self._local = self._local, on
+        try:
+            yield
+        finally:
+            self._local = before
 
     def is_local(self, logits: torch.Tensor) -> bool:
         return logits.shape[-1] == self.vocab.chunk and self.vocab.chunk != self.vocab.vocab_size

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
+from phalanx.amp.precision import Precision
 from phalanx.shard.grads import PartialGradSync, flat_all_reduce, weighted_norm
 from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
 
@@ -30,9 +31,9 @@ class HybridZeroOptimizer(ZeroOptimizer):
     tensor-parallel group (`weights`: id(model parameter) -> weight)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ZeroConfig, *, names: dict[int, str],
-                 process_group, weights: dict[int, float], partial: PartialGradSync):
+                 process_group, weights: dict[int, float], partial: PartialGradSync, precision=None):
         self.partial = partial  # hooks registered before ZeRO's: partial gradients are summed first
-        super().__init__(optimizer, config, names=names, process_group=process_group)
+        super().__init__(optimizer, config, names=names, process_group=process_group, precision=precision)
         self.norm_weights = weights
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
@@ -54,7 +55,7 @@ class HybridZeroOptimizer(ZeroOptimizer):
 class HybridOptimizer(MixedPrecisionOptimizer):
     """Stage 0: every data(×sequence)-parallel rank keeps its tensor-parallel pieces whole."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, names: dict[int, str], precision: str,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, names: dict[int, str], precision: str | Precision,
                  max_norm: float | None, dp_group, tp_group, partial_ids: set[int], weights: dict[int, float],
                  device: torch.device):
         super().__init__(optimizer, precision=precision, max_norm=max_norm, names=names)

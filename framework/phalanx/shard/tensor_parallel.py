@@ -2,8 +2,9 @@
 
 Attention is split by heads (query/key/value projections column parallel, the output projection
 row parallel), the MLP by its hidden features, the token embedding and the LM head by the
-vocabulary. Key/value heads fewer than the tensor-parallel size are replicated: every rank keeps
-the small key/value projections whole and uses the head its query heads read. Everything else
+vocabulary. Key/value heads fewer than the tensor-parallel size are replicated (the head rule of
+`phalanx.models.heads`): every rank keeps the small key/value projections whole and uses the head
+its query heads read. Everything else
 (norms, position tables) is replicated.
 
 Parameters are plain tensors holding this rank's piece (not DTensors): the ZeRO optimizer
@@ -28,7 +29,8 @@ from torch import nn
 from phalanx.mesh import LayoutError
 from phalanx.shard.layers import (ColumnParallelLinear, InputComm, ReplicatedHeadsLinear, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, VocabRange)
-from phalanx.shard.policy import HeadCounts, Policy
+from phalanx.models.heads import HeadCounts, first_kv_head, head_problem, kv_replicated, local_heads
+from phalanx.models.policy import Policy
 from phalanx.shard.spec import REPLICATED, ShardSpec
 
 log = logging.getLogger(__name__)
@@ -99,25 +101,19 @@ def _out_dim(module: nn.Module) -> int:
 
 
 def check_heads(heads: HeadCounts, tp: int) -> None:
-    """Stop unless `tp` ranks can split these heads (key/value heads split or replicate)."""
-    if heads.heads % tp:
-        ok = [d for d in range(1, heads.heads + 1) if heads.heads % d == 0]
-        raise LayoutError(f"tp_size={tp} does not divide num_attention_heads={heads.heads} "
-                          f"({heads.heads} % {tp} = {heads.heads % tp}); choose tp_size in {ok}")
-    if heads.kv_heads % tp and tp % heads.kv_heads:
-        raise LayoutError(f"tp_size={tp} and num_key_value_heads={heads.kv_heads}: the key/value heads can be split "
-                          f"only when tp divides them ({heads.kv_heads} % {tp} = {heads.kv_heads % tp}) and "
-                          f"replicated only when they divide tp ({tp} % {heads.kv_heads} = {tp % heads.kv_heads}); "
-                          f"choose a tp_size that divides or is a multiple of {heads.kv_heads}")
+    """Stop unless `tp` ranks can split these heads (the rule of `phalanx.models.heads`)."""
+    problem = head_problem(heads, tp)
+    if problem:
+        raise LayoutError(problem)
 
 
 def local_head_counts(heads: HeadCounts, tp: int) -> HeadCounts:
-    return HeadCounts(heads.heads // tp, max(1, heads.kv_heads // tp), heads.head_dim)
+    return local_heads(heads, tp)
 
 
 def _plan(model: nn.Module, policy: Policy, heads: HeadCounts, rank: int, tp: int, sp: bool) -> list[_Replace]:
     out: list[_Replace] = []
-    replicate_kv = heads.kv_heads < tp
+    replicate_kv = kv_replicated(heads, tp)
     for i, layer in enumerate(policy.decoder_layers(model)):
         prefix = f"{policy.layers}.{i}."
         if policy.fused_qkv:
@@ -133,7 +129,7 @@ def _plan(model: nn.Module, policy: Policy, heads: HeadCounts, rank: int, tp: in
             for path in (policy.k, policy.v):
                 module = layer.get_submodule(path)
                 if replicate_kv:
-                    g = rank // (tp // heads.kv_heads)
+                    g = first_kv_head(heads, tp, rank)
                     keep = (g * heads.head_dim, (g + 1) * heads.head_dim)
                     partial = ShardSpec(partial_grad=True)
                     out.append(_Replace(prefix + path, "replicated_heads", partial, partial,

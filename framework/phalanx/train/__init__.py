@@ -16,7 +16,8 @@ from phalanx.train.losses import CausalLMLoss
 from phalanx.train.loop import NonFiniteLossError, TrainHook, fit
 from phalanx.train.optim import build_lr_scheduler, build_optimizer, warmup_cosine
 from phalanx.train.result import TrainResult
+from phalanx.train.run import TrainingRun
 
-__all__ = ["TrainConfig", "fit", "TrainResult", "CausalLMLoss", "causal_lm_eval", "eval_loss_sum", "data_replica",
+__all__ = ["TrainConfig", "fit", "TrainingRun", "TrainResult", "CausalLMLoss", "causal_lm_eval", "eval_loss_sum", "data_replica",
            "default_collate",
            "NonFiniteLossError", "TrainHook", "EMA", "build_optimizer", "build_lr_scheduler", "warmup_cosine"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from phalanx.amp.precision import CHOICES
 from phalanx.config import ConfigError
 
 
@@ -35,7 +36,7 @@ class TrainConfig:
     plugin: str = "ddp"                 # a name make_plugin knows: ddp | fsdp | zero1 | zero2 | gemini | hybrid
     plugin_options: dict[str, Any] = field(default_factory=dict)  # the plugin's own keyword arguments,
                                         # e.g. {reduce_bucket_mb: 50} for zero2, {tp_size: 2} for hybrid
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 compute with fp32 master
+    precision: Literal[CHOICES] = "fp32"  # amp.precision.CHOICES; bf16/fp16 compute with fp32 master
                                         # weights; auto: bf16 where the device computes it natively, else fp32
 
     # --- evaluation, checkpoints, logging ---------------------------------------------------------
@@ -85,6 +86,7 @@ class TrainConfig:
 
         need(bool(str(self.output_dir).strip()), "output_dir", "must name a directory")
         need(self.plugin in PLUGIN_NAMES, "plugin", f"choose one of {', '.join(PLUGIN_NAMES)}")
+        need(self.precision in CHOICES, "precision", f"choose one of {', '.join(CHOICES)}")
         need(self.max_steps >= 1, "max_steps", "must be at least 1")
         need(self.micro_batch_size >= 1, "micro_batch_size", "must be at least 1")
         need(self.grad_accum_steps >= 1, "grad_accum_steps", "must be at least 1")

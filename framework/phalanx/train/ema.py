@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -154,11 +154,21 @@ class EMA:
     # ---------------------------------------------------------------- checkpoints
     def save(self, directory: Path) -> None:
         """Write `directory/ema.safetensors` from rank 0 (every rank must call: FSDP gathers)."""
+        self.snapshot(directory)()
+
+    def snapshot(self, directory: Path) -> Callable[[], None]:
+        """Gather the average and copy it to the host now (every rank must call); returns the
+        file write, which an asynchronous checkpoint runs in its background thread."""
         state = self._gathered()  # every rank gathers; only rank 0 copies to the host and writes
-        if is_main_process():
+        if not is_main_process():
+            return lambda: None
+        host = {k: v.to("cpu", copy=True).contiguous() for k, v in state.items()}
+        metadata = {"num_updates": str(self.num_updates), "decay": str(self.decay)}
+
+        def write() -> None:
             directory.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.cpu().contiguous() for k, v in state.items()}, str(directory / EMA_FILE),
-                      metadata={"num_updates": str(self.num_updates), "decay": str(self.decay)})
+            save_file(host, str(directory / EMA_FILE), metadata=metadata)
+        return write
 
     def load(self, directory: Path) -> None:
         self._check_bound()

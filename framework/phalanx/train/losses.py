@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from phalanx.data.labels import IGNORE_INDEX
 
 
 def causal_lm_labels(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -6,9 +6,11 @@
 - `reducer`: gradient buckets reduce-scattered from backward hooks;
 - `optimizer`: `ZeroOptimizer` and its `ZeroConfig`;
 - `supported`: which torch optimizers are elementwise, hence shardable;
-- `fused_step`: the optimizer step with torch's fused kernel over the flat shards;
 - `prefetch`: the parameter publication overlapped with the next forward (opt-in);
 - `checkpoint`: optimizer state as layout-independent fragments.
+
+The step with torch's fused kernel over the flat shards is `phalanx.amp.fused_step` (one floor
+below: the one-process mixed-precision optimizer uses it too).
 
 See docs/zero.md.
 """

@@ -15,7 +15,7 @@ import torch
 from phalanx.checkpoint.atomic import CheckpointError
 from phalanx.checkpoint.optimizer import (Fragment, FragmentReader, OptimizerFragments,
                                           apply_param_group_hyperparams)
-from phalanx.zero.fused_step import step_device_for
+from phalanx.amp.fused_step import step_device_for
 from phalanx.zero.optimizer import ZeroOptimizer
 
 

@@ -34,10 +34,11 @@ from torch import nn
 
 from phalanx.amp.clip import clip_coefficient, global_grad_norm
 from phalanx.amp.loss_scaler import DynamicLossScaler
+from phalanx.amp.precision import Precision, precision_of_dtype, resolve_precision
 from phalanx.launch import collective
 from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
-from phalanx.zero.fused_step import fused_step
+from phalanx.amp.fused_step import fused_step
 from phalanx.zero.offload import HostStore
 from phalanx.zero.prefetch import ParamPrefetch
 from phalanx.zero.reducer import GradReducer
@@ -96,7 +97,7 @@ class ZeroOptimizer(OptimizerWrapper):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None, *,
                  names: dict[int, str] | None = None, process_group: dist.ProcessGroup | None = None,
-                 model: nn.Module | None = None):
+                 model: nn.Module | None = None, precision: str | Precision | None = None):
         check_elementwise(optimizer)
         drop_unstepped_state(optimizer)
         self.optim = optimizer
@@ -127,8 +128,10 @@ class ZeroOptimizer(OptimizerWrapper):
                                    overlap=self.config.overlap_communication, process_group=process_group,
                                    rank=self.rank, world_size=self.world_size, model_order=order,
                                    collective=self.config.grad_collective)
-        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
-        self.scaler = DynamicLossScaler(enabled=dtype == torch.float16)
+        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range. Standalone (no
+        # precision given) the parameters' dtype says which precision the model was cast to.
+        self.precision = resolve_precision(precision) if precision is not None else precision_of_dtype(dtype)
+        self.scaler = DynamicLossScaler.for_precision(self.precision)
         self.prefetch: ParamPrefetch | None = None
         if self.config.overlap_param_gather:
             if model is None:

@@ -47,19 +47,22 @@ def test_local_offset_maps_engine_ranges_into_training_pieces():
 # The rank bodies of the slow tests, one spawn per world size (tests/framework/spawn_batch.py: rank
 # start-up costs seconds), each test reading its own results.
 FOLLOW, TP2, DP2TP2 = "test_engine_follows_tp2_shards", "test_tp2_run_matches_one_process", "test_dp2_tp2_on_4_ranks"
+TP4 = "test_tp4_replicates_the_2_kv_heads"
 
 
 @pytest.fixture(scope="module")
 def runs(request, tiny_chat_model, tmp_path_factory):
     model, out = str(tiny_chat_model), tmp_path_factory.mktemp("grpo_tp")
     one_rank = {f"{TP2}:one": (w.grpo_losses, (model, str(out / "one")), {}),
-                f"{DP2TP2}:one": (w.grpo_losses, (model, str(out / "one-mb4"), "train.micro_batch_size=4"), {})}
+                f"{DP2TP2}:one": (w.grpo_losses, (model, str(out / "one-mb4"), "train.micro_batch_size=4"), {}),
+                f"{TP4}:one": (w.grpo_losses, (model, str(out / "one-tp4")), {})}
     two_ranks = {FOLLOW: (w.follow_tp_weights, (model, str(out / "follow-tp2"), 2), {}),
                  f"{TP2}:tp2": (w.grpo_losses, (model, str(out / "tp2"), *w.hybrid(2)), {}),
                  f"{DP2TP2}:dp2": (w.grpo_losses, (model, str(out / "dp2"), *w.hybrid(1)), {})}
     four_ranks = {f"{DP2TP2}:follow": (w.follow_tp_weights, (model, str(out / "follow-4"), 2), {}),
                   f"{DP2TP2}:many": (w.grpo_losses, (model, str(out / "many"), "train.plugin=hybrid",
-                                                     "train.plugin_options={tp_size: 2, zero_stage: 2}"), {})}
+                                                     "train.plugin_options={tp_size: 2, zero_stage: 2}"), {}),
+                  f"{TP4}:tp4": (w.grpo_losses, (model, str(out / "tp4"), *w.hybrid(4)), {})}
     return {1: spawn_suites(request, 1, one_rank, timeout=1200),
             2: spawn_suites(request, 2, two_ranks, timeout=1800),
             4: spawn_suites(request, 4, four_ranks, timeout=1800)}
@@ -113,7 +116,7 @@ def test_dp2_tp2_on_4_ranks(runs):
     many = runs[4].get(f"{DP2TP2}:many")  # ZeRO-2 over the 2 replicas
     indices = [m.pop("indices") for m in many]
     assert indices[0] == indices[1] and indices[2] == indices[3]  # a tp group is one data replica ...
-    for step, (a, b) in enumerate(zip(indices[0], indices[2])):  # ... and the replicas split the batch
+    for step, (a, b) in enumerate(zip(indices[0], indices[2], strict=True)):  # ... and the replicas split the batch
         assert not set(a) & set(b) and sorted(a + b) == sorted(one["indices"][step]), (step, a, b)
     assert all(m == many[0] for m in many), "the ranks disagree"
     got = many[0]
@@ -124,3 +127,21 @@ def test_dp2_tp2_on_4_ranks(runs):
     dp2 = runs[2].get(f"{DP2TP2}:dp2")[0]
     assert dp2["rewards"] == one["rewards"] and max(dp2["gaps"]) < 1e-4
     assert _close(dp2["losses"], one["losses"], 1e-6) and _close(dp2["after"], one["after"])
+
+
+@pytest.mark.slow
+def test_tp4_replicates_the_2_kv_heads(runs):
+    """tp 4 on the 2-key/value-head model (phalanx.models.heads: each pair of ranks shares one kv
+    head): the trainer replicates the kv heads, and so does the rollout engine, which follows the
+    trainer's shards (engine log-probs within 1e-4 of the trainer's at every step) and samples what
+    one process samples; the losses and trained policy agree as at tp 2."""
+    one = runs[1].get(f"{TP4}:one")[0]
+    tp4 = runs[4].get(f"{TP4}:tp4")
+    assert all(r == tp4[0] for r in tp4), "the ranks of the tp group disagree"
+    got = tp4[0]
+    assert got["indices"] == one["indices"]
+    assert got["rewards"] == one["rewards"] and got["lengths"] == one["lengths"]
+    assert max(got["gaps"]) < 1e-4
+    assert _close(got["losses"], one["losses"], 1e-6), (got["losses"], one["losses"])
+    assert _close(got["after"], one["after"]), (got["after"], one["after"])
+    assert not _close(one["after"], one["before"])

@@ -137,7 +137,8 @@ def test_advantages_whitened_over_the_whole_rollout(tiny_chat_model):
 def test_mini_batch_order_is_a_seeded_permutation():
     a = mini_batch_order(0, 5, 0, 8, 2)
     assert [len(c) for c in a] == [4, 4] and sorted(torch.cat(a).tolist()) == list(range(8))
-    assert all(torch.equal(x, y) for x, y in zip(a, mini_batch_order(0, 5, 0, 8, 2)))  # every rank, and a resume
+    # every rank, and a resume
+    assert all(torch.equal(x, y) for x, y in zip(a, mini_batch_order(0, 5, 0, 8, 2), strict=True))
     others = [torch.cat(mini_batch_order(0, 5, 1, 8, 2)), torch.cat(mini_batch_order(0, 9, 0, 8, 2)),
               torch.cat(mini_batch_order(1, 5, 0, 8, 2))]
     assert all(not torch.equal(torch.cat(a), o) for o in others)  # a new order per epoch, rollout and seed

@@ -36,7 +36,7 @@ def test_max_prompt_tokens_filters_before_the_split(tiny_chat_model, caplog):
     # the counts hold after dropping, every prompt fits, and held-out prompts are not trained on
     assert (len(train), len(held)) == (40, 10) and max(map(len, train_ids + held_ids)) <= 100
     assert not {str(r["prompt"]) for r in train} & {str(r["prompt"]) for r in held}
-    kept = [r for r, ids in zip(train0 + held0, train_ids0 + held_ids0) if len(ids) <= 100]
+    kept = [r for r, ids in zip(train0 + held0, train_ids0 + held_ids0, strict=True) if len(ids) <= 100]
     assert train[:len(kept)] == kept[:40]  # the same prompts in file order, the long ones skipped
     assert "dropped" in caplog.text
     # a bound above the longest prompt changes nothing

@@ -33,7 +33,7 @@ def test_actor_critic_policy_points_into_the_actor(tiny_chat_model):
 
 def test_submodule_plan_and_weights_strip_the_prefix():
     from apps.chat_rlhf.rollout import submodule_plan, submodule_weights
-    from phalanx.shard.policies.llama import LLAMA
+    from phalanx.models.llama import POLICY as LLAMA
     from phalanx.shard.policy import HeadCounts
     from phalanx.shard.spec import REPLICATED, ShardSpec
     from phalanx.shard.tensor_parallel import ParamShard, TPPlan

@@ -88,7 +88,7 @@ def test_completion_logps_by_hand():
 def _trl_rows(batch: dict) -> list[tuple[list[int], list[int]]]:
     """TRL's right-padded rows as (prompt ids, completion ids)."""
     rows = []
-    for ids, att, comp in zip(batch["input_ids"], batch["attention_mask"], batch["completion_mask"]):
+    for ids, att, comp in zip(batch["input_ids"], batch["attention_mask"], batch["completion_mask"], strict=True):
         ids, comp = ids[att.bool()].tolist(), comp[att.bool()].tolist()
         start = comp.index(1)
         rows.append((ids[:start], ids[start:]))

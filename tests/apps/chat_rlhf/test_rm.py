@@ -30,7 +30,8 @@ def test_reward_model_trains_exports_and_scores(tiny_chat_model, tmp_path, launc
     completions = [[{"role": "assistant", "content": "Hi!"}],
                    [{"role": "assistant", "content": "Hello there, how are you doing today?"}]]
     batched = score_conversations(model, tokenizer, prompts, completions)
-    alone = torch.cat([score_conversations(model, tokenizer, [p], [c]) for p, c in zip(prompts, completions)])
+    alone = torch.cat([score_conversations(model, tokenizer, [p], [c])
+                       for p, c in zip(prompts, completions, strict=True)])
     assert batched.tolist() == pytest.approx(alone.tolist(), abs=1e-5)  # padding does not move the score
     with torch.no_grad():  # and plain transformers gives the same reward
         ids = tokenizer.apply_chat_template(prompts[0] + completions[0], tokenize=False)

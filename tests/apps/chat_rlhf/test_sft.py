@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from apps.chat_rlhf.sft import build_rows, load_sft_config, sft
-from phalanx.train.losses import IGNORE_INDEX
+from phalanx.data.labels import IGNORE_INDEX
 
 
 def test_rows_label_only_assistant_tokens(tiny_chat_model):

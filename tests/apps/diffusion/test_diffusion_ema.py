@@ -70,7 +70,7 @@ def _ema_ranks(config: str, overrides: list[str]) -> dict:
 
     def full_weights(ema):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
-                for n, p in zip(ema._names, ema._params)}
+                for n, p in zip(ema._names, ema._params, strict=True)}
 
     class RecordingEMA(EMA):
         def bind(self, model):
@@ -114,7 +114,7 @@ def test_ema_under_data_parallelism_tracks_the_synchronised_weights(tmp_path, pl
         assert any(not torch.equal(weights[2][k], weights[0][k]) for k in average), "training moved no weight"
         for k in average:  # the running average of the weights this rank saw, lerp for lerp
             expected = weights[0][k]
-            for decay, w in zip(decays, weights[1:]):
+            for decay, w in zip(decays, weights[1:], strict=True):
                 expected = expected.lerp(w[k], 1.0 - decay)
             assert torch.equal(average[k], expected), f"EMA of {k} is not the average of the weights"
     # every rank saw the same (synchronised) weights, so every rank holds the same average

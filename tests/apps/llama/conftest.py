@@ -17,7 +17,7 @@ def tiny_config(work_dir: Path, *overrides: str):
     cfg = load_recipe(TINY, [f"work_dir={work_dir}", "data.seq_len=64", "eval.max_chars_per_category=1500",
                              "tokenizer.domain_vocab_size=5000", *overrides])
     cfg.tokenizer.domain_sources[0].max_chars = 120_000
-    for source, limit in zip(cfg.data.sources, (40_000, 20_000, 10_000)):
+    for source, limit in zip(cfg.data.sources, (40_000, 20_000, 10_000), strict=True):
         source.max_chars = limit
     return cfg
 

@@ -30,9 +30,45 @@ def test_every_shipped_config_loads(path):
         assert cfg.train.grad_accum_steps == 1 or cfg.train.plugin_options.get("pp_size", 1) == 1
 
 
+# Llama-2's published shapes (the configs point at its HF directories, which the tests do not have)
+LLAMA2_70B = {"num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80}
+LLAMA2_CONTEXT = 4096
+
+
 def test_configs_named_by_the_issue_exist():
-    names = {p.name for p in CONFIGS}
-    assert {"tiny.yaml", "smollm2_zh.yaml", "llama2_7b_zero2.yaml", "llama2_70b_hybrid.yaml"} <= names
+    """The four configs the issue names load (and validate), and each is what its name says."""
+    from transformers import LlamaConfig
+
+    from apps.llama.config import load_recipe
+    from phalanx import lazy
+
+    paths = {p.name: p for p in CONFIGS}
+    named = ("tiny.yaml", "smollm2_zh.yaml", "llama2_7b_zero2.yaml", "llama2_70b_hybrid.yaml")
+    assert set(named) <= set(paths), sorted(set(named) - set(paths))
+    tiny, smol, l7, l70 = (load_recipe(paths[n]) for n in named)
+
+    # tiny: a fresh LLaMA from `architecture`, small enough for a laptop CPU
+    assert tiny.model.base == "" and tiny.model.architecture
+    vocab = 32_000 + tiny.tokenizer.domain_vocab_size  # the shipped 32k tokenizer, expanded
+    model = lazy.from_config(LlamaConfig(**tiny.model.architecture, vocab_size=vocab))
+    assert sum(p.numel() for p in model.parameters()) < 20_000_000
+
+    # smollm2_zh: SmolLM2's weights and tokenizer, its vocabulary grown on Chinese, English replay
+    assert "smollm2" in smol.model.base.lower() and smol.tokenizer.base == smol.model.base
+    assert {s.category for s in smol.tokenizer.domain_sources} == {"zh"}
+    assert {s.category for s in smol.data.sources} == {"zh", "en"}
+
+    # llama2_7b_zero2: Llama-2-7B trained with ZeRO-2 at Llama-2's context length
+    assert "llama-2-7b" in l7.model.base.lower() and l7.tokenizer.base == l7.model.base
+    assert l7.train.plugin == "zero2" and l7.data.seq_len <= LLAMA2_CONTEXT
+
+    # llama2_70b_hybrid: Llama-2-70B over tensor x pipeline parallelism, a layout that fits its shapes
+    assert "llama-2-70b" in l70.model.base.lower() and l70.tokenizer.base == l70.model.base
+    opts, shape = l70.train.plugin_options, LLAMA2_70B
+    assert l70.train.plugin == "hybrid" and opts["tp_size"] > 1 and opts["pp_size"] > 1, opts
+    assert shape["num_key_value_heads"] % opts["tp_size"] == 0 and shape["num_hidden_layers"] % opts["pp_size"] == 0
+    assert l70.train.micro_batch_size % opts["num_microbatches"] == 0 and l70.train.grad_accum_steps == 1
+    assert l70.data.seq_len <= LLAMA2_CONTEXT
 
 
 def test_work_dir_places_every_step(tmp_path):

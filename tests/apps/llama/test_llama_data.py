@@ -14,7 +14,7 @@ def test_sequence_packer_keeps_every_token_in_order():
     rows = [r for d in docs for r in packer.add(d)] + list(packer.finish())
     stream = [t for d in docs for t in (*d, 2)]
     assert all(len(r["input_ids"]) == 8 for r in rows)
-    labelled = [t for r in rows for t, lab in zip(r["input_ids"], r["labels"]) if lab != IGNORE_INDEX]
+    labelled = [t for r in rows for t, lab in zip(r["input_ids"], r["labels"], strict=True) if lab != IGNORE_INDEX]
     assert labelled == stream  # nothing lost, nothing reordered, EOS after every document
     # only the final row has padding, and padding is never a target
     assert all(r["labels"] == r["input_ids"] for r in rows[:-1])
@@ -58,7 +58,7 @@ def test_prepared_pretraining_data_holds_every_token_of_every_training_document(
         for doc in read_documents(source):
             if not is_heldout(doc.text, cfg.holdout_fraction):
                 stream += tok(doc.text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    packed = [t for r in rows for t, lab in zip(r["input_ids"], r["labels"]) if lab != IGNORE_INDEX]
+    packed = [t for r in rows for t, lab in zip(r["input_ids"], r["labels"], strict=True) if lab != IGNORE_INDEX]
     assert packed == stream
     assert {len(r) for r in rows["input_ids"]} == {cfg.data.seq_len}
     padding = sum(lab == IGNORE_INDEX for r in rows["labels"] for lab in r)

@@ -71,7 +71,7 @@ def test_missing_preparation_steps_run_and_prepared_ones_are_kept(tmp_path):
     cfg = load_recipe("apps/llama/configs/tiny.yaml", [f"work_dir={tmp_path}", "data.seq_len=64",
                                                         "tokenizer.domain_vocab_size=4000"])
     cfg.tokenizer.domain_sources[0].max_chars = 60_000
-    for source, limit in zip(cfg.data.sources, (20_000, 10_000, 5_000)):
+    for source, limit in zip(cfg.data.sources, (20_000, 10_000, 5_000), strict=True):
         source.max_chars = limit
     logs = []
     assert prepare_missing(cfg, logs.append) == ["expand_vocab", "init_model", "prepare_data"]

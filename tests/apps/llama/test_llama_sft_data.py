@@ -23,7 +23,7 @@ CONVERSATION = [
 def _target_runs(ids, labels):
     """Contiguous runs of labelled token ids."""
     runs, current = [], []
-    for token, label in zip(ids, labels):
+    for token, label in zip(ids, labels, strict=True):
         if label == IGNORE_INDEX:
             if current:
                 runs.append(current)
@@ -43,7 +43,7 @@ def test_chatml_labels_cover_exactly_the_assistant_turns(tiny_bpe_dir):
     ids, labels = encode_chat(tok, CONVERSATION, max_len=512)
     runs = [tok.decode(r) for r in _target_runs(ids, labels)]
     assert runs == ["2 + 3 = 5.<|im_end|>\n", "5 x 4 = 20, the final answer.<|im_end|>\n"]
-    masked = tok.decode([t for t, lab in zip(ids, labels) if lab == IGNORE_INDEX])
+    masked = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE_INDEX])
     assert "What is 2 + 3?" in masked and "You answer briefly." in masked and "5 x 4" not in masked
 
 

@@ -26,7 +26,7 @@ def test_roundtrip_through_the_official_naming(tmp_path):
     target = tiny_model(seed=1)
     unused = load_af2_params(target, path)
     assert unused == []
-    for (name, a), b in zip(source.named_parameters(), target.parameters()):
+    for (name, a), b in zip(source.named_parameters(), target.parameters(), strict=True):
         assert torch.equal(a, b), name
     batch = real_batch(crop=16, clusters=4, extra=4, batch=1)
     with torch.no_grad():

@@ -16,7 +16,7 @@ from apps.video_gen.shapes import COLOURS, DIRECTIONS, moving_shapes
 
 def test_shapes_are_deterministic_and_their_motion_is_checkable():
     a, b = moving_shapes(64, 8, 16, seed=1), moving_shapes(64, 8, 16, seed=1)
-    assert all(torch.equal(x.video, y.video) and x.caption == y.caption for x, y in zip(a, b))
+    assert all(torch.equal(x.video, y.video) and x.caption == y.caption for x, y in zip(a, b, strict=True))
     assert {c.direction for c in a} == set(DIRECTIONS) and {c.colour for c in a} == set(COLOURS)
     assert a[0].caption == f"a {a[0].colour} {a[0].shape} moving {a[0].direction}"
     assert a[0].video.shape == (3, 8, 16, 16) and a[0].video.min() == -1 and a[0].video.max() == 1
@@ -95,7 +95,7 @@ def test_direction_gap_pairs_each_clip_with_its_true_and_opposite_word():
 
         def per_sample_loss(self, video, ids, t, noise):
             said = [next(word_of[i] for i in row.tolist() if i in word_of) for row in ids]
-            return torch.tensor([1.0 if track(v)[1] == d else 2.0 for v, d in zip(video, said)])
+            return torch.tensor([1.0 if track(v)[1] == d else 2.0 for v, d in zip(video, said, strict=True)])
 
     class IgnoresTheWord:
         device = torch.device("cpu")
@@ -128,7 +128,8 @@ def test_training_batches_pair_each_caption_with_its_clips_motion(tmp_path):
     checked = 0
     for k in range(len(batches)):
         batch = batches[k]
-        for video, caption in zip(batch["video"], tok.batch_decode(batch["prompt_ids"], skip_special_tokens=True)):
+        captions = tok.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+        for video, caption in zip(batch["video"], captions, strict=True):
             words = caption.split()           # "a <colour> <shape> [moving <direction>]"
             colour, direction, travel = track(video)
             assert colour == words[1], caption

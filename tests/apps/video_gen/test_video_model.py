@@ -274,11 +274,32 @@ def test_high_noise_share_draws_that_share_of_timesteps_near_1(tmp_path):
     assert abs(share[0.0] - 0.12) < 0.01 and abs(share[0.5] - 0.483) < 0.01, share
 
 
-def test_trains_in_bf16(tmp_path):
-    """precision=bf16 (what `auto` picks on a CPU with fast native bf16): the model casts its fp32
-    inputs to the compute dtype (it once stopped at the first conv: float input, bf16 bias)."""
-    from apps.video_gen.train import train
+def test_trains_in_bf16(tmp_path, monkeypatch):
+    """precision=bf16 (what `auto` picks on a CPU with fast native bf16): every training forward of
+    a linear or conv layer runs on bf16 weights, inputs and outputs (the model casts its fp32
+    inputs to the compute dtype: it once stopped at the first conv, float input, bf16 bias), and
+    the steps move the weights as bf16 values."""
+    import apps.video_gen.train as recipe
 
+    seen, start, built = [], {}, []
+    prepare = recipe.prepare
+
+    def watched(cfg):
+        model, *rest = prepare(cfg)
+        start.update({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters() if p.requires_grad})
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv3d)):
+                module.register_forward_hook(lambda m, args, out: seen.append(
+                    (m.weight.dtype, args[0].dtype, out.dtype)) if torch.is_grad_enabled() else None)
+        built.append(model)
+        return (model, *rest)
+
+    monkeypatch.setattr(recipe, "prepare", watched)
     cfg = tiny_config(tmp_path / "run", "train.max_steps=2", "train.precision=bf16")
-    result = train(cfg)
+    result = recipe.train(cfg)
     assert result.final_step == 2 and all(0 < loss < 10 for loss in result.losses), result.losses
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}, set(seen)  # (weight, input, output) of each call
+    params = dict(built[0].named_parameters())
+    assert {params[n].dtype for n in start} == {torch.bfloat16}
+    moved = [n for n, w in start.items() if not torch.equal(params[n].detach(), w)]
+    assert len(moved) > len(start) // 2, f"only {len(moved)} of {len(start)} bf16 weights changed"

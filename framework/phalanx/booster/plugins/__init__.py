@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin
 
 _PLUGINS = {
@@ -34,9 +35,10 @@ def builds_lazily(name: str | None) -> bool:
     return (name or "").lower() in LAZY_BUILD_PLUGINS
 
 
-def make_plugin(name: str, precision: str = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
+def make_plugin(name: str, precision: str | Precision = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
     """Build a plugin from its config name: ddp | fsdp | zero1 | zero2 | gemini | hybrid (the last
-    takes HybridParallelPlugin's keyword arguments: tp_size=..., sp_size=..., zero_stage=...)."""
+    takes HybridParallelPlugin's keyword arguments: tp_size=..., sp_size=..., zero_stage=...).
+    `precision`: a config name (the plugin resolves it once) or a resolved Precision."""
     key = name.lower()
     if key == "ddp":
         from phalanx.booster.plugins.ddp import DDPPlugin

@@ -18,7 +18,12 @@ A plugin decides how the model, optimizer and data are spread over ranks. It imp
   * `load_full_model_state_dict(model, state_dict)`: every rank passes the full state dict;
   * `optimizer_fragments(optimizer)`: this rank's pieces of optimizer state (see
     `phalanx.checkpoint.optimizer.Fragment`);
-  * `load_optimizer_fragments(optimizer, reader)`: take the pieces this rank owns now.
+  * `load_optimizer_fragments(optimizer, reader)`: take the pieces this rank owns now;
+- `plan_layout(world)`: its layout as `phalanx.plan` models it (`phalanx.layout.Layout`) and the
+  workload settings it fixes, so the planner needs no list of plugin types.
+
+`precision` is a name or a `phalanx.amp.precision.Precision`, resolved once in the constructor;
+`self.precision` is always the typed value.
 """
 from __future__ import annotations
 
@@ -31,9 +36,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from phalanx.amp.precision import check_precision
+from phalanx.amp.precision import Precision, resolve_precision
 from phalanx.booster.state import BoostedState
 from phalanx.booster.wrappers import ModelWrapper
+from phalanx.layout import Layout
 
 
 class Plugin(ABC):
@@ -51,8 +57,8 @@ class Plugin(ABC):
     # tensors reach only that stage's ranks). With neither flag the copy is whole on rank 0.
     spreads_model_copy: bool = False
 
-    def __init__(self, precision: str = "fp32", max_norm: float | None = None):
-        self.precision = check_precision(precision)
+    def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None):
+        self.precision: Precision = resolve_precision(precision)
         self.max_norm = max_norm
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank = 0
@@ -134,7 +140,15 @@ class Plugin(ABC):
         ...
 
     def describe(self) -> str:
-        return f"{self.name}(precision={self.precision}, dp={self.dp_size})"
+        return f"{self.name}(precision={self.precision.name}, dp={self.dp_size})"
+
+    # ---- the planner's view -------------------------------------------------------------
+    def plan_layout(self, world: int) -> tuple[Layout, dict[str, Any]]:
+        """This plugin's parallel layout over `world` ranks for `phalanx.plan`, and the workload
+        settings it fixes (`phalanx.plan.Workload` fields: dtype, bucket_mb, gemini_chunk_mb; and
+        `microbatches` for a pipeline). A plugin the planner cannot model raises ValueError."""
+        raise ValueError(f"the planner does not know plugin {type(self).__name__}: use DDPPlugin, FSDPPlugin, "
+                         "ZeroPlugin, GeminiPlugin or HybridParallelPlugin")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -176,8 +190,7 @@ def check_forward_went_through(optimizer: Any) -> None:
     ddp = getattr(wrapper, "module", None)
     if not isinstance(ddp, DistributedDataParallel):
         return
-    forwards = getattr(wrapper, "grad_forwards", None)
-    object.__setattr__(wrapper, "grad_forwards", 0)
+    forwards = wrapper.grad_forwards.take() if isinstance(wrapper, ModelWrapper) else None
     if forwards == 0 and ddp.require_backward_grad_sync and torch.distributed.get_world_size(ddp.process_group) > 1:
         raise RuntimeError(
             "backward of a loss that did not go through the boosted model's forward: with the DDP plugin the "

@@ -9,12 +9,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from phalanx.amp.mixed_precision_optimizer import MixedPrecisionOptimizer
-from phalanx.amp.precision import dtype_of
+from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.state import boosted_optimizer
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
+from phalanx.layout import Layout
 from phalanx.param_binding import optimizer_param_names
 
 
@@ -38,7 +39,7 @@ class DDPPlugin(Plugin):
     name = "ddp"
     full_state_on_every_rank = True
 
-    def __init__(self, precision: str = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
+    def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, static_graph: bool = False, ranks_per_replica: int = 1):
         super().__init__(precision, max_norm)
         if not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
@@ -65,11 +66,10 @@ class DDPPlugin(Plugin):
 
         source = lazy.source_for(model, device=self.device, group=self.dp_group)
         if source is not None:
-            lazy.materialise_whole(model, source, self.device,
-                                   dtype_of(self.precision) if self.precision != "fp32" else None)
+            lazy.materialise_whole(model, source, self.device, self.precision.low_dtype)
         model = model.to(self.device)
-        if self.precision != "fp32":
-            model = model.to(dtype_of(self.precision))
+        if self.precision.mixed:
+            model = model.to(self.precision.compute_dtype)
         device_ids = [self.device.index] if self.device.type == "cuda" else None  # the emulated GPU: None, as a custom device
         ddp = DDP(model, device_ids=device_ids, process_group=self.dp_group, bucket_cap_mb=self.bucket_cap_mb,
                   find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=True,
@@ -79,6 +79,9 @@ class DDPPlugin(Plugin):
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> MixedPrecisionOptimizer:
         names = optimizer_param_names(optimizer, unwrap_model(model))
         return MixedPrecisionOptimizer(optimizer, precision=self.precision, max_norm=self.max_norm, names=names)
+
+    def plan_layout(self, world: int) -> tuple[Layout, dict]:
+        return Layout("ddp", world), {"dtype": self.precision}
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, optimizer) -> Iterator[None]:

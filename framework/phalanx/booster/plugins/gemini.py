@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.amp.precision import dtype_of
+from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
@@ -37,6 +37,7 @@ from phalanx.gemini.optimizer import GeminiOptimizer
 from phalanx.gemini.placement import AutoPlacement, StaticPlacement, place_optim_on_disk
 from phalanx.gemini.tiers import DISK, MemoryTiers, device_capacity, parse_bytes
 from phalanx.gemini.tracer import MemoryTracer
+from phalanx.layout import Layout
 from phalanx.zero import comm
 
 MiB = 2**20
@@ -59,7 +60,7 @@ class GeminiPlugin(Plugin):
 
     def __init__(self, placement_policy: str = "auto", device_memory_budget: str | int | None = None,
                  shard_param_frac: float = 1.0, offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0,
-                 precision: str = "auto", chunk_size_mb: float | None = None, max_norm: float | None = None,
+                 precision: str | Precision = "auto", chunk_size_mb: float | None = None, max_norm: float | None = None,
                  prefetch: int = 1, host_memory_budget: str | int | None = None,
                  offload_to_disk: bool | str = False, disk_dir: str | None = None, disk_prefetch: int = 2,
                  disk_drop_cache: bool = False):
@@ -105,8 +106,15 @@ class GeminiPlugin(Plugin):
         budget = self.manager.tiers.budget / MiB if self.manager else float("nan")
         on_disk = sum(c.optim_tier == DISK for c in self.manager.chunks) if self.manager else 0
         disk = f", optimizer chunks on disk={on_disk} in {self.manager.disk.store.directory}" if on_disk else ""
-        return (f"gemini(precision={self.precision}, dp={self.dp_size}, placement={self.placement_policy}, "
+        return (f"gemini(precision={self.precision.name}, dp={self.dp_size}, placement={self.placement_policy}, "
                 f"budget={budget:.1f}MiB, chunks={len(self.manager.chunks) if self.manager else '?'}{disk})")
+
+    def plan_layout(self, world: int) -> tuple[Layout, dict]:
+        extra: dict = {"dtype": self.precision}
+        if self.chunk_size_mb is not None:
+            extra["gemini_chunk_mb"] = self.chunk_size_mb
+        return Layout("gemini", world, offload_optim=self.offload_optim_frac > 0,
+                      offload_param=self.offload_param_frac > 0), extra
 
     # ------------------------------------------------------------------ set-up
     def _chunk_numel(self, numels: list[int], itemsize: int, trainable: list[bool] | None = None,
@@ -129,7 +137,7 @@ class GeminiPlugin(Plugin):
 
         if self.manager is not None:
             raise ValueError("a GeminiPlugin manages one model: build one plugin per model")
-        dtype = dtype_of(self.precision)
+        dtype = self.precision.compute_dtype
         source = lazy.source_for(model, device=self.device, group=self.dp_group)
         if source is not None:
             lazy.materialise_buffers(model, source)  # the parameters wait for their chunks
@@ -155,7 +163,7 @@ class GeminiPlugin(Plugin):
         tiers = MemoryTiers(self.device, budget, host_budget)
         index = {id(p): i for i, (_, p) in enumerate(named)}
         modules = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in model.modules()]
-        chunk_numel = self._chunk_numel([p.numel() for _, p in named], torch.empty((), dtype=dtype).element_size(),
+        chunk_numel = self._chunk_numel([p.numel() for _, p in named], dtype.itemsize,
                                         [p.requires_grad for _, p in named], modules, budget)
         self.manager = ChunkManager(named, chunk_numel=chunk_numel, dp_size=self.dp_size, dp_rank=self.dp_rank,
                                     group=self.dp_group, tiers=tiers, shard_param_frac=self.shard_param_frac,
@@ -184,7 +192,7 @@ class GeminiPlugin(Plugin):
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> GeminiOptimizer:
         if self.manager is None:
             raise ValueError("boost the model together with the optimizer (GeminiPlugin needs the model first)")
-        return GeminiOptimizer(optimizer, self.manager, max_norm=self.max_norm)
+        return GeminiOptimizer(optimizer, self.manager, max_norm=self.max_norm, precision=self.precision)
 
     # ------------------------------------------------------------------ training
     @contextlib.contextmanager

@@ -17,11 +17,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.amp.precision import dtype_of
+from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.state import boosted_optimizer
 from phalanx.booster.wrappers import ModelWrapper
 from phalanx.checkpoint.optimizer import FragmentReader, OptimizerFragments
+from phalanx.layout import Layout
 from phalanx.param_binding import optimizer_param_names
 from phalanx.zero import comm
 from phalanx.zero.checkpoint import load_zero_fragments, zero_fragments
@@ -34,7 +35,7 @@ class ZeroPlugin(Plugin):
 
     full_state_on_every_rank = True
 
-    def __init__(self, stage: int = 2, precision: str = "fp32", reduce_bucket_mb: float = 25.0,
+    def __init__(self, stage: int = 2, precision: str | Precision = "fp32", reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
                  overlap_param_gather: bool = False, grad_collective: str = "auto"):
         super().__init__(precision, max_norm)
@@ -50,9 +51,14 @@ class ZeroPlugin(Plugin):
 
     def describe(self) -> str:
         c = self.config
-        return (f"{self.name}(precision={self.precision}, dp={self.dp_size}, bucket={c.reduce_bucket_mb}MB, "
+        return (f"{self.name}(precision={self.precision.name}, dp={self.dp_size}, bucket={c.reduce_bucket_mb}MB, "
                 f"overlap={c.overlap_communication}, cpu_offload={c.cpu_offload}, "
                 f"overlap_param_gather={c.overlap_param_gather})")
+
+    def plan_layout(self, world: int) -> tuple[Layout, dict]:
+        c = self.config
+        return (Layout("zero", world, zero_stage=c.stage, offload_optim=c.cpu_offload),
+                {"dtype": self.precision, "bucket_mb": c.reduce_bucket_mb})
 
     # ------------------------------------------------------------------ set-up
     def configure_model(self, model: nn.Module) -> ModelWrapper:
@@ -63,12 +69,11 @@ class ZeroPlugin(Plugin):
 
         source = lazy.source_for(model, device=self.device, group=self.dp_group)
         if source is not None:
-            lazy.materialise_whole(model, source, self.device,
-                                   dtype_of(self.precision) if self.precision != "fp32" else None)
-        self._lazy_source = source if isinstance(source, CheckpointSource) and self.precision != "fp32" else None
+            lazy.materialise_whole(model, source, self.device, self.precision.low_dtype)
+        self._lazy_source = source if isinstance(source, CheckpointSource) and self.precision.mixed else None
         model = model.to(self.device)
-        if self.precision != "fp32":
-            model = model.to(dtype_of(self.precision))
+        if self.precision.mixed:
+            model = model.to(self.precision.compute_dtype)
         # A lazy model is already the same on every rank (the same file, or the same agreed seed).
         if self.dp_size > 1 and source is None:
             with torch.no_grad():
@@ -82,7 +87,7 @@ class ZeroPlugin(Plugin):
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> ZeroOptimizer:
         names = optimizer_param_names(optimizer, unwrap_model(model))
         zero = ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group,
-                             model=unwrap_model(model))
+                             model=unwrap_model(model), precision=self.precision)
         if self._lazy_source is not None:
             _read_fp32_masters(zero, self._lazy_source)
             self._lazy_source = None

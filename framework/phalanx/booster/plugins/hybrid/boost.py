@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.amp.precision import dtype_of
 from phalanx.booster.plugins.base import unwrap_model
 from phalanx.booster.plugins.hybrid.model import HybridModel
 from phalanx.booster.state import BoostedState, boosted_state
@@ -100,8 +99,8 @@ class HybridBoosting:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
         model.to(self.device)
-        if self.precision != "fp32":
-            model.to(dtype_of(self.precision))
+        if self.precision.mixed:
+            model.to(self.precision.compute_dtype)
 
     def _configure_pipeline(self, model: nn.Module, policy, plan: TPPlan, layout, names_before) -> ModelWrapper:
         """pp > 1: cut the tensor-parallel model into this rank's stages (trimming the rest),
@@ -176,4 +175,5 @@ class HybridBoosting:
                                    partial_ids={id(p) for p in partial}, weights=weights, device=self.device)
         config = ZeroConfig(stage=self.zero_stage, max_norm=self.max_norm, **self.zero_options)
         return HybridZeroOptimizer(optimizer, config, names=names, process_group=self.dp_sp_group,
-                                   weights=weights, partial=PartialGradSync(partial, self.tp_group))
+                                   weights=weights, partial=PartialGradSync(partial, self.tp_group),
+                                   precision=self.precision)

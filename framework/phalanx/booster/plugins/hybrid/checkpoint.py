@@ -30,7 +30,7 @@ from torch import nn
 from phalanx.booster.plugins.base import unwrap_model
 from phalanx.booster.plugins.hybrid.boost import hybrid_state
 from phalanx.booster.state import BoostedState
-from phalanx.checkpoint.hf import SpreadModelCopy, SpreadOwners, _names_not_saved
+from phalanx.checkpoint.hf import SpreadModelCopy, SpreadOwners, names_not_saved
 from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fragments_from_full_state,
                                           load_full_state_into)
 from phalanx.json_collectives import all_gather_json, recv_json, send_json
@@ -180,7 +180,7 @@ class HybridCheckpointIO:
         boosted = hybrid_state(model)
         hf = unwrap_model(model)
         masters = _Masters(boosted.optimizer, hf, self.device)
-        skipped = _names_not_saved(hf)  # a tied parameter's later names (never an entry's), ignored keys
+        skipped = names_not_saved(hf)  # a tied parameter's later names (never an entry's), ignored keys
         mine = [(e, name, tensor) for e, name, tensor, send in self._local_entries(boosted, hf, masters)
                 if send and e.name not in skipped]
         local = {e.name: (name, tensor) for e, name, tensor in mine}

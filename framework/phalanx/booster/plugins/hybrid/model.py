@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 from torch import nn
 
@@ -43,7 +43,10 @@ class HybridModel(nn.Module):
         elif self.seq is not None:
             kwargs, seq_len = shard_inputs(kwargs, self.seq)
         head = self._head()
-        with _flag(head, "local_output", not wants_logits), _flag(self.seq, "inputs_sharded", seq_len is not None):
+        # the loss needs only this rank's vocabulary range; a Ulysses/ring model runs on a cut batch
+        local = head.local_logits() if head is not None and not wants_logits else contextlib.nullcontext()
+        sharded = self.seq.sharded_inputs() if seq_len is not None else contextlib.nullcontext()
+        with local, sharded:
             out = self.model(**kwargs)
         logits = getattr(out, "logits", None)
         if wants_logits and logits is not None and seq_len is not None:
@@ -56,18 +59,3 @@ class HybridModel(nn.Module):
         except AttributeError:
             return None
         return head if isinstance(head, VocabParallelLMHead) else None
-
-
-@contextlib.contextmanager
-def _flag(obj, name: str, on: bool) -> Iterator[None]:
-    """`obj.<name>` is True inside (nothing happens when `obj` is None or `on` is False): the LM
-    head's `local_output` keeps logits vocabulary-parallel for the loss; the sequence context's
-    `inputs_sharded` lets a Ulysses/ring model run on a batch cut into shards."""
-    if obj is None or not on:
-        yield
-        return
-    setattr(obj, name, True)
-    try:
-        yield
-    finally:
-        setattr(obj, name, False)

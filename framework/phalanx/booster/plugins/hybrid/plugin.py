@@ -9,11 +9,13 @@ from typing import Iterator
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin
 from phalanx.booster.plugins.hybrid.boost import HybridBoosting
 from phalanx.booster.plugins.hybrid.checkpoint import HybridCheckpointIO
 from phalanx.booster.plugins.hybrid.pipeline import HybridPipelineStep
 from phalanx.booster.state import boosted_optimizer
+from phalanx.layout import Layout
 from phalanx.mesh import LayoutError, ParallelConfig, build_mesh
 from phalanx.pipeline import check_microbatches, virtual_stages_for
 from phalanx.sequence import check_sequence_layout
@@ -42,7 +44,7 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
     model_computes_causal_lm_loss = True
 
     def __init__(self, tp_size: int = 1, sp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
-                 precision: str = "fp32", sequence_parallelism: str | None = None, max_norm: float | None = None,
+                 precision: str | Precision = "fp32", sequence_parallelism: str | None = None, max_norm: float | None = None,
                  gradient_checkpointing: bool = False, policy=None, reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, num_microbatches: int = 1,
                  pp_schedule: str = "1f1b", virtual_stages: int | None = None,
@@ -73,8 +75,16 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
         mode = f", sp_mode={self.sequence_parallelism}" if self.sequence_parallelism else ""
         pp = (f"pp={self.pp_size} ({self.pp_schedule}, {self.num_microbatches} microbatches), "
               if self.pp_size > 1 else "")
-        return (f"hybrid(precision={self.precision}, {pp}dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
+        return (f"hybrid(precision={self.precision.name}, {pp}dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
                 f"zero={self.zero_stage}{mode})")
+
+    def plan_layout(self, world: int) -> tuple[Layout, dict]:
+        layout = Layout("hybrid", world, zero_stage=self.zero_stage, tp=self.tp_size, pp=self.pp_size,
+                        sp=self.sp_size, sp_mode=self.sequence_parallelism, pp_schedule=self.pp_schedule,
+                        checkpointing=bool(self.gradient_checkpointing),
+                        offload_optim=bool(self.zero_options.get("cpu_offload", False)))
+        return layout, {"dtype": self.precision, "bucket_mb": self.zero_options.get("reduce_bucket_mb", 25.0),
+                        "microbatches": self.num_microbatches or 1}
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:

@@ -15,9 +15,9 @@ Part 2 -- GPU only: every kernel (Triton, via the default dispatch) against its 
   copy, a large matmul), and peak memory of the fused cross-entropy against eager and compiled.
   On a machine without a GPU this part prints why it is skipped and the script still exits 0.
 
-    python bench/kernels.py                      # both parts (part 1: ~1-2 min on 2 CPU cores)
-    python bench/kernels.py --dtype bf16         # part 1 in bf16
-    python bench/kernels.py --part gpu --no-compile
+    python bench/kernel_speed.py                 # both parts (part 1: ~1-2 min on 2 CPU cores)
+    python bench/kernel_speed.py --dtype bf16    # part 1 in bf16
+    python bench/kernel_speed.py --part gpu --no-compile
 
 Prints tables and one `BENCH_JSON {...}` line.
 """

@@ -7,6 +7,9 @@ SGD and Adagrad also ship a fused kernel (one vectorised pass over parameter, gr
 on CPU and CUDA that computes the same update up to rounding. On the 21M-parameter Llama of
 issue 21 it made the optimizer phase several times cheaper (docs/zero.md).
 
+It lives in `amp`, below `zero`, because every optimizer wrapper steps through it: ZeRO's
+shards, FSDP's DTensors and the one-process `MixedPrecisionOptimizer`.
+
 The kernel is switched on only for the duration of `step` (`fused_kernels`), so the param groups
 the user, the LR scheduler and checkpoints see keep the user's `fused`/`foreach` values, and a
 checkpoint written here loads into any plugin unchanged. `fused_step` also applies the gradient

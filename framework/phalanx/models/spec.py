@@ -1,0 +1,135 @@
+"""`ModelSpec`: the one description of a decoder-only model's shape that training's shard
+policies, the planner and the inference engine all read. A family's reader (`phalanx.models.<family>`)
+fills it from a Hugging Face config; the parameter counts here are checked against
+`sum(p.numel())` of the transformers model (tests/framework/test_model_families.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phalanx.models.heads import HeadCounts
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """family: the family's name ("llama", "gpt2", ...). Sizes: vocab_size, hidden_size,
+    intermediate_size (MLP width), num_layers, num_heads, num_kv_heads, head_dim.
+    tie_word_embeddings: the LM head is the token embedding. norm: "rms" (RMSNorm) or "layer"
+    (LayerNorm with bias), norm_eps. gated_mlp: SwiGLU-style gate/up/down (else up/down);
+    activation: the HF name of the MLP activation. Biases: qkv_bias (q/k/v projections), o_bias
+    (output projection), mlp_bias. qk_norm: RMSNorm over each head's q and k (Qwen3).
+    positions: "rope" or "learned" (a table added to the token embeddings, whose row of position
+    0 is position_offset: OPT 2); max_position_embeddings. embed_dim: token-embedding width when
+    it differs from hidden_size (OPT's project_in/out). final_norm: a norm after the last layer.
+    sliding_windows: per layer, a window length or None. config: the HF config it was read from
+    (RoPE tables are computed from it); name: a label for reports."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    gated_mlp: bool = True
+    activation: str = "silu"
+    norm: str = "rms"
+    positions: str = "rope"
+    position_offset: int = 0
+    embed_dim: int | None = None
+    final_norm: bool = True
+    sliding_windows: tuple = ()
+    name: str = "model"
+    config: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+
+    # ---- derived shapes ------------------------------------------------------------------------
+    @property
+    def heads(self) -> HeadCounts:
+        return HeadCounts(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    @property
+    def rope(self) -> bool:
+        return self.positions == "rope"
+
+    @property
+    def norm_bias(self) -> bool:
+        return self.norm == "layer"
+
+    @property
+    def embedding_width(self) -> int:
+        return self.embed_dim or self.hidden_size
+
+    @property
+    def projects_embeddings(self) -> bool:
+        return self.embedding_width != self.hidden_size
+
+    @property
+    def position_table(self) -> int:
+        """Rows of the learned position table (0 with RoPE)."""
+        return 0 if self.rope else self.max_position_embeddings + self.position_offset
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # ---- parameter counts ----------------------------------------------------------------------
+    def projection_params(self) -> int:
+        """OPT's project_in and project_out (no biases), 0 without them."""
+        return 2 * self.hidden_size * self.embedding_width if self.projects_embeddings else 0
+
+    def embedding_params(self) -> int:
+        return (self.vocab_size * self.embedding_width + self.position_table * self.hidden_size
+                + self.projection_params())
+
+    def head_params(self) -> int:
+        """The LM head's own weight (0 when tied to the embedding)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.embedding_width
+
+    def norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm_bias else 1)
+
+    def final_norm_params(self) -> int:
+        return self.norm_params() if self.final_norm else 0
+
+    def attention_params(self) -> int:
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        n = h * q + 2 * h * kv + q * h
+        n += (q + 2 * kv) if self.qkv_bias else 0
+        n += h if self.o_bias else 0
+        n += 2 * self.head_dim if self.qk_norm else 0
+        return n
+
+    def mlp_params(self) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        if self.gated_mlp:
+            return 3 * h * f + ((2 * f + h) if self.mlp_bias else 0)
+        return 2 * h * f + ((f + h) if self.mlp_bias else 0)
+
+    def layer_params(self) -> int:
+        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+
+    def total_params(self) -> int:
+        return (self.embedding_params() + self.num_layers * self.layer_params() + self.final_norm_params()
+                + self.head_params())
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (the 6·N of training FLOPs): layers,
+        the LM head (tied or not) and OPT's projections, not the embedding lookups."""
+        return (self.num_layers * self.layer_params() + self.vocab_size * self.embedding_width
+                + self.projection_params())

@@ -1,1 +1,0 @@
-"""Built-in shard policies, one file per model family (imported on first use by `policy_for`)."""
