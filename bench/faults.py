@@ -13,8 +13,12 @@ recovery time (from the kill to the first resumed forward), and the largest diff
 weights from the uninterrupted run's (0.0 = bit for bit). The ratio line compares the recovered
 runs' median wall time with the uninterrupted job's (the peer: the same job with no fault).
 
-Not in the suite (minutes); tests/framework/test_fault_elastic.py runs one cycle with the same
-exit-code assertion.
+`--rebucket` runs DDP as torch defaults it (re-bucketing after each process's first step): with
+3 or more ranks the restarted run's first step then sums gradients in another order, so the final
+weights are compared within `--tolerance` (default 1e-6 there) instead of bit for bit.
+
+Not in the suite at these sizes (minutes); tests/bench/test_bench_smoke.py runs one small cycle and
+tests/framework/test_fault_elastic.py asserts the exit codes and the re-bucketing bound.
 """
 from __future__ import annotations
 
@@ -142,7 +146,7 @@ def _options(args) -> dict:
     # DDP with its first bucket layout kept (find_unused_parameters): a restarted process's first
     # step then sums gradients in the uninterrupted run's order, so 4 ranks compare bit for bit
     # (docs/reliability.md).
-    plugin_options = {"find_unused_parameters": True} if args.plugin == "ddp" else {}
+    plugin_options = {"find_unused_parameters": not args.rebucket} if args.plugin == "ddp" else {}
     return {"plugin": args.plugin, "plugin_options": plugin_options, "async_save": args.async_save,
             "hang_timeout_s": args.hang_timeout}
 
@@ -165,6 +169,11 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--kill-step", type=int, default=5)
     ap.add_argument("--plugin", default="ddp", help="fit's plugin (ddp, zero1, zero2, fsdp, ...)")
+    ap.add_argument("--rebucket", action="store_true",
+                    help="DDP as torch defaults it: re-bucket after each process's first step (a restarted "
+                         "run's first step then sums in another order: with 3+ ranks not bit for bit)")
+    ap.add_argument("--tolerance", type=float, default=None,
+                    help="largest final-weight difference accepted (default 0, or 1e-6 with --rebucket)")
     ap.add_argument("--async-save", action="store_true", help="fit's async_save (a background writer thread)")
     ap.add_argument("--hang-timeout", type=float, default=0.0, help="fit's hang_timeout_s (the watchdog thread)")
     ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
@@ -193,16 +202,18 @@ def main() -> None:
         print(f"run {i + 1:2d}: exit {codes}, {wall:.1f} s, recovery {recovery:.1f} s, max weight diff {diff:.3g}",
               flush=True)
     clean = sum(all(c == 0 for c in codes) for codes, *_ in rows)
-    exact = sum(diff == 0.0 for *_, diff in rows)
+    tolerance = args.tolerance if args.tolerance is not None else (1e-6 if args.rebucket else 0.0)
+    exact = sum(diff <= tolerance for *_, diff in rows)
     walls = [wall for _, wall, _, _ in rows]
     recoveries = [r for _, _, r, _ in rows if r == r]
-    print(f"summary: {clean}/{len(rows)} jobs exited 0, {exact}/{len(rows)} with final weights bit-identical to "
+    same = "bit-identical to" if tolerance == 0 else f"within {tolerance:g} of"
+    print(f"summary: {clean}/{len(rows)} jobs exited 0, {exact}/{len(rows)} with final weights {same} "
           f"the uninterrupted run; recovery median {statistics.median(recoveries) if recoveries else float('nan'):.1f} s; "
           f"load average now {os.getloadavg()[0]:.2f}")
     print(f"ratio: recovered job wall time / uninterrupted job = {statistics.median(walls) / ref_wall:.2f}x")
     print("BENCH_JSON " + json.dumps({
         "bench": "faults", "agents": args.agents, "ranks_per_agent": args.ranks, "plugin": args.plugin,
-        "runs": len(rows), "exit_0": clean, "bit_identical": exact, "exit_codes": [codes for codes, *_ in rows],
+        "runs": len(rows), "exit_0": clean, "within_tolerance": exact, "tolerance": tolerance, "exit_codes": [codes for codes, *_ in rows],
         "max_weight_diff": max((d for *_, d in rows), default=None), "recovery_s": recoveries,
         "wall_ratio": statistics.median(walls) / ref_wall, "loadavg": os.getloadavg()[0]}))
     sys.exit(0 if clean == len(rows) == exact and all(c == 0 for c in ref_codes) else 1)
