@@ -372,7 +372,7 @@ class LLM:
 
     def _completion(self, seq: Sequence, index: int) -> CompletionOutput:
         if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-            seq.text = self.stop_checker.decode(seq)
+            seq.text = self.stop_checker.text(seq)
         params = seq.params
         want = params.logprobs is not None
         text, token_ids = seq.text, list(seq.output_token_ids)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from phalanx.inference.detokenize import IncrementalText
 from phalanx.inference.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Sequence:
         self.prompt_logprobs: list[float] = []
         self.prompt_top_logprobs: list[dict[int, float]] = []
         self.text = ""  # detokenized output, cut at a stop string when one matched
+        self.detokenizer = IncrementalText()  # builds `text` a few tokens at a time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0

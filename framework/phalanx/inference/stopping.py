@@ -40,9 +40,16 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def decode(self, seq: Sequence) -> str:
+        """The whole output's text (decoded in full: for cutting at a stop string)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def text(self, seq: Sequence) -> str:
+        """The output's text so far, decoding only the tokens added since the last call
+        (`detokenize.IncrementalText`); complete characters only until the sequence finishes."""
+        return seq.detokenizer.update(self.tokenizer, seq.output_token_ids, seq.params.skip_special_tokens,
+                                      final=seq.is_finished)
 
     def _stop_in_tail(self, seq: Sequence) -> bool:
         """Whether a stop string occurs in the text of the last few output tokens. Checked after
