@@ -279,6 +279,30 @@ def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):
     assert len(out.token_ids) == len(out.logprobs) and out.finish_reason in ("stop", "length")
 
 
+def test_speculative_decoding_at_the_context_limit_and_with_the_pool_nearly_full(models, tmp_path):
+    """Issue 36: requests that run to max_model_len (verification would look past the RoPE table)
+    and a KV pool with no room for the lookahead slots (a sequence used to preempt itself and
+    leave the step empty) finish with the tokens of the same engine without a draft model."""
+    path, _ = models["llama"]
+    draft, _ = im.save_model(tmp_path / "draft", "llama", seed=0, num_hidden_layers=1)
+    prompts = im.mixed_prompts(4, seed=11, low=10, high=30)
+    limit = 48
+    to_the_limit = [SamplingParams(max_new_tokens=limit - len(p), temperature=0, ignore_eos=True) for p in prompts]
+    plain = engine(path, max_model_len=limit).generate(prompts, to_the_limit)
+    spec = engine(path, max_model_len=limit, draft_model=str(draft), num_speculative_tokens=4)
+    got = spec.generate(prompts, to_the_limit)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert all(len(p) + len(o.token_ids) == limit for p, o in zip(prompts, got, strict=True))
+    assert spec.speculator.num_proposed > 0 and spec.block_manager.all_free()
+    # 12 blocks of 8 slots for 4 requests of up to 38 tokens: the pool runs nearly full, so lookahead
+    # slots often do not fit (plain steps then) and plain decoding preempts as it always did
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    want = engine(path, num_blocks=12).generate(prompts, params)
+    tight = engine(path, num_blocks=12, draft_model=str(draft), num_speculative_tokens=4)
+    assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in want]
+    assert tight.speculator.num_proposed > 0 and tight.block_manager.all_free()
+
+
 def test_bad_requests_and_models_are_refused_clearly(llama, tmp_path):
     path, _ = llama
     eng = engine(path)

@@ -144,7 +144,8 @@ class LLM:
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                   num_lookahead_tokens=self.config.num_speculative_tokens if self.speculator else 0)
+                                   num_lookahead_tokens=self.config.num_speculative_tokens if self.speculator else 0,
+                                   max_model_len=self.max_model_len)
         self.stop_checker = StopChecker(tokenizer, _eos_ids(config, generation_config, tokenizer), self.max_model_len)
         self.sampler = Sampler()
         self._ids = itertools.count()

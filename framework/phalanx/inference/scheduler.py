@@ -53,8 +53,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_model_len: int | None = None) -> None:
         self.blocks = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -113,8 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        out.speculative = (self.num_lookahead_tokens > 0 and not self.waiting and bool(self.running)
-                           and not any(s.in_prefill for s in self.running))
+        out.speculative = self._can_speculate()
         lookahead = self.num_lookahead_tokens if out.speculative else 0
 
         # 1. running sequences, oldest first
@@ -152,6 +152,22 @@ class Scheduler:
             self._schedule(seq, n, out)
             budget -= n
         return out
+
+    def _can_speculate(self) -> bool:
+        """A speculative step (k draft tokens verified at once) only where it is safe for every
+        running sequence, else a plain decode step: no prefill or waiting request; the k positions
+        past each sequence's end stay inside max_model_len (past it the RoPE table ends); and the
+        lookahead slots fit in the free blocks now, so lookahead never preempts anyone (a sequence
+        could otherwise preempt itself and leave the step empty). Plain steps near the context
+        limit or with the pool nearly full produce the same tokens, one per step."""
+        k = self.num_lookahead_tokens
+        if k == 0 or self.waiting or not self.running or any(s.in_prefill for s in self.running):
+            return False
+        if self.max_model_len is not None and any(s.num_tokens + k > self.max_model_len for s in self.running):
+            return False
+        extra = sum(max(0, self.blocks.blocks_needed(s.num_computed_tokens + s.num_uncomputed_tokens + k)
+                        - len(s.block_table)) for s in self.running)
+        return extra <= self.blocks.num_free_blocks
 
     def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
