@@ -1,15 +1,13 @@
 """Parallel layouts the planner considers, and the list of them for a world size."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
+from phalanx.layout import Layout  # the value lives below booster and plan (re-exported here)
 from phalanx.models import ModelSpec, head_problem
 
 PLUGINS = ("ddp", "zero", "fsdp", "gemini", "hybrid")
 
-
-from phalanx.layout import Layout  # noqa: E402  (the class lives below booster and plan)
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
