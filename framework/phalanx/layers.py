@@ -50,6 +50,7 @@ PEERS: dict[str, tuple[str, ...]] = {
     "shard": ("zero",),
     "gemini": ("lazy",),
     "selfcheck": ("inference",),
+    "observe": ("malloc",),  # release_free_memory trims through the one allocator owner
 }
 
 # Framework packages that may import `phalanx.testing` (selfcheck runs the tests' smoke checks).

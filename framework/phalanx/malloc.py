@@ -89,6 +89,12 @@ def follow_live_memory() -> bool:
 def give_back_freed_memory() -> None:
     """Return the memory the process keeps free to the kernel (`malloc_trim(0)`); a no-op unless
     `keep_freed_memory` raised the thresholds."""
-    if _state["setting"] != "keep":
-        return
-    _libc().malloc_trim(0)
+    if _state["setting"] == "keep":
+        trim_heap()
+
+
+def trim_heap() -> None:
+    """`malloc_trim(0)` whatever the setting (before a measurement's baseline); a no-op off glibc."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -20,6 +20,8 @@ import torch
 from phalanx_kernels.accelerator import available as accelerator_available
 from phalanx_kernels.accelerator import current_device, device_module, is_accelerator
 
+from phalanx.malloc import trim_heap
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -80,12 +82,7 @@ def release_free_memory() -> None:
     gc.collect()
     if accelerator_available():
         device_module().empty_cache()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+    trim_heap()
 
 
 def tensor_bytes_on(tensors, device: torch.device | str | None = None) -> int:
