@@ -260,11 +260,6 @@ class TrainingRun:
                                  tokens_seen=p.tokens_seen,
                                  extra={"wandb_run_id": self.wandb_run_id, "train_config": config_to_dict(self.cfg),
                                         "lr_scale": self.nonfinite.lr_scale})
-        if not self.cfg.async_save:
-            # The steps' kept blocks go back before a synchronous save's own peak. An async save
-            # copies the state into host memory right away: the kept blocks are what it reuses
-            # (trimming first made it fault every page in again: 22 vs 15 ms a save, docs/reliability.md).
-            give_back_freed_memory()
         hooks_writer = self._write_hooks if self.hooks else None
         with track("checkpoint snapshot"):
             self.writer.save(checkpoint_path(self.output_dir, at_step), at_step, self.model_b, self.optim_b,
