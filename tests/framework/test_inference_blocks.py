@@ -168,6 +168,64 @@ def test_speculative_steps_reserve_lookahead_slots_only_when_all_decode():
     assert out.speculative and len(a.block_table) * 4 >= a.num_tokens + 3
 
 
+def test_lookahead_stays_inside_the_request_the_context_and_the_free_blocks():
+    """Issue 36: a sequence looks ahead at most k, never past prompt + max_new_tokens or
+    max_model_len (verification positions n-1 .. n-1+k), and only into blocks that are free once
+    every sequence has its own next slot: lookahead never preempts."""
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, num_lookahead_tokens=4,
+                      max_model_len=12)
+    near_end, short, free = seq(range(9), "a", 3), seq(range(4), "b", 2), seq(range(3), "c", 8)
+    for s in (near_end, short, free):
+        s.token_ids.append(7)  # one token generated: decoding
+        sched.add(s)
+    assert [sched.lookahead(s) for s in (near_end, short, free)] == [1, 0, 4]
+    near_end.token_ids.append(7)  # 11 tokens of max_model_len 12: nothing left to look ahead for
+    assert sched.lookahead(near_end) == 0
+    # a nearly full pool of 3 blocks of 4 slots: after each sequence's own next slot (a: 5 tokens
+    # in 2 blocks, b: 4 tokens in 1) none is free; a looks ahead into the 3 slots left in its
+    # second block, b (its block full) not at all, and nobody is preempted
+    tight = Scheduler(BlockManager(3, 4), max_num_seqs=8, max_num_batched_tokens=64, num_lookahead_tokens=4)
+    a, b = seq(range(4), "a", 8), seq(range(3), "b", 5)
+    tight.add(a)
+    tight.add(b)
+    _fake_decode(tight, tight.schedule())  # prefills, one token sampled each
+    out = tight.schedule()
+    assert out.speculative and [s.lookahead for s in out.scheduled] == [3, 0] and not out.preempted
+    assert len(a.block_table) == 2 and len(b.block_table) == 1 and tight.blocks.num_free_blocks == 0
+
+
+def test_a_failed_step_rolls_back_and_forgets_what_it_published():
+    """roll_back puts the step's sequences back at the front of the queue in order, frees their
+    blocks, and unpublishes the prefixes the step promised; a suspect then runs alone. A
+    sequence re-admitted after a failed step still runs its last token (the prefix memo of the
+    failed step is longer than what may be taken from the cache)."""
+    sched = _scheduler(num_blocks=16, block_size=4)
+    a, b, c = seq(range(8), "a", 8), seq(range(8), "b", 8), seq(range(20, 27), "c", 8)
+    sched.add(a)
+    out = sched.schedule()
+    _fake_decode(sched, out)  # a: 8 prompt tokens computed and published, 1 sampled
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a", "b", "c"] and b.num_cached_prompt_tokens == 4
+    published_now = sched.blocks._published[:]  # c's first block (a's blocks were published before)
+    assert published_now and all(sched.blocks._block_key[x] is not None for x in published_now)
+    sched.roll_back(out)
+    assert [s.request_id for s in sched.waiting] == ["a", "b", "c"] and not sched.running
+    assert all(s.num_computed_tokens == 0 and not s.block_table for s in (a, b, c))
+    assert all(sched.blocks._block_key[x] is None for x in published_now)
+    assert sched.blocks.all_free() and sched.num_preemptions == 0
+    c.suspect = True
+    out = sched.schedule()  # the suspect alone
+    assert [s.seq.request_id for s in out.scheduled] == ["c"] and c.num_cached_prompt_tokens == 0
+    c.suspect = False  # (the engine clears it once the suspect sampled)
+    # b (a's prompt, both of its blocks computed in the failed step: its prefix memo has two keys)
+    # is re-admitted with a's first block only: the block of its last token is never taken
+    out = sched.schedule()
+    run = {s.seq.request_id: s.num_tokens for s in out.scheduled}
+    assert run["b"] == 4 and b.num_cached_prompt_tokens == 4 and len(b.block_hashes) == 2
+
+
 def test_a_fork_shares_only_the_full_prompt_blocks():
     """The samples of one request: the child takes a reference on the parent's full prompt blocks;
     the parent's partly filled last block stays the parent's alone (nobody writes a shared block),

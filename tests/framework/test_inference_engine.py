@@ -272,6 +272,11 @@ def test_speculative_decoding_keeps_greedy_tokens(models, tmp_path):
     # forked samples join speculative steps too: the draft's cache holds their recomputed tails
     forked = eng.generate(prompts[1], SamplingParams(n=2, max_new_tokens=20, temperature=0))[0]
     assert [o.token_ids for o in forked.outputs] == [want[1]] * 2 and eng.block_manager.all_free()
+    # seeded sampling with a draft model repeats for the same calls (docs/inference.md says why not
+    # alone vs in any batch: whether and how far a step speculates depends on the batch)
+    seeded = SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)
+    first = [o.token_ids for o in eng.generate(prompts, seeded)]
+    assert [o.token_ids for o in eng.generate(prompts, seeded)] == first
     same = engine(path, draft_model=model, num_speculative_tokens=4)  # a perfect draft
     assert [o.token_ids for o in same.generate(prompts, GREEDY)] == want
     assert same.speculator.acceptance_rate == 1.0
@@ -301,6 +306,13 @@ def test_speculative_decoding_at_the_context_limit_and_with_the_pool_nearly_full
     tight = engine(path, num_blocks=12, draft_model=str(draft), num_speculative_tokens=4)
     assert [o.token_ids for o in tight.generate(prompts, params)] == [o.token_ids for o in want]
     assert tight.speculator.num_proposed > 0 and tight.block_manager.all_free()
+    # one request that needs every block of the cache (prompt + max_new_tokens = 5 blocks of 8):
+    # lookahead stays inside the request, so it never asks for a sixth
+    prompt, params = prompts[0][:20], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    want = engine(path, num_blocks=5).generate(prompt, params)[0].token_ids
+    full = engine(path, num_blocks=5, draft_model=str(draft), num_speculative_tokens=4)
+    assert full.generate(prompt, params)[0].token_ids == want and len(want) == 20
+    assert full.speculator.num_proposed > 0 and full.block_manager.all_free()
 
 
 def test_bad_requests_and_models_are_refused_clearly(llama, tmp_path):

@@ -242,6 +242,22 @@ def test_concurrent_clients_share_batches_and_get_their_own_answers(setup):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 80}]}, 400,
      "limit of 64 prompt tokens"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+    # issue 36: a parameter the engine would ignore answers 400 naming it
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "'response_format' is not supported: structured output"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "'tool_choice' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     400, "messages[0].tool_calls is not supported"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "'suffix' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "tempreture": 0.5}, 400, "'tempreture' is not supported: unknown parameter"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, 400, "'min_p' is not supported"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, "x"]}, 400, "'stop_token_ids' must be a list"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "outside the vocabulary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 2}, 400,
+     "/v1/completions field"),
 ])
 def test_bad_requests_get_4xx_with_an_openai_error(setup, route, body, status, words):
     server, client, engine = setup
@@ -253,6 +269,62 @@ def test_bad_requests_get_4xx_with_an_openai_error(setup, route, body, status, w
     error = r.json()["error"]
     assert words in error["message"] and error["type"], error
     wait_until(lambda: server.loop.in_flight == 0, what="refused requests are forgotten")
+
+
+def test_neutral_values_of_unsupported_parameters_pass(setup):
+    """`tools: []`, `tool_choice: "none"`, `response_format: {"type": "text"}`, nulls: they ask
+    for nothing, so the request runs (and answers what it answers without them)."""
+    _, client, _ = setup
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    r = client.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 4, "temperature": 0, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}, "parallel_tool_calls": False, "user": "u1", "suffix": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+def test_chat_without_max_tokens_runs_to_the_context_limit_with_a_draft_model(model_path, tmp_path):
+    """Issue 36: a chat request without max_tokens gets whatever the context leaves, so it runs to
+    max_model_len; with a draft model verification must not look past it. Streamed and not,
+    several at once (nearly full pool: 24 blocks of 8 for 3 x 48 tokens), the answers equal
+    the engine's own without a draft model."""
+    draft, _ = im.save_model(tmp_path / "draft", "llama", seed=0, num_hidden_layers=1)
+    limit = 48
+    plain = make_engine(model_path, max_model_len=limit, num_blocks=24)
+    engine = make_engine(model_path, max_model_len=limit, num_blocks=24, draft_model=str(draft),
+                         num_speculative_tokens=4)
+    conversations = [[{"role": "user", "content": text}] for text in ("Hello world!", "What is the weather like?",
+                                                                      "Paged attention")]
+    want = []
+    for messages in conversations:
+        ids = plain.tokenizer(plain.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                  tokenize=False), add_special_tokens=False)["input_ids"]
+        want.append(plain.generate(ids, SamplingParams(max_new_tokens=limit - len(ids), temperature=0,
+                                                       ignore_eos=True))[0])
+    with OpenAIServer(engine, port=0) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        results = [None] * 3
+
+        def ask(i):
+            body = {"messages": conversations[i], "temperature": 0, "ignore_eos": True, "stream": i == 1}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                if i == 1:
+                    results[i] = "".join(e["choices"][0]["delta"].get("content", "") for e in sse(r) if e["choices"])
+                else:
+                    r.read()
+                    results[i] = r.json()["choices"][0]["message"]["content"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == [w.text for w in want]
+        assert all(len(w.prompt_token_ids) + len(w.token_ids) == limit for w in want)
+        assert engine.speculator.num_proposed > 0
+        wait_until(lambda: server.loop.in_flight == 0, what="nothing in flight")
+        assert engine.block_manager.all_free()
 
 
 def test_oversized_body_and_wrong_method(setup):

@@ -100,6 +100,25 @@ def test_n_choices(server, client):
     assert [c.text for c in r.choices] == [c.text for c in want.outputs]
 
 
+def test_stop_token_ids_over_http(server, client):
+    """vLLM's extra parameter `stop_token_ids` (extra_body for the openai client) ends the output
+    at that token: finish_reason "stop", stop_reason the id, the text of the tokens before it."""
+    prompt = "Continuous batching admits new requests"
+    free = direct(server, prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop = free.token_ids[5]
+    cut = free.token_ids.index(stop)  # its first occurrence
+    want = direct(server, prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[stop]))[0]
+    assert want.token_ids == free.token_ids[:cut + 1] and want.finish_reason == "stop"
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop and r.usage.completion_tokens == cut + 1
+    with pytest.raises(openai.BadRequestError, match="'response_format' is not supported"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_object"})
+
+
 def test_health_and_metrics_parse(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     text = httpx.get(server.url + "/metrics").text

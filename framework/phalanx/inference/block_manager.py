@@ -41,6 +41,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # prefix key -> block holding it
         self._block_key: list[bytes | None] = [None] * num_blocks
+        self._published: list[int] = []  # blocks published since `begin_step` (undone if the step fails)
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -93,7 +94,8 @@ class BlockManager:
         assert not seq.block_table, "sequence already holds blocks"
         hits: list[int] = []
         if self.enable_prefix_caching and use_cache:
-            for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+            limit = (seq.num_tokens - 1) // self.block_size
+            for key in self._keys(seq, limit)[:limit]:  # the memo may hold more (after a failed step)
                 block = self._cached.get(key)
                 if block is None:
                     break
@@ -146,7 +148,23 @@ class BlockManager:
             if self._block_key[block] is None and keys[i] not in self._cached:
                 self._cached[keys[i]] = block
                 self._block_key[block] = keys[i]
+                self._published.append(block)
         seq.num_registered_blocks = full
+
+    def begin_step(self) -> None:
+        """Start a step: blocks published from now on are published on the promise that this
+        step computes their keys and values (see `unpublish_step`)."""
+        self._published.clear()
+
+    def unpublish_step(self) -> None:
+        """The step failed: forget the prefixes published since `begin_step`, whose keys and
+        values were never (or only partly) written, so no later request attaches them."""
+        for block in self._published:
+            key = self._block_key[block]
+            if key is not None and self._cached.get(key) == block:
+                del self._cached[key]
+            self._block_key[block] = None
+        self._published.clear()
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's hold on its blocks; unshared ones return to the free queue (most

@@ -9,11 +9,16 @@ speculating), samples, appends, and retires finished requests; `generate()` is a
 done. With tensor parallelism every rank builds the same `LLM` and calls `generate` with the same
 arguments: rank 0 of the TP group drives (schedules, samples), the others run the model for the
 steps it broadcasts, and all return the same outputs.
+
+A step that raises fails only the request whose own step fails (`_step`: the step is rolled back,
+its sequences retried alone); that request ends with finish_reason "error" and `error` set, and
+the engine goes on (with tensor parallelism the error is raised).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence as Seq
@@ -37,6 +42,7 @@ from phalanx.inference.tp import TPGroup
 from phalanx.inference.weights import directory_source, load_weights, state_dict_source
 
 Prompt = str | list[int]
+log = logging.getLogger(__name__)
 
 
 def _load_config(path: Path):
@@ -217,6 +223,9 @@ class LLM:
         bad = [t for t in params.logit_bias if t >= self.spec.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens={params.max_new_tokens}: "
                              f"together more than max_model_len={self.max_model_len}")
@@ -275,22 +284,23 @@ class LLM:
             seq.first_token_time = time.perf_counter()
         return self.stop_checker.check(seq)
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The other samples of the parent's request, now that its prompt is in the cache: each
-        shares the prompt's full blocks (see `BlockManager.fork`)."""
+    def _children(self, parent: Sequence) -> list[Sequence]:
+        """The other samples of the parent's request, made (not yet attached: `_attach`) now
+        that its prompt is in the cache."""
         params, seed = parent.params, self._seeds[parent.request_id]
-        children = []
-        for index in range(1, parent.num_pending_forks + 1):
-            child = Sequence(parent.request_id, parent.prompt_token_ids, params, prompt=parent.prompt,
-                             generator=self._generator(params, seed, index), arrival_time=parent.arrival_time,
-                             index=index)
+        return [Sequence(parent.request_id, parent.prompt_token_ids, params, prompt=parent.prompt,
+                         generator=self._generator(params, seed, index), arrival_time=parent.arrival_time,
+                         index=index)
+                for index in range(1, parent.num_pending_forks + 1)]
+
+    def _attach(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Fork the children in: each shares the parent's full prompt blocks (see `BlockManager.fork`)."""
+        for child in children:
             self.block_manager.fork(parent, child)
             child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
             child.status = parent.status
-            children.append(child)
         parent.num_pending_forks = 0
         self._seqs[parent.request_id].extend(children)
-        return children
 
     def _collect_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         """Log-probs of the prompt tokens predicted by rows start, start + 1, … of this chunk."""
@@ -310,17 +320,126 @@ class LLM:
             seq.prompt_top_logprobs.extend({} for _ in want)
 
     def _step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that got tokens or finished."""
+        """One engine step; returns the sequences that got tokens or finished (failed included).
+
+        Fault isolation: the step computes (model, draft, sampler) before it changes any
+        sequence, so when that raises, `_step_failed` can put every sequence of the step back as
+        it was (`Scheduler.roll_back`, the generators' states restored) and only the request
+        whose own step fails is failed; an error while one sequence's tokens are appended fails
+        that sequence's request alone."""
         plan = self.scheduler.schedule()
         if not plan:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not run any request (KV cache too small for the next "
                                    "step?); raise the KV-cache budget")
             return []
-        touched: list[Sequence] = []
+        states = [(seq.generator, seq.generator.get_state()) for seq in (s.seq for s in plan.scheduled)
+                  if seq.generator is not None]
+        try:
+            computed = self._compute_speculative(plan) if plan.speculative else self._compute(plan)
+        except Exception as exc:  # noqa: BLE001 - isolated below; TP steps cannot be recovered
+            if self.tp.size > 1:
+                raise
+            return self._step_failed(plan, states, exc)
+        for s in plan.scheduled:
+            if s.samples or plan.speculative:
+                s.seq.suspect = False
         if plan.speculative:
-            seqs = [s.seq for s in plan.scheduled]
-            for seq, tokens in zip(seqs, self.speculator.step(seqs, self._row)):
+            return self._commit_speculative(plan, computed)
+        return self._commit(plan, *computed)
+
+    def _step_failed(self, plan, states, exc: BaseException) -> list[Sequence]:
+        """Undo the failed step; fail its request when it ran alone, else retry each of its
+        sequences alone (suspects) to find the one that fails."""
+        for generator, state in states:
+            generator.set_state(state)
+        self.scheduler.roll_back(plan)
+        seqs = [s.seq for s in plan.scheduled]
+        if len({seq.request_id for seq in seqs}) == 1:
+            log.error("request %s failed in an engine step: %s", seqs[0].request_id, exc, exc_info=exc)
+            return self._fail(seqs[0].request_id, exc, seqs[0])
+        log.warning("an engine step of %d sequences failed (%s: %s); retrying each alone",
+                    len(seqs), type(exc).__name__, exc)
+        for seq in seqs:
+            seq.suspect = True
+        return []
+
+    def _fail(self, request_id: str, exc: BaseException, seq: Sequence) -> list[Sequence]:
+        """End every sample of `seq`'s request with finish_reason 'error' and the cause; frees
+        their blocks."""
+        samples = self._seqs.get(request_id) or [seq]
+        message = f"{type(exc).__name__}: {exc}"
+        for sample in samples:
+            sample.error, sample.suspect, sample.num_pending_forks = message, False, 0
+            if not sample.is_finished:
+                sample.finish_reason = "error"
+                self._retire(sample)
+        return list(samples)
+
+    def _compute(self, plan):
+        """Run the model (and the draft) on a plain step and sample; changes no sequence."""
+        chunks = []
+        for s in plan.scheduled:  # rows of logits: every position while prompt log-probs are collected
+            rows = s.num_tokens if s.seq.needs_prompt_logits else (1 if s.samples else 0)
+            chunks.append(Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table, rows))
+        logits = self.runner.execute(chunks)
+        if self.draft_runner is not None:  # keep the draft's cache in step with the target's
+            self.draft_runner.execute([Chunk(c.token_ids, c.start, c.block_table, 0) for c in chunks])
+        sampling: list[Sequence] = []
+        children: dict[int, list[Sequence]] = {}  # id(parent) -> samples forked off it this step
+        sample_rows: list[int] = []
+        at = 0
+        for s, chunk in zip(plan.scheduled, chunks):
+            if s.samples:
+                kids = children[id(s.seq)] = self._children(s.seq) if s.seq.num_pending_forks else []
+                sampling.extend([s.seq, *kids])
+                sample_rows.extend([at + chunk.num_logits - 1] * (1 + len(kids)))
+            at += chunk.num_logits
+        result = None
+        if sampling:
+            rows = logits
+            if sample_rows != list(range(len(sample_rows))) or len(sample_rows) != logits.shape[0]:
+                rows = logits[sample_rows]
+            result = self.sampler(rows, [self._row(seq) for seq in sampling])
+        return chunks, logits, children, result
+
+    def _commit(self, plan, chunks, logits, children, result) -> list[Sequence]:
+        """Append a plain step's tokens: prompt log-probs, forks, sampled tokens, retirements."""
+        touched: list[Sequence] = []
+        at = first = 0  # first logits row / first sampled row of each scheduled sequence
+        for s, chunk in zip(plan.scheduled, chunks):
+            seq, kids, samples = s.seq, children.get(id(s.seq), []), s.samples  # (before tokens are appended)
+            try:
+                if seq.needs_prompt_logits:
+                    self._collect_prompt_logprobs(seq, s.start, logits[at:at + chunk.num_logits])
+                if samples:
+                    if kids:
+                        self._attach(seq, kids)
+                    for i, sample in enumerate((seq, *kids), start=first):
+                        processed = result.processed_logprobs[i] if result.processed_logprobs is not None else None
+                        done = self._append(sample, result.token_ids[i], result.logprobs[i], result.top_logprobs[i],
+                                            processed)
+                        touched.append(sample)
+                        if sample is not seq:
+                            self.scheduler.add_forked(sample)
+                        if done:
+                            self._retire(sample)
+            except Exception as exc:  # noqa: BLE001 - this request's own bookkeeping: fail it alone
+                log.error("request %s failed: %s", seq.request_id, exc, exc_info=exc)
+                touched.extend(self._fail(seq.request_id, exc, seq))
+            at += chunk.num_logits
+            first += 1 + len(kids) if samples else 0
+        return touched
+
+    def _compute_speculative(self, plan):
+        seqs = [s.seq for s in plan.scheduled]
+        return self.speculator.step(seqs, self._row, [s.lookahead for s in plan.scheduled])
+
+    def _commit_speculative(self, plan, emitted) -> list[Sequence]:
+        touched: list[Sequence] = []
+        for s, tokens in zip(plan.scheduled, emitted):
+            seq = s.seq
+            try:
                 done = False
                 for e in tokens:
                     done = self._append(seq, e.token_id, e.logprob, e.top_logprobs)
@@ -332,39 +451,9 @@ class LLM:
                 else:
                     seq.num_computed_tokens = seq.num_tokens - 1
                     self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)
-            return touched
-        chunks = []
-        for s in plan.scheduled:  # rows of logits: every position while prompt log-probs are collected
-            rows = s.num_tokens if s.seq.needs_prompt_logits else (1 if s.samples else 0)
-            chunks.append(Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table, rows))
-        logits = self.runner.execute(chunks)
-        if self.draft_runner is not None:  # keep the draft's cache in step with the target's
-            self.draft_runner.execute([Chunk(c.token_ids, c.start, c.block_table, 0) for c in chunks])
-        sampling: list[Sequence] = []
-        forked: set[int] = set()  # ids of samples forked this step (they join the running batch)
-        sample_rows: list[int] = []
-        at = 0
-        for s, chunk in zip(plan.scheduled, chunks):
-            if s.seq.needs_prompt_logits:
-                self._collect_prompt_logprobs(s.seq, s.start, logits[at:at + chunk.num_logits])
-            if s.samples:
-                seqs = [s.seq] + (self._fork(s.seq) if s.seq.num_pending_forks else [])
-                forked.update(id(c) for c in seqs[1:])
-                sampling.extend(seqs)
-                sample_rows.extend([at + chunk.num_logits - 1] * len(seqs))
-            at += chunk.num_logits
-        if sampling:
-            if sample_rows != list(range(len(sample_rows))) or len(sample_rows) != logits.shape[0]:
-                logits = logits[sample_rows]
-            result = self.sampler(logits, [self._row(seq) for seq in sampling])
-            for i, seq in enumerate(sampling):
-                touched.append(seq)
-                processed = result.processed_logprobs[i] if result.processed_logprobs is not None else None
-                done = self._append(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i], processed)
-                if id(seq) in forked:
-                    self.scheduler.add_forked(seq)
-                if done:
-                    self._retire(seq)
+            except Exception as exc:  # noqa: BLE001 - this request's own bookkeeping: fail it alone
+                log.error("request %s failed: %s", seq.request_id, exc, exc_info=exc)
+                touched.extend(self._fail(seq.request_id, exc, seq))
         return touched
 
     def _retire(self, seq: Sequence) -> None:
@@ -406,20 +495,24 @@ class LLM:
         log-prob, and only once every sample finished); None while there is nothing to report."""
         samples = self._seqs[request_id]
         head, params = samples[0], samples[0].params
-        if params.best_of > params.n:
+        error = next((s.error for s in samples if s.error is not None), None)
+        if error is not None:  # failed: whatever it had, at once
+            samples = samples[:params.n]
+        elif params.best_of > params.n:
             if len(samples) < params.best_of or not all(s.is_finished for s in samples):
                 return None
             samples = sorted(samples, key=lambda s: (-s.cumulative_logprob, s.index))[:params.n]
         else:
             samples = samples[:params.n]
         completions = [self._completion(seq, i) for i, seq in enumerate(samples)]
-        if len(completions) < params.n:  # not forked yet (still in its prompt): nothing sampled so far
+        if len(completions) < params.n and error is None:  # not forked yet (still in its prompt): nothing sampled
             return None
         return RequestOutput.of(
             request_id, head.prompt, head.prompt_token_ids, completions,
             num_cached_tokens=head.num_cached_prompt_tokens, arrival_time=head.arrival_time,
             prompt_logprobs=list(head.prompt_logprobs) if head.wants_prompt_logprobs else None,
-            prompt_top_logprobs=list(head.prompt_top_logprobs) if head.wants_prompt_logprobs else None)
+            prompt_top_logprobs=list(head.prompt_top_logprobs) if head.wants_prompt_logprobs else None,
+            error=error)
 
     def _request_finished(self, request_id: str) -> bool:
         samples = self._seqs.get(request_id)
@@ -449,6 +542,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (strings or token-id lists); outputs in prompt order.
 
+        When a step raises, or one of the requests fails in the engine (`RequestOutput.error`),
+        every request of this call is aborted (its blocks freed) and the error is raised.
+
         With tensor parallelism, call it on every rank of the TP group with the same arguments.
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
@@ -466,17 +562,22 @@ class LLM:
                 raise RuntimeError(f"the TP driver (rank {self.tp.driver}) failed: {result}")
             return result
         outputs: list[RequestOutput] | str = "generate did not finish"
+        ids: list[str] = []
         try:
-            ids = [self.add_request(p, sp) for p, sp in zip(batch, params)]
+            ids.extend(self.add_request(p, sp) for p, sp in zip(batch, params))
             wanted = set(ids)
             done: dict[str, RequestOutput] = {}
             while wanted - done.keys():
                 for request_id in dict.fromkeys(seq.request_id for seq in self._step()):
                     if request_id in wanted and self._request_finished(request_id):
-                        done[request_id] = self._output(request_id)
+                        done[request_id] = out = self._output(request_id)
                         self._forget(request_id)
+                        if out.error is not None:
+                            raise RuntimeError(f"request {request_id} failed: {out.error}")
             outputs = [done[i] for i in ids]
         except BaseException as exc:
+            for request_id in ids:  # the others end too, and every block is freed
+                self.abort(request_id)
             outputs = f"{type(exc).__name__}: {exc}"
             raise
         finally:

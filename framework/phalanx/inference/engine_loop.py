@@ -11,6 +11,13 @@ engine step:
 - `abort` is non-blocking too: the loop drops the request before its next step, which frees the
   request's KV blocks, and ends its stream.
 
+Fault isolation: when a step fails, the engine fails only the request whose own step fails
+(`LLM._step`) and reports it with `RequestOutput.error`; its stream ends with `RequestFailed`
+naming the cause. Any other exception out of a step fails the requests then running (their
+blocks are freed) and the loop goes on serving new ones. Only an interrupt (or, with tensor
+parallelism, any step failure: the ranks' collectives cannot be resynchronised) stops the loop;
+`error` is then set and /health answers 503.
+
 A `RequestStream` bound to an asyncio event loop (pass `loop=`) is read with `async for`; without
 one it is read with a plain `for` (a blocking queue), for code that is not async.
 With tensor parallelism the loop also pings the worker ranks while idle, so their blocking
@@ -46,6 +53,11 @@ class QueueFull(Exception):
 
 class Aborted(Exception):
     """The request was aborted (its client left, or the server is stopping)."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (an exception in a step it ran in); the message names the
+    cause. The engine goes on serving the others."""
 
 
 @dataclass
@@ -284,10 +296,14 @@ class EngineLoop:
                 self.metrics.first_token(time.perf_counter() - stream.submitted_at)
             if new > 0:
                 self.metrics.generated(new)
-            if out.finished:
+            if out.finished and out.error is None:
                 self.metrics.finished(len(out.prompt_token_ids), out.finish_reason)
         stream.num_tokens_seen = total
-        if out.finished:
+        if out.error is not None:
+            if self.metrics is not None:
+                self.metrics.failed()
+            self._finish(stream, RequestFailed(f"the engine failed this request: {out.error}"))
+        elif out.finished:
             self._finish(stream, out)
         else:
             stream.put(out)
@@ -325,14 +341,37 @@ class EngineLoop:
                     continue
                 try:
                     outputs = self.engine.step()
-                except BaseException as exc:  # noqa: BLE001 - every waiting client must hear of it
-                    log.exception("engine step failed")
-                    self.error = exc
-                    self._close_all(RuntimeError(f"the engine failed: {exc}"), [])
+                except Exception as exc:  # noqa: BLE001 - the running requests fail; the loop goes on
+                    if tp:
+                        self._stop_after(exc)
+                        return
+                    self._fail_running(exc)
+                    continue
+                except BaseException as exc:  # an interrupt: every waiting client must hear of it
+                    self._stop_after(exc)
                     return
                 last_ping = time.monotonic()
                 for out in outputs:
                     self._deliver(out)
+
+    def _stop_after(self, exc: BaseException) -> None:
+        log.error("the engine step failed; the engine loop stops", exc_info=exc)
+        self.error = exc
+        self._close_all(RuntimeError(f"the engine failed: {exc}"), [])
+
+    def _fail_running(self, exc: Exception) -> None:
+        """A step raised outside the engine's own isolation: fail every admitted request (its
+        blocks freed) with the cause, and go on."""
+        log.error("an engine step failed; failing the %d requests in flight", len(self._streams), exc_info=exc)
+        failure = RequestFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
+        for stream in list(self._streams.values()):
+            try:
+                self.engine.abort(stream.request_id)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("abort failed")
+            if self.metrics is not None:
+                self.metrics.failed()
+            self._finish(stream, failure)
 
     def _close_all(self, exc: BaseException, taken: list[RequestStream]) -> None:
         """End every request: admitted ones, those in the inbox and `taken` ones (out of the inbox,

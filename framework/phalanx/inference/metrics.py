@@ -63,6 +63,7 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.finished_by_reason: dict[str, int] = {}
         self.aborted_requests = 0
+        self.failed_requests = 0
         self.rejected_by_reason: dict[str, int] = {}
         self.ttft = Histogram(TTFT_BUCKETS)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) within the rate window
@@ -88,6 +89,10 @@ class ServerMetrics:
     def aborted(self) -> None:
         with self._lock:
             self.aborted_requests += 1
+
+    def failed(self) -> None:
+        with self._lock:
+            self.failed_requests += 1
 
     def rejected(self, reason: str) -> None:
         with self._lock:
@@ -137,6 +142,9 @@ class ServerMetrics:
                    [({"finish_reason": k}, v) for k, v in sorted(self.finished_by_reason.items())])
             metric("phalanx_requests_aborted_total", "counter", "Requests aborted (client disconnected).",
                    [(None, self.aborted_requests)])
+            metric("phalanx_requests_failed_total", "counter",
+                   "Requests failed by an error in an engine step (the engine went on serving).",
+                   [(None, self.failed_requests)])
             metric("phalanx_requests_rejected_total", "counter", "Requests refused before running, by reason.",
                    [({"reason": k}, v) for k, v in sorted(self.rejected_by_reason.items())])
             name = "phalanx_time_to_first_token_seconds"

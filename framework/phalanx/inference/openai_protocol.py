@@ -21,6 +21,42 @@ from phalanx.inference.sampling_params import SamplingParams
 
 MAX_N = 16  # choices (n, best_of) one request may ask for (each sample is a sequence in the batch)
 
+# The request fields each route honours (OpenAI's, then vLLM's extra sampling parameters). Any
+# other field answers 400 naming it, never ignored, unless it is null or holds the value that
+# asks for nothing (NEUTRAL): a client that sends `tools: []` or `response_format: {"type":
+# "text"}` gets what it asked for.
+_COMMON_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "seed", "max_tokens",
+                  "presence_penalty", "frequency_penalty", "logit_bias", "user",
+                  "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+NEUTRAL = {
+    "response_format": [{"type": "text"}], "tools": [[]], "tool_choice": ["none"], "functions": [[]],
+    "function_call": ["none"], "parallel_tool_calls": [True, False], "suffix": [""], "store": [False],
+    "service_tier": ["auto", "default"], "modalities": [["text"]], "min_p": [0, 0.0], "use_beam_search": [False],
+    "length_penalty": [1, 1.0], "include_stop_str_in_output": [False], "spaces_between_special_tokens": [True],
+    "add_generation_prompt": [True], "echo": [False], "best_of": [1], "prompt_logprobs": [],
+}
+_WHY = {
+    "response_format": "structured output (JSON mode / json_schema) is not implemented yet",
+    "tools": "tool calls are not implemented yet", "tool_choice": "tool calls are not implemented yet",
+    "functions": "function calls are not implemented yet", "function_call": "function calls are not implemented yet",
+    "best_of": "'best_of' is a /v1/completions field; chat completions do not take it",
+    "echo": "'echo' is a /v1/completions field; chat completions do not take it",
+}
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    """400 naming the first field this route does not honour (null and NEUTRAL values pass)."""
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        if name in NEUTRAL and any(value == v and type(value) is type(v) for v in NEUTRAL[name]):
+            continue
+        why = _WHY.get(name, "this server does not support it" if name in NEUTRAL else "unknown parameter")
+        raise RequestError(400, f"'{name}' is not supported: {why}; remove it from the request", param=name,
+                           code="unsupported_parameter")
+
 
 class RequestError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -76,6 +112,17 @@ def _stop(body: dict) -> list[str]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise RequestError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
     return stop
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    """vLLM's extra parameter: token ids that end the output besides EOS (checked against the
+    vocabulary when the engine takes the request)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise RequestError(400, f"'stop_token_ids' must be a list of token ids, got {ids!r}", param="stop_token_ids")
+    return ids
 
 
 def supported_sampling_fields() -> set[str]:
@@ -160,6 +207,8 @@ def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos", False),
         min_new_tokens=min(_number(body, "min_tokens", 0, 0, None, integer=True), max_tokens),
+        stop_token_ids=_stop_token_ids(body),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
         logprobs=logprobs, seed=seed)
     kwargs.update(_optional_sampling(body, chat=chat))
     try:
@@ -178,6 +227,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # -- requests --------------------------------------------------------------------------------------
 def parse_completion(body: dict, *, max_tokens_limit: int) -> ParsedRequest:
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         prompts = [prompt]
@@ -201,6 +251,7 @@ def parse_completion(body: dict, *, max_tokens_limit: int) -> ParsedRequest:
 
 
 def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) -> ParsedRequest:
+    check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
@@ -208,6 +259,11 @@ def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) ->
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise RequestError(400, f"messages[{i}] needs a 'role' of system, user, assistant or tool", param="messages")
+        extra = [k for k, v in m.items() if k not in ("role", "content") and v is not None]
+        if extra:
+            raise RequestError(400, f"messages[{i}].{extra[0]} is not supported (messages take 'role' and 'content' "
+                                    "only: tool calls and named participants are not implemented yet)",
+                               param="messages", code="unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -221,9 +277,6 @@ def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) ->
     if top and not want_logprobs:
         raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     stream, usage = _stream_flags(body)
-    for name in ("best_of", "echo"):
-        if body.get(name) not in (None, False, 1):
-            raise RequestError(400, f"'{name}' is a /v1/completions field; chat completions do not take it", param=name)
     n, _ = _choices(body, chat=True)
     params = _sampling(body, "max_completion_tokens", default_max_tokens=default_max_tokens,
                        max_tokens_limit=max_tokens_limit, logprobs=top if want_logprobs else None, chat=True)

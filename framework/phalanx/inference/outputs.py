@@ -29,7 +29,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string), "length" or "abort"
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string), "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[float | None] | None = None
     top_logprobs: list[dict[int, float] | None] | None = None
@@ -44,7 +44,8 @@ class RequestOutput:
     """A request's output so far (`finished` False while streaming) or in full.
 
     `outputs` holds its n completions; the fields from `token_ids` to `processed_logprobs` mirror
-    `outputs[0]` (the n == 1 API). `prompt_logprobs` (with echo + logprobs): the log-prob of each
+    `outputs[0]` (the n == 1 API). `error`: the cause, when a step failed for this request (its
+completions then end with finish_reason "error"). `prompt_logprobs` (with echo + logprobs): the log-prob of each
     prompt token after the first, given the ones before it.
     """
 
@@ -66,6 +67,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error"), else None
 
     @classmethod
     def of(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], outputs: list[CompletionOutput],

@@ -14,7 +14,13 @@ A request with best_of > 1 is admitted as one sequence, with room reserved in `m
 for its samples; the engine forks them in after its prompt is done (`add_forked`), sharing the
 prompt's blocks. So one step mixes prefills and decodes, new requests join at any step, and finished ones leave
 at once. With speculative decoding, a step where every running sequence is decoding and nobody
-waits becomes a speculative step: each sequence reserves slots for the proposed tokens too.
+waits becomes a speculative step: each sequence reserves slots for the proposed tokens too, as
+many as its context and its request leave (`lookahead`) and the free blocks hold.
+
+Fault isolation: when a step fails, `roll_back` puts every sequence of it back in the queue as if
+never scheduled (their blocks freed, the prefixes the step published forgotten); the engine marks
+them `suspect` when the step held several, and then each suspect runs alone in its own steps until
+it samples a token again, so the one whose step fails on its own is found and the others go on.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (== tokens already in the cache)
     num_tokens: int  # tokens of seq.token_ids computed this step
+    lookahead: int = 0  # draft tokens verified after them (speculative steps)
 
     @property
     def samples(self) -> bool:
@@ -69,6 +76,7 @@ class Scheduler:
         if 1 + seq.num_pending_forks > self.max_num_seqs:
             raise ValueError(f"request {seq.request_id} asks for {1 + seq.num_pending_forks} samples (best_of/n) but "
                              f"max_num_seqs={self.max_num_seqs}; lower best_of/n or raise max_num_seqs")
+        # Lookahead slots are within this: `lookahead` never reaches past prompt + max_new_tokens.
         needed = self.blocks.blocks_needed(seq.num_prompt_tokens + seq.params.max_new_tokens)
         if needed > self.blocks.num_blocks:
             raise ValueError(
@@ -113,22 +121,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.blocks.begin_step()
+        suspect = next((s for s in (*self.running, *self.waiting) if s.suspect), None)
+        if suspect is not None:
+            self._schedule_alone(suspect, out)
+            return out
         budget = self.max_num_batched_tokens
-        out.speculative = self._can_speculate()
-        lookahead = self.num_lookahead_tokens if out.speculative else 0
+        lookahead = self._lookaheads()
+        out.speculative = bool(lookahead)
 
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n + lookahead):
+            extra = lookahead.get(id(seq), 0)
+            while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n + extra):
                 self._preempt(self.running[-1], out)  # the youngest; possibly seq itself
                 if seq.status is SequenceStatus.WAITING:
                     break
             if seq.status is SequenceStatus.WAITING:
                 break
-            self._schedule(seq, n, out)
+            self._schedule(seq, n, out, extra)
             budget -= n
             i += 1
 
@@ -145,31 +159,84 @@ class Scheduler:
                 self.blocks.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
-            self.num_prefix_cached_tokens += seq.num_cached_prompt_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             self._schedule(seq, n, out)
             budget -= n
         return out
 
-    def _can_speculate(self) -> bool:
-        """A speculative step (k draft tokens verified at once) only where it is safe for every
-        running sequence, else a plain decode step: no prefill or waiting request; the k positions
-        past each sequence's end stay inside max_model_len (past it the RoPE table ends); and the
-        lookahead slots fit in the free blocks now, so lookahead never preempts anyone (a sequence
-        could otherwise preempt itself and leave the step empty). Plain steps near the context
-        limit or with the pool nearly full produce the same tokens, one per step."""
-        k = self.num_lookahead_tokens
-        if k == 0 or self.waiting or not self.running or any(s.in_prefill for s in self.running):
-            return False
-        if self.max_model_len is not None and any(s.num_tokens + k > self.max_model_len for s in self.running):
-            return False
-        extra = sum(max(0, self.blocks.blocks_needed(s.num_computed_tokens + s.num_uncomputed_tokens + k)
-                        - len(s.block_table)) for s in self.running)
-        return extra <= self.blocks.num_free_blocks
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self.num_prefix_cached_tokens += seq.num_cached_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
-    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+    def _schedule_alone(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A step of one suspect sequence (after a failed step): its next chunk, nobody else's;
+        younger running sequences are preempted if its blocks do not fit otherwise."""
+        if seq.status is SequenceStatus.WAITING:
+            self.blocks.attach_cached_prefix(seq, use_cache=not seq.needs_prompt_logits)
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+        n = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+        while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+            others = [s for s in self.running if s is not seq]
+            if not others:  # Scheduler.add checked that one request fits the whole cache
+                raise RuntimeError(f"request {seq.request_id} does not fit the KV cache even alone")
+            self._preempt(others[-1], out)
+        if seq.status is SequenceStatus.WAITING:
+            self._admit(seq)
+        self._schedule(seq, n, out)
+
+    def roll_back(self, out: SchedulerOutput) -> None:
+        """Undo a step that failed: forget the prefixes it published and put each of its
+        sequences back at the front of the queue, in order, with its blocks freed (recomputed
+        when it runs again; with prefix caching mostly found in the cache). Tokens and sampling
+        state are the engine's to keep; nothing here counts as a preemption."""
+        self.blocks.unpublish_step()
+        for s in reversed(out.scheduled):
+            seq = s.seq
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft tokens a decoding sequence may verify in one speculative step: k, bounded so
+        that verification stays inside what the request can still reach (prompt +
+        max_new_tokens, and max_model_len: past it the RoPE table ends). Verification runs
+        positions n-1 .. n-1+lookahead, so it needs n + lookahead < that end in slots, which
+        `add` checked fits the cache; the last accepted token then ends the request exactly."""
+        end = seq.num_prompt_tokens + seq.params.max_new_tokens
+        if self.max_model_len is not None:
+            end = min(end, self.max_model_len)
+        return max(0, min(self.num_lookahead_tokens, end - seq.num_tokens - 1))
+
+    def _lookaheads(self) -> dict[int, int]:
+        """Each running sequence's lookahead for a speculative step (by id), or {} for a plain
+        step. Speculative only where every running sequence decodes and nobody waits; lookahead
+        never preempts: after every sequence's own next slot, the free blocks are handed out
+        oldest first and a sequence whose k slots do not fit gets as many as do (0 is a plain
+        decode inside the speculative step). Nothing to look ahead for anyone: a plain step."""
+        if self.num_lookahead_tokens == 0 or self.waiting or not self.running:
+            return {}
+        if any(s.in_prefill for s in self.running):
+            return {}
+        bs = self.blocks.block_size
+        held = {id(s): max(len(s.block_table), self.blocks.blocks_needed(s.num_tokens)) for s in self.running}
+        free = self.blocks.num_free_blocks - sum(held[id(s)] - len(s.block_table) for s in self.running)
+        if free < 0:  # the plain step preempts
+            return {}
+        out = {}
+        for s in self.running:
+            k = min(self.lookahead(s), (held[id(s)] + free) * bs - s.num_tokens)
+            free -= max(0, self.blocks.blocks_needed(s.num_tokens + k) - held[id(s)])
+            out[id(s)] = k
+        return out if any(out.values()) else {}
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput, lookahead: int = 0) -> None:
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, lookahead))
         seq.num_computed_tokens += n
         self.blocks.register_full_blocks(seq, seq.num_computed_tokens)

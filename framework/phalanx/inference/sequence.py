@@ -62,6 +62,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
+        # Fault isolation: a sequence of a failed step with others in it runs alone until it
+        # samples again (`Scheduler.schedule`); `error` names the cause when its own step failed.
+        self.suspect = False
+        self.error: str | None = None
 
     @property
     def num_tokens(self) -> int:

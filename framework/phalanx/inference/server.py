@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over an `LLM`, on FastAPI + uvicorn.
 
-    GET  /health                  200 {"status": "ok"}; 503 once the engine failed (no API key needed)
+    GET  /health                  200 {"status": "ok"}; 503 once the engine loop stopped (no API key needed)
     GET  /metrics                 Prometheus text format (no API key needed)
     GET  /v1/models               the served model
     POST /v1/completions          prompt(s) -> text; "stream": true for server-sent events
@@ -17,6 +17,9 @@ app and runs it. The limits:
   their KV blocks;
 - prompts over `max_prompt_tokens`, `max_tokens` over its limit, malformed JSON and bodies over
   `max_body_bytes` are answered 4xx with an OpenAI-style error body before the engine sees them;
+- a request that fails in an engine step is answered 500 (or an SSE error event) naming the
+  cause; the engine frees its blocks and goes on serving the others;
+- unsupported request fields answer 400 naming them (`openai_protocol.check_fields`);
 - with an API key every /v1 route needs `Authorization: Bearer KEY`; it binds 127.0.0.1 unless
   told otherwise.
 """

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import StreamingResponse
 
 from phalanx.inference import openai_protocol as api
-from phalanx.inference.engine_loop import Aborted, QueueFull, RequestStream
+from phalanx.inference.engine_loop import Aborted, QueueFull, RequestFailed, RequestStream
 
 
 class ClientGone(Exception):
@@ -36,6 +36,8 @@ def engine_error(exc: BaseException, param: str) -> api.RequestError:
         return api.RequestError(400, str(exc), param=param)
     if isinstance(exc, Aborted):
         return api.RequestError(503, str(exc), kind="server_error")
+    if isinstance(exc, RequestFailed):  # an error in an engine step; the server goes on
+        return api.RequestError(500, str(exc), kind="server_error", code="engine_error")
     return api.RequestError(500, f"internal error: {exc}", kind="server_error")
 
 
@@ -227,10 +229,9 @@ class Routes:
                                       lambda: self.abort_all(streams))
         except ClientGone:
             return Response(status_code=499)
-        except Aborted as exc:
-            raise api.RequestError(503, str(exc), kind="server_error") from None
-        except RuntimeError as exc:
-            raise api.RequestError(500, str(exc), kind="server_error") from None
+        except (Aborted, RuntimeError) as exc:  # one prompt failed: the request's others end too
+            self.abort_all(streams)
+            raise engine_error(exc, "prompt") from None
         usage = api.usage(sum(prompt_lens), sum(api.generated_tokens(o, req.echo) for o in outs))
         return JSONResponse(make_body(outs, usage))
 

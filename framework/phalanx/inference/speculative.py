@@ -43,40 +43,55 @@ class SpeculativeDecoder:
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
 
-    def step(self, seqs: list[Sequence], row: callable) -> list[list[Emitted]]:
+    def step(self, seqs: list[Sequence], row: callable, lookahead: list[int] | None = None) -> list[list[Emitted]]:
         """Tokens to append to each sequence. `row(seq, extra_tokens, history)` builds the
-        sampler's RowContext for the position `extra_tokens` past the sequence's end."""
-        k = self.k
-        drafts: list[list[int]] = [[] for _ in seqs]
-        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(k):
-            if j == 0:
-                chunks = [Chunk(s.token_ids[-2:], s.num_tokens - 2, s.block_table) for s in seqs]
-            else:
-                chunks = [Chunk([d[-1]], s.num_tokens - 1 + j, s.block_table) for s, d in zip(seqs, drafts)]
-            logits = self.draft.execute(chunks).float()
-            rows = [row(s, j, s.token_ids + d) for s, d in zip(seqs, drafts)]
-            probs = sampling_probs(apply_penalties(logits, rows), rows)
-            tokens = probs.argmax(dim=-1)
-            for b, (s, r) in enumerate(zip(seqs, rows)):  # draws stay on the device: one sync per draft step
-                if not s.params.greedy:
-                    tokens[b] = torch.multinomial(probs[b], 1, generator=r.generator)[0]
-            for b, token in enumerate(tokens.tolist()):
-                drafts[b].append(token)
-                draft_probs[b].append(probs[b])
-
-        chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, k + 1) for s, d in zip(seqs, drafts)]
-        logits = self.target.execute(chunks).float()  # [B * (k + 1), V]
-        rows = [row(s, i, s.token_ids + d[:i]) for s, d in zip(seqs, drafts) for i in range(k + 1)]
+        sampler's RowContext for the position `extra_tokens` past the sequence's end.
+        `lookahead[b]` (at most k; default k for all) is how many tokens sequence b may draft:
+        the scheduler bounds it by the context and the free blocks; 0 makes its verification a
+        plain decode (the draft still catches up on its last two tokens)."""
+        ks = [self.k] * len(seqs) if lookahead is None else list(lookahead)
+        drafts, draft_probs = self._propose(seqs, row, ks)
+        chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, len(d) + 1)
+                  for s, d in zip(seqs, drafts)]
+        logits = self.target.execute(chunks).float()  # [sum(k_b + 1), V]
+        rows = [row(s, i, s.token_ids + d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)]
         raw = logits
         target_probs = sampling_probs(apply_penalties(logits.clone(), rows), rows)
+        return self._accept(seqs, drafts, draft_probs, rows, raw, target_probs)
 
+    def _propose(self, seqs: list[Sequence], row: callable, ks: list[int]):
+        """The draft's proposals: up to ks[b] tokens per sequence, with the distributions they
+        were drawn from."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(max(ks, default=0)):
+            active = [b for b, k in enumerate(ks) if k > j]
+            if j == 0:  # every sequence catches the draft's cache up; those with k = 0 want no logits
+                chunks = [Chunk(s.token_ids[-2:], s.num_tokens - 2, s.block_table, 1 if ks[b] else 0)
+                          for b, s in enumerate(seqs)]
+            else:
+                chunks = [Chunk([drafts[b][-1]], seqs[b].num_tokens - 1 + j, seqs[b].block_table) for b in active]
+            logits = self.draft.execute(chunks).float()
+            rows = [row(seqs[b], j, seqs[b].token_ids + drafts[b]) for b in active]
+            probs = sampling_probs(apply_penalties(logits, rows), rows)
+            tokens = probs.argmax(dim=-1)
+            for i, b in enumerate(active):  # draws stay on the device: one sync per draft step
+                if not seqs[b].params.greedy:
+                    tokens[i] = torch.multinomial(probs[i], 1, generator=rows[i].generator)[0]
+            for i, (b, token) in enumerate(zip(active, tokens.tolist())):
+                drafts[b].append(token)
+                draft_probs[b].append(probs[i])
+        return drafts, draft_probs
+
+    def _accept(self, seqs, drafts, draft_probs, rows, raw, target_probs) -> list[list[Emitted]]:
+        """Accept each sequence's proposals left to right, then its correction or bonus token."""
         emitted: list[list[int]] = []
         emitted_rows: list[int] = []
         # greedy rows accept by the target's argmax: read for every row in one transfer
         argmax = target_probs.argmax(dim=-1).tolist() if any(s.params.greedy for s in seqs) else None
+        base = 0
         for b, s in enumerate(seqs):
-            base = b * (k + 1)
+            k = len(drafts[b])
             out: list[int] = []
             generator = rows[base].generator
             for i, d in enumerate(drafts[b]):
@@ -103,6 +118,7 @@ class SpeculativeDecoder:
             self.num_accepted += len(out) - 1
             emitted.append(out)
             emitted_rows.extend(base + i for i in range(len(out)))
+            base += k + 1
 
         flat_rows = [rows[r] for r in emitted_rows]
         tokens = torch.tensor([t for out in emitted for t in out], device=raw.device)

@@ -95,7 +95,9 @@ class StopChecker:
         return False
 
     def banned_now(self, seq: Sequence, extra_tokens: int = 0) -> list[int] | None:
-        """EOS may not be chosen before min_new_tokens (the HF MinNewTokens rule)."""
-        if seq.num_output_tokens + extra_tokens < seq.params.min_new_tokens and self.eos_token_ids:
-            return sorted(self.eos_token_ids)
+        """EOS and the request's stop_token_ids may not be chosen before min_new_tokens (the HF
+        MinNewTokens rule; vLLM's min_tokens bans both)."""
+        if seq.num_output_tokens + extra_tokens < seq.params.min_new_tokens:
+            banned = self.eos_token_ids.union(seq.params.stop_token_ids)
+            return sorted(banned) if banned else None
         return None
