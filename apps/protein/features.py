@@ -19,7 +19,7 @@ import torch
 from apps.protein import constants as rc
 from apps.protein.io import Alignment, ProteinChain, check_msa_matches
 from apps.protein.rigid import backbone_frame
-from apps.protein.sidechains import atom37_to_atom14, true_torsions
+from apps.protein.sidechains import atom37_to_atom14, pseudo_beta, true_torsions
 
 MSA_LETTERS = {a: i for i, a in enumerate(rc.RESTYPES)} | {"X": rc.UNK, "-": rc.GAP}
 
@@ -146,8 +146,7 @@ def ground_truth(chain: ProteinChain, start: int, end: int) -> dict[str, torch.T
             "atom14_gt_exists": mask14, "atom14_alt_gt_positions": torch.gather(atom14, 1, swap[..., None].expand(-1, -1, 3)),
             "backbone_rot": frames.rot, "backbone_trans": frames.trans, "backbone_mask": frame_mask,
             "torsion_sin_cos": sc, "alt_torsion_sin_cos": alt, "torsion_mask": tmask,
-            "pseudo_beta": torch.where((aatype == 7)[:, None], atom14[:, 1], atom14[:, 4]),
-            "pseudo_beta_mask": torch.where(aatype == 7, mask14[:, 1], mask14[:, 4])}
+            **dict(zip(("pseudo_beta", "pseudo_beta_mask"), pseudo_beta(atom14, aatype, mask14)))}
 
 
 # Which axes of each feature are residues (padded to crop_size), MSA rows (padded to the config's depth).

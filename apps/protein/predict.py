@@ -4,7 +4,7 @@
         --checkpoint runs/protein/tiny --fasta seq.fasta [--msa seq.a3m] --out runs/protein/pred
 
 Weights: a training output directory or one checkpoint (its EMA average when it has one), or
---af2-params FILE for parameters in the official AlphaFold 2 / OpenFold naming (apps.protein.weights).
+--params FILE for AlphaFold 2 (.npz) or OpenFold (.pt) parameters (apps.protein.weights).
 Writes <out>/<name>.pdb and .cif (pLDDT in the B-factor column), <name>_confidence.png and
 <name>.json (mean pLDDT, and metrics when --reference gives the true structure).
 """
@@ -42,8 +42,11 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
 
     model = AlphaFold(cfg.model)
     if af2_params:
-        from apps.protein.weights import load_af2_params
-        load_af2_params(model, af2_params)
+        from apps.protein.weights import load_params
+        unused = load_params(model, af2_params)
+        if unused:
+            print(f"{af2_params}: its template stack ({len(unused)} arrays) is not used: this recipe has no templates, "
+                  "so the prediction is AlphaFold's for a query without template hits")
     elif checkpoint:
         weights, ema = latest_weights(resolve(checkpoint))
         state = load_file(str(weights))
@@ -54,7 +57,7 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
             raise ValueError(f"{weights}: does not fit the model of this config (missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]}); pass the --config it was trained with")
     else:
-        raise ValueError("give --checkpoint (a training run) or --af2-params (AlphaFold 2 parameters)")
+        raise ValueError("give --checkpoint (a training run) or --params (AlphaFold 2 .npz / OpenFold .pt parameters)")
     from phalanx.device import current_device
 
     return model.to(current_device()).eval()  # the accelerator when there is one (real or emulated), else the CPU
@@ -90,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Predict a protein structure.")
     parser.add_argument("--config", "-c", required=True, help="the recipe YAML the weights were trained with")
     parser.add_argument("--checkpoint", help="training output_dir or checkpoints/step-* directory")
-    parser.add_argument("--af2-params", help="AlphaFold 2 / OpenFold parameters (.npz) in the official naming")
+    parser.add_argument("--params", "--af2-params", dest="af2_params",
+                        help="AlphaFold 2 parameters (params_model_*.npz) or an OpenFold state dict (.pt) of the "
+                             "config's layout (apps.protein.weights)")
     parser.add_argument("--fasta", required=True)
     parser.add_argument("--msa", help="A3M or Stockholm alignment of the sequence (default: the sequence alone)")
     parser.add_argument("--out", default="runs/protein/predictions")

@@ -4,6 +4,11 @@ A residue is a chain of rigid groups (`constants.rigid_group`): the backbone fra
 psi (O) and chi1..chi4. Group k's frame is its parent's frame, times a fixed *default frame*,
 times a rotation about x by the torsion angle; its atoms sit at fixed coordinates in that frame.
 
+psi follows AlphaFold's convention, so that real AlphaFold parameters place the carbonyl O where
+AlphaFold does: the psi group's default frame sits at C with x along CA->C and y towards CA - N,
+and the psi torsion is the dihedral N-CA-C-O mirrored (+ pi), i.e. close to the backbone psi
+N-CA-C-N(next).
+
 AlphaFold takes those fixed coordinates from literature values. Here they are measured: the
 per-residue-type median of each atom's coordinates in its group frame over the shipped training
 structures (`measure_ideal_geometry`, written once to data/ideal_geometry.json), and the default
@@ -27,6 +32,16 @@ TORSIONS = ["omega", "phi", "psi", "chi1", "chi2", "chi3", "chi4"]
 PSI_ATOMS = ["N", "CA", "C", "O"]
 
 
+def psi_default_frame(n: torch.Tensor, ca: torch.Tensor, c: torch.Tensor) -> Rigid:
+    """AlphaFold's psi group frame at torsion 0: origin C, x along CA->C, y towards CA - N."""
+    return from_3_points(ca, c, c + ca - n)
+
+
+def psi_torsion(n, ca, c, o) -> torch.Tensor:
+    """AlphaFold's psi angle: the N-CA-C-O dihedral mirrored, because it is measured on the O."""
+    return dihedral(n, ca, c, o) + np.pi
+
+
 def dihedral(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The IUPAC dihedral angle of four points (radians, [-pi, pi])."""
     b0, b1, b2 = a - b, c - b, d - c
@@ -41,6 +56,16 @@ def dihedral(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor)
 def _group_quads(resname: str) -> list[list[str]]:
     """The four atoms defining psi and each chi of a residue type (psi first)."""
     return [PSI_ATOMS] + rc.CHI_ATOMS.get(resname, [])
+
+
+def pseudo_beta(atoms: torch.Tensor, aatype: torch.Tensor, mask: torch.Tensor | None = None):
+    """CB, or CA for glycine, of atom37 or atom14 positions [.., L, 37 or 14, 3]: [.., L, 3], and
+    with `mask` [.., L, 37 or 14] also that atom's mask [.., L]. (In both layouts CA is atom 1;
+    CB is atom 3 of atom37 and atom 4 of atom14.)"""
+    ca, cb = 1, (rc.ATOM37_INDEX["CB"] if atoms.shape[-2] == 37 else 4)
+    is_gly = aatype == rc.THREE.index("GLY")
+    x = torch.where(is_gly[..., None], atoms[..., ca, :], atoms[..., cb, :])
+    return x if mask is None else (x, torch.where(is_gly, mask[..., ca], mask[..., cb]))
 
 
 # --------------------------------------------------------------------------- measuring
@@ -79,8 +104,10 @@ def _local_coordinates(res: str, pos: dict[str, torch.Tensor]) -> dict[str, torc
     frames = {0: backbone_frame(pos["N"], pos["CA"], pos["C"])}
     for k, (a, b, c, d) in enumerate(_group_quads(res)):
         group = 3 if k == 0 else 3 + k
-        f = from_3_points(pos[b], pos[c], pos[a])
-        angle = dihedral(pos[a], pos[b], pos[c], pos[d])
+        if k == 0:
+            f, angle = psi_default_frame(pos[a], pos[b], pos[c]), psi_torsion(pos[a], pos[b], pos[c], pos[d])
+        else:
+            f, angle = from_3_points(pos[b], pos[c], pos[a]), dihedral(pos[a], pos[b], pos[c], pos[d])
         frames[group] = f.compose(rot_x(torch.sin(angle), torch.cos(angle)))
     return {n: frames[rc.rigid_group(res, n)].invert_apply(p) for n, p in pos.items()}
 
@@ -106,9 +133,10 @@ def ideal_tables(path: Path = IDEAL_FILE) -> dict[str, torch.Tensor]:
                 local[r, i] = pos[n]
         quads = _group_quads(res)
         # psi and chi1: defined by backbone atoms, all known in the backbone frame.
-        for k, (a, b, c, _) in enumerate(quads[:2]):
-            group = 3 if k == 0 else 4
-            default[r, group] = _to4x4(from_3_points(pos[b], pos[c], pos[a]))
+        default[r, 3] = _to4x4(psi_default_frame(pos["N"], pos["CA"], pos["C"]))
+        if len(quads) > 1:
+            a, b, c, _ = quads[1]
+            default[r, 4] = _to4x4(from_3_points(pos[b], pos[c], pos[a]))
         # chi2..4: a = b of the previous chi (on its -x axis), b = its origin, c = its last atom.
         for k in range(2, len(quads)):
             prev_a, prev_b, prev_c, prev_d = quads[k - 1]
@@ -194,8 +222,7 @@ def true_torsions(atom14: torch.Tensor, mask14: torch.Tensor, aatype: torch.Tens
     bb = mask14[:, :3].prod(-1)
     prev_ok = torch.roll(bb, 1, 0) * bb
     prev_ok[0] = 0
-    angles = [dihedral(prev_ca, prev_c, n, ca), dihedral(prev_c, n, ca, c),
-              dihedral(n, ca, c, atom14[:, 3])]
+    angles = [dihedral(prev_ca, prev_c, n, ca), dihedral(prev_c, n, ca, c), psi_torsion(n, ca, c, atom14[:, 3])]
     masks = [prev_ok, prev_ok, bb * mask14[:, 3]]
     quads = torch.as_tensor(rc.TABLES["chi_atom14"], device=aatype.device)[aatype]  # [L, 4, 4]
     chi_mask = torch.as_tensor(rc.TABLES["chi_mask"], device=aatype.device, dtype=atom14.dtype)[aatype]

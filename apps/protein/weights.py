@@ -3,15 +3,19 @@
 Keys look like `alphafold/alphafold_iteration/evoformer/evoformer_iteration/outer_product_mean/
 left_projection//weights`: a Haiku module path, `//`, the parameter. Linear layers store
 `weights` [in, out] and `bias`; layer norms `scale` and `offset`; attention stores per-head
-tensors (`query_w` [c, heads, ch], `output_w` [heads, ch, c]); repeated blocks are stacked along
-a first axis. `af2_mapping(model)` pairs every parameter of `AlphaFold` with its key and a
-conversion; `load_af2_params` applies it and refuses a file that does not fit, naming the key.
+tensors under the attention module (`.../attention//query_w` [c, heads, ch], `output_w` [heads, ch,
+c]); repeated blocks are stacked along a first axis. `af2_mapping(model)` pairs every parameter of
+`AlphaFold` with its key and a conversion; `load_af2_params` applies it and refuses a file that does
+not fit, naming the key; `save_af2_params` writes the inverse. OpenFold's `.pt` state dicts:
+`apps.protein.weights_openfold`; `load_params` takes either by the file's suffix.
 
 Layout differences handled here: the invariant point attention stores point coordinates
 coordinate-major (x of every point, then y, then z) and concatenates its outputs as [scalar,
 x, y, z, norms, pair]; and AlphaFold's code computes the incoming triangle update as
-sum_k left_kj * right_ki, so its left/right projections are this model's b/a. Templates, the
-experimentally-resolved and PAE heads are not part of this model: their keys are reported as unused.
+sum_k left_kj * right_ki, so its left/right projections are this model's b/a. The template stack
+(params_model_1/2) is not part of this model: its keys are returned as unused, and the model predicts
+as AlphaFold does for a query without template hits. The `_ptm` files' PAE head needs
+`model.pae_head: true`.
 """
 from __future__ import annotations
 
@@ -43,24 +47,26 @@ def _norm(prefix: str, key: str) -> dict:
 
 
 def _attention(prefix: str, key: str, attn) -> dict:
+    """Haiku's Attention module: `key` is the module path (ending `/attention`), its parameters
+    hang off it after `//` like every other leaf (`.../attention//query_w`)."""
     flat_in = lambda w: w.reshape(w.shape[0], -1).T  # noqa: E731  [c, H, ch] -> [H*ch, c]
-    out = {f"{prefix}.q.weight": (key + "/query_w", flat_in), f"{prefix}.k.weight": (key + "/key_w", flat_in),
-           f"{prefix}.v.weight": (key + "/value_w", flat_in),
-           f"{prefix}.o.weight": (key + "/output_w", lambda w: w.reshape(-1, w.shape[-1]).T),
-           f"{prefix}.o.bias": (key + "/output_b", None)}
+    out = {f"{prefix}.q.weight": (key + "//query_w", flat_in), f"{prefix}.k.weight": (key + "//key_w", flat_in),
+           f"{prefix}.v.weight": (key + "//value_w", flat_in),
+           f"{prefix}.o.weight": (key + "//output_w", lambda w: w.reshape(-1, w.shape[-1]).T),
+           f"{prefix}.o.bias": (key + "//output_b", None)}
     if attn.g is not None:
-        out[f"{prefix}.g.weight"] = (key + "/gating_w", flat_in)
-        out[f"{prefix}.g.bias"] = (key + "/gating_b", lambda b: b.reshape(-1))
+        out[f"{prefix}.g.weight"] = (key + "//gating_w", flat_in)
+        out[f"{prefix}.g.bias"] = (key + "//gating_b", lambda b: b.reshape(-1))
     return out
 
 
 def _global_attention(prefix: str, key: str) -> dict:
     flat_in = lambda w: w.reshape(w.shape[0], -1).T  # noqa: E731
-    return {f"{prefix}.q.weight": (key + "/query_w", flat_in), f"{prefix}.k.weight": (key + "/key_w", _t),
-            f"{prefix}.v.weight": (key + "/value_w", _t), f"{prefix}.g.weight": (key + "/gating_w", flat_in),
-            f"{prefix}.g.bias": (key + "/gating_b", lambda b: b.reshape(-1)),
-            f"{prefix}.o.weight": (key + "/output_w", lambda w: w.reshape(-1, w.shape[-1]).T),
-            f"{prefix}.o.bias": (key + "/output_b", None)}
+    return {f"{prefix}.q.weight": (key + "//query_w", flat_in), f"{prefix}.k.weight": (key + "//key_w", _t),
+            f"{prefix}.v.weight": (key + "//value_w", _t), f"{prefix}.g.weight": (key + "//gating_w", flat_in),
+            f"{prefix}.g.bias": (key + "//gating_b", lambda b: b.reshape(-1)),
+            f"{prefix}.o.weight": (key + "//output_w", lambda w: w.reshape(-1, w.shape[-1]).T),
+            f"{prefix}.o.bias": (key + "//output_b", None)}
 
 
 def _transition(prefix: str, key: str, t) -> dict:
@@ -103,7 +109,7 @@ def _block(prefix: str, key: str, block, extra: bool) -> dict:
     return m
 
 
-def _point_rows(h: int, p: int) -> np.ndarray:
+def point_rows(h: int, p: int) -> np.ndarray:
     """Output index permutation: this model's [h, p, xyz] from AlphaFold's [xyz, h, p]."""
     return np.arange(3 * h * p).reshape(3, h * p).T.reshape(-1)
 
@@ -113,7 +119,7 @@ def _structure(model: AlphaFold) -> dict:
     cfg = sm.cfg
     h, pq, pv, c = cfg.heads, cfg.query_points, cfg.value_points, cfg.c_ipa
     ipa = key + "/fold_iteration/invariant_point_attention"
-    q_rows, kv_rows = _point_rows(h, pq), _point_rows(h, pq + pv)
+    q_rows, kv_rows = point_rows(h, pq), point_rows(h, pq + pv)
     # kv points: AlphaFold splits [xyz, h, (pq + pv)] into key and value points per head.
     m = _norm("structure_module.norm_s", key + "/single_layer_norm") | _norm("structure_module.norm_z", key + "/pair_layer_norm")
     m |= _linear("structure_module.inp", key + "/initial_projection", sm.inp)
@@ -126,7 +132,7 @@ def _structure(model: AlphaFold) -> dict:
     m["structure_module.ipa.head_weights"] = (ipa + "//trainable_point_weights", None)
     # Output features: AlphaFold [scalar, x(h,pv), y, z, norms, pair] -> ours [scalar, (h,pv,xyz), norms, pair].
     n_scalar, n_pts = h * c, h * pv
-    cols = np.concatenate([np.arange(n_scalar), n_scalar + _point_rows(h, pv),
+    cols = np.concatenate([np.arange(n_scalar), n_scalar + point_rows(h, pv),
                            np.arange(n_scalar + 3 * n_pts, sm.ipa.o.in_features)])
     m["structure_module.ipa.o.weight"] = (ipa + "/output_projection//weights", lambda w: w.T[:, cols])
     m["structure_module.ipa.o.bias"] = (ipa + "/output_projection//bias", None)
@@ -169,6 +175,10 @@ def af2_mapping(model: AlphaFold) -> dict[str, tuple[str, Convert | None, int | 
     flat |= _linear("heads.plddt.5", ROOT + "predicted_lddt_head/logits", heads.plddt[5])
     flat |= _linear("heads.distogram", ROOT + "distogram_head/half_logits", heads.distogram)
     flat |= _linear("heads.masked_msa", ROOT + "masked_msa_head/logits", heads.masked_msa)
+    flat |= _linear("heads.experimentally_resolved", ROOT + "experimentally_resolved_head/logits",
+                    heads.experimentally_resolved)
+    if heads.pae is not None:
+        flat |= _linear("heads.pae", ROOT + "predicted_aligned_error_head/logits", heads.pae)
     flat |= _structure(model)
     m |= {k: (key, conv, None) for k, (key, conv) in flat.items()}
     for stack, key, extra in (("evoformer", ev + "/evoformer_iteration", False),
@@ -178,36 +188,71 @@ def af2_mapping(model: AlphaFold) -> dict[str, tuple[str, Convert | None, int | 
     return m
 
 
+TEMPLATE_KEYS = (ROOT + "evoformer/template_embedding/", ROOT + "evoformer/template_single_embedding/",
+                 ROOT + "evoformer/template_projection/")
+
+
 def load_af2_params(model: AlphaFold, path: str | Path) -> list[str]:
-    """Fill `model` from an AlphaFold 2 .npz; returns the file's keys this model has no use for."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such parameter file")
+    """Fill `model` from an AlphaFold 2 .npz; returns the file's keys this model has no use for
+    (the template stack of params_model_1/2: this model then predicts as AlphaFold does for a
+    query without template hits)."""
+    path = existing_file(path)
     with np.load(path) as npz:
         params = {k: npz[k] for k in npz.files}
     mapping = af2_mapping(model)
+    load_mapped_state(model, params, mapping, path, "an AlphaFold 2 parameter file",
+                      "model.evoformer_blocks / model.extra_msa_blocks")
+    used = {key for key, _, _ in mapping.values()}
+    unused = sorted(set(params) - used)
+    refuse_unknown(unused, path, TEMPLATE_KEYS, ROOT + "predicted_aligned_error_head/")
+    return unused
+
+
+def existing_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such parameter file")
+    return path
+
+
+def refuse_unknown(unused: list[str], path: Path, templates: tuple[str, ...], pae: str) -> None:
+    """Keys of the file the model cannot place: the template stack is allowed (AlphaFold without
+    template hits), anything else means the file and the config disagree."""
+    unknown = [k for k in unused if not k.startswith(templates)]
+    if unknown:
+        hint = (" (a pTM file: set model.pae_head=true)" if any(k.startswith(pae) for k in unknown) else
+                ": the config does not describe this file's network")
+        raise KeyError(f"{path}: {len(unknown)} arrays fit no parameter of this model, e.g. {unknown[:3]}{hint}")
+
+
+def load_mapped_state(model: AlphaFold, params: dict, mapping: dict, path: Path, kind: str, blocks_hint: str) -> None:
+    """Convert and shape-check every mapped array, then load them all (nothing is loaded on error)."""
     state = {}
+    targets = dict(model.named_parameters())
+    depth: dict[str, int] = {}
+    for key, _, index in mapping.values():
+        if index is not None:
+            depth[key] = max(depth.get(key, 0), index + 1)
     for name, (key, convert, index) in mapping.items():
         if key not in params:
-            raise KeyError(f"{path} lacks {key!r} (for {name}): not an AlphaFold 2 parameter file of this architecture")
-        value = params[key]
+            raise KeyError(f"{path} lacks {key!r} (for {name}): not {kind} of this architecture")
+        value = np.asarray(params[key])
         if index is not None:
-            if value.shape[0] <= index:
-                raise ValueError(f"{path}: {key!r} stacks {value.shape[0]} blocks, the config asks for more; set "
-                                 "model.evoformer_blocks / model.extra_msa_blocks to the file's")
+            if value.shape[0] != depth[key]:
+                raise ValueError(f"{path}: {key!r} stacks {value.shape[0]} blocks where the config has "
+                                 f"{depth[key]}; set {blocks_hint} to the file's")
             value = value[index]
         value = convert(value) if convert is not None else value
-        target = dict(model.named_parameters())[name]
+        target = targets[name]
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{path}: {key!r} has shape {value.shape} where {name} needs {tuple(target.shape)}: the "
                              "config's channel sizes differ from the file's")
         state[name] = torch.as_tensor(np.ascontiguousarray(value), dtype=target.dtype)
-    missing = set(dict(model.named_parameters())) - set(state)
+    missing = set(targets) - set(state)
     if missing:
-        raise KeyError(f"no AlphaFold key maps to {sorted(missing)[:5]}")
+        raise KeyError(f"no key of {kind} maps to {sorted(missing)[:5]}: this model has parts AlphaFold lacks "
+                       "(model.crop_position_bins must be 0)")
     model.load_state_dict(state, strict=False)
-    used = {key for key, _, _ in mapping.values()}
-    return sorted(set(params) - used)
 
 
 def save_af2_params(model: AlphaFold, path: str | Path) -> Path:
@@ -260,3 +305,16 @@ def _source_shape(key: str, value: np.ndarray, model: AlphaFold) -> tuple[int, .
     if leaf == "bias":
         return value.shape
     return value.shape[::-1]  # Linear weights: [out, in] <- [in, out]
+
+
+def load_params(model: AlphaFold, path: str | Path) -> list[str]:
+    """AlphaFold 2 (.npz) or OpenFold (.pt / .pth / .ckpt) parameters, by the file's suffix; returns
+    the file's unused keys (the template stack, if it has one)."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".npz":
+        return load_af2_params(model, path)
+    if suffix in (".pt", ".pth", ".ckpt"):
+        from apps.protein.weights_openfold import load_openfold_params
+        return load_openfold_params(model, path)
+    raise ValueError(f"{path}: parameters must be an AlphaFold 2 .npz (params_model_*.npz) or an OpenFold .pt "
+                     "state dict")

@@ -1,5 +1,6 @@
 """AlphaFold 2 without templates: embedders, recycling, extra-MSA stack, Evoformer, structure
-module and heads (pLDDT, distogram, masked MSA). Algorithm 2 of the AlphaFold 2 supplement.
+module and heads (pLDDT, distogram, masked MSA, experimentally resolved, and with `pae_head` the
+predicted aligned error of the `_ptm` models). Algorithm 2 of the AlphaFold 2 supplement.
 
 The Evoformer and extra-MSA stacks run under an `Axial` (one process, or Dynamic Axial
 Parallelism over a group); embedders, structure module and heads run on whole tensors on every
@@ -17,11 +18,15 @@ from apps.protein.model.dap import Axial
 from apps.protein.model.evoformer import EvoformerConfig, EvoformerStack
 from apps.protein.model.primitives import LayerNorm, linear
 from apps.protein.model.structure import StructureConfig, StructureModule
-from apps.protein.sidechains import ideal_tables
+from apps.protein.sidechains import ideal_tables, pseudo_beta
 
 DISTOGRAM_BINS = 64          # 2.3125 .. 21.6875 Angstrom, as AlphaFold
 PLDDT_BINS = 50
-RECYCLE_BINS = (3.375, 21.375, 15)
+PAE_BINS = 64                # 0 .. 31 Angstrom in 0.5 A steps, the last open (AlphaFold's _ptm models)
+# AlphaFold's recycled pseudo-beta distogram: 15 bins whose lower edges run 3.25 .. 20.75 A (the last
+# open-ended); a distance below 3.25 A (every pair of the first pass, whose positions are all zero)
+# is in no bin: an all-zero one-hot.
+RECYCLE_LOWER_EDGES = (3.25, 20.75, 15)
 
 
 @dataclass
@@ -37,6 +42,7 @@ class ModelConfig:
                                      # also embed each residue's position in its crop (one-hot, clipped at N-1)
                                      # into the MSA; a toy-scale aid, see crop_position_one_hot
     recycles: int = 3                # extra passes through the network (training samples 0..recycles)
+    pae_head: bool = False           # the predicted-aligned-error (pTM) head of AlphaFold's params_model_*_ptm
     evoformer: EvoformerConfig = field(default_factory=EvoformerConfig)
     structure: StructureConfig = field(default_factory=StructureConfig)
 
@@ -47,13 +53,20 @@ class ModelConfig:
         return self
 
 
-def distance_bins(x: torch.Tensor, low: float, high: float, n: int) -> torch.Tensor:
-    """One-hot [.., i, j, n] of the pairwise distances of points x [.., L, 3] in n bins whose
-    inner edges run from low to high (squared-distance comparison, as AlphaFold)."""
-    edges = torch.linspace(low, high, n - 1, device=x.device, dtype=x.dtype)
+def distance_bin_index(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """[.., i, j]: how many of `edges` (Angstrom, increasing) the distance between points i and j of
+    x [.., L, 3] exceeds (squared-distance comparison, as AlphaFold). The one binning of distances:
+    the distogram target takes it as the class, the recycling embedder as lower edges."""
     d2 = ((x[..., :, None, :] - x[..., None, :, :]) ** 2).sum(-1, keepdim=True)
-    index = (d2 > edges ** 2).sum(-1)
-    return torch.nn.functional.one_hot(index, n).to(x.dtype)
+    return (d2 > edges.to(x.device, x.dtype) ** 2).sum(-1)
+
+
+def recycling_distance_one_hot(x: torch.Tensor) -> torch.Tensor:
+    """[.., i, j, 15]: AlphaFold's recycled distogram of points x [.., L, 3]; a pair closer than
+    the first lower edge (3.25 A) gets no bin at all."""
+    low, high, n = RECYCLE_LOWER_EDGES
+    index = distance_bin_index(x, torch.linspace(low, high, n))
+    return torch.nn.functional.one_hot(index, n + 1)[..., 1:].to(x.dtype)
 
 
 def crop_position_one_hot(residue_index: torch.Tensor, bins: int) -> torch.Tensor:
@@ -95,17 +108,11 @@ class RecyclingEmbedder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm_m, self.norm_z = LayerNorm(cfg.c_m), LayerNorm(cfg.c_z)
-        self.dist = linear(RECYCLE_BINS[2], cfg.c_z)
+        self.dist = linear(RECYCLE_LOWER_EDGES[2], cfg.c_z)
 
     def forward(self, m0_prev, z_prev, x_prev):
         """Updates for the first MSA row and the pair, from the previous pass (x: pseudo-beta)."""
-        return self.norm_m(m0_prev), self.norm_z(z_prev) + self.dist(distance_bins(x_prev, *RECYCLE_BINS))
-
-
-def pseudo_beta(atom37: torch.Tensor, aatype: torch.Tensor) -> torch.Tensor:
-    """CB, or CA for glycine: [.., L, 3]."""
-    is_gly = (aatype == rc.THREE.index("GLY"))[..., None]
-    return torch.where(is_gly, atom37[..., rc.ATOM37_INDEX["CA"], :], atom37[..., rc.ATOM37_INDEX["CB"], :])
+        return self.norm_m(m0_prev), self.norm_z(z_prev) + self.dist(recycling_distance_one_hot(x_prev))
 
 
 class Heads(nn.Module):
@@ -116,11 +123,25 @@ class Heads(nn.Module):
                                    linear(c, c, init="relu"), nn.ReLU(), linear(c, PLDDT_BINS, init="zeros"))
         self.distogram = linear(cfg.c_z, DISTOGRAM_BINS, init="zeros")
         self.masked_msa = linear(cfg.c_m, rc.MSA_CLASSES, init="zeros")
+        self.experimentally_resolved = linear(cfg.c_s, 37, init="zeros")
+        self.pae = linear(cfg.c_z, PAE_BINS, init="zeros") if cfg.pae_head else None
 
     def forward(self, single, z):
-        """pLDDT and (symmetric) distogram logits; the masked-MSA head is applied to the MSA apart."""
+        """pLDDT, (symmetric) distogram, experimentally-resolved (per atom37) and, with the pTM head,
+        aligned-error logits; the masked-MSA head is applied to the MSA apart."""
         logits = self.distogram(z)
-        return {"plddt_logits": self.plddt(single), "distogram_logits": logits + logits.transpose(1, 2)}
+        out = {"plddt_logits": self.plddt(single), "distogram_logits": logits + logits.transpose(1, 2),
+               "experimentally_resolved_logits": self.experimentally_resolved(single)}
+        if self.pae is not None:
+            out["pae_logits"] = self.pae(z)
+        return out
+
+
+# Keys of a training batch (apps.protein.features) that are labels, not inputs: the model leaves them.
+LABEL_KEYS = frozenset({"all_atom_positions", "all_atom_mask", "atom14_gt_positions", "atom14_gt_exists",
+                        "atom14_alt_gt_positions", "backbone_rot", "backbone_trans", "backbone_mask", "torsion_sin_cos",
+                        "alt_torsion_sin_cos", "torsion_mask", "pseudo_beta", "pseudo_beta_mask", "true_msa",
+                        "bert_mask"})
 
 
 def plddt_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -141,7 +162,9 @@ class AlphaFold(nn.Module):
         self.single = linear(cfg.c_m, cfg.c_s)
         self.structure_module = StructureModule(cfg.structure)
         self.heads = Heads(cfg)
-        for name, value in ideal_tables().items():
+        with torch.device("cpu"):  # measured constants, also when the model is built on the meta device
+            tables = ideal_tables()
+        for name, value in tables.items():
             self.register_buffer(name, value, persistent=False)
         self.axial: Axial = Axial()
 
@@ -151,8 +174,14 @@ class AlphaFold(nn.Module):
         return self
 
     def forward(self, target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask,
-                aatype, recycles: int | None = None, **unused) -> dict[str, torch.Tensor]:
-        """recycles: extra passes (default cfg.recycles); all but the last run without gradients."""
+                aatype, recycles: int | None = None, **labels) -> dict[str, torch.Tensor]:
+        """recycles: extra passes (default cfg.recycles); all but the last run without gradients.
+        `labels`: a training batch's ground truth, passed along with the inputs and not used; any
+        other keyword is a mistake and stops here."""
+        unknown = sorted(set(labels) - LABEL_KEYS)
+        if unknown:
+            raise TypeError(f"AlphaFold.forward got unknown inputs {unknown}: the inputs are the features of "
+                            "apps.protein.features.make_features (and recycles=)")
         recycles = self.cfg.recycles if recycles is None else recycles
         b, n = aatype.shape
         prev_m0 = target_feat.new_zeros(b, n, self.cfg.c_m)

@@ -30,6 +30,8 @@ class EvoformerConfig:
     c_hidden_pair: int = 32
     c_hidden_mul: int = 128  # triangle multiplication channels
     c_hidden_opm: int = 32   # outer product mean channels
+    c_hidden_extra: int = 8  # per-head channels of the extra-MSA stack's row and global column attention
+                             # (AlphaFold: c_e = 64 over 8 heads)
     transition_n: int = 4
     chunk_size: int | None = None  # attention rows per chunk (None: all at once)
 
@@ -40,11 +42,11 @@ def pair_bias(ax: Axial, norm: LayerNorm, proj: nn.Linear, z: torch.Tensor) -> t
 
 
 class MSARowAttentionWithPairBias(nn.Module):
-    def __init__(self, cfg: EvoformerConfig, c_m: int):
+    def __init__(self, cfg: EvoformerConfig, c_m: int, c_hidden: int):
         super().__init__()
         self.norm_m, self.norm_z = LayerNorm(c_m), LayerNorm(cfg.c_z)
         self.bias = linear(cfg.c_z, cfg.heads_msa, bias=False)
-        self.attn = Attention(c_m, cfg.c_hidden_msa, cfg.heads_msa)
+        self.attn = Attention(c_m, c_hidden, cfg.heads_msa)
 
     def forward(self, m, z, msa_mask, ax: Axial, chunk_size=None):
         """m: row mode [B, S/n, R, c]; msa_mask full [B, S, R]."""
@@ -69,9 +71,10 @@ class MSAColumnGlobalAttention(nn.Module):
     """The extra-MSA stack's column attention (algorithm 19): one averaged query per column and
     single-head keys/values, linear in the (large) number of extra sequences."""
 
-    def __init__(self, cfg: EvoformerConfig, c_m: int, c_hidden: int = 8):
+    def __init__(self, cfg: EvoformerConfig, c_m: int):
         super().__init__()
-        self.heads, self.c_hidden = cfg.heads_msa, c_hidden
+        self.heads, self.c_hidden = cfg.heads_msa, cfg.c_hidden_extra
+        c_hidden = cfg.c_hidden_extra
         self.norm = LayerNorm(c_m)
         self.q = linear(c_m, self.heads * c_hidden, bias=False)
         self.k = linear(c_m, c_hidden, bias=False)
@@ -172,7 +175,8 @@ class EvoformerBlock(nn.Module):
     def __init__(self, cfg: EvoformerConfig, c_m: int | None = None, global_column: bool = False):
         super().__init__()
         c_m = c_m or cfg.c_m
-        self.row_attn = MSARowAttentionWithPairBias(cfg, c_m)
+        # The extra-MSA stack (global column attention) has narrower heads than the main stack.
+        self.row_attn = MSARowAttentionWithPairBias(cfg, c_m, cfg.c_hidden_extra if global_column else cfg.c_hidden_msa)
         self.col_attn = MSAColumnGlobalAttention(cfg, c_m) if global_column else MSAColumnAttention(cfg, c_m)
         self.msa_transition = Transition(c_m, cfg.transition_n)
         self.opm = OuterProductMean(cfg, c_m)

@@ -54,7 +54,7 @@ def loss_and_outputs(model, batch):
 
     out = model(**batch, recycles=1)
     tables = {"default_frames": model.default_frames, "atom14_local": model.atom14_local}
-    loss, _ = alphafold_loss(out, batch, tables, LossWeights())
+    loss, _ = alphafold_loss(out, batch, tables, LossWeights(experimentally_resolved=0.01))  # every head trains
     return loss, out
 
 

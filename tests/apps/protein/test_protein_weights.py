@@ -19,7 +19,7 @@ def test_roundtrip_through_the_official_naming(tmp_path):
         keys = set(npz.files)
         # Stacked blocks, [in, out] weights, per-head attention tensors, as in params_model_*.npz.
         assert npz[EVO + "outer_product_mean/left_projection//weights"].shape == (1, 16, 4)
-        assert npz[EVO + "msa_row_attention_with_pair_bias/attention/query_w"].shape == (1, 16, 2, 4)
+        assert npz[EVO + "msa_row_attention_with_pair_bias/attention//query_w"].shape == (1, 16, 2, 4)
         assert npz[EVO + "triangle_attention_starting_node//feat_2d_weights"].shape == (1, 8, 2)
         assert npz[IPA + "q_point_local//weights"].shape == (16, 2 * 2 * 3)
     assert ROOT + "evoformer/pair_activiations//weights" in keys  # AlphaFold's own spelling
@@ -40,15 +40,13 @@ def test_layouts_follow_alphafold(tmp_path):
     params = dict(np.load(path))
     # query_w [c, heads, ch]: head h, channel k of the query is row h*ch + k of our q projection.
     qw = np.random.default_rng(0).standard_normal((1, 16, 2, 4)).astype(np.float32)
-    params[EVO + "msa_row_attention_with_pair_bias/attention/query_w"] = qw
+    params[EVO + "msa_row_attention_with_pair_bias/attention//query_w"] = qw
     # IPA query points are stored x of every (head, point), then y, then z.
     hp = 2 * 2
     bias = np.concatenate([np.full(hp, 1.0), np.full(hp, 2.0), np.full(hp, 3.0)]).astype(np.float32)
     params[IPA + "q_point_local//bias"] = bias
-    params[ROOT + "experimentally_resolved_head/logits//weights"] = np.zeros((16, 37), np.float32)
     np.savez(tmp_path / "q.npz", **params)
-    unused = load_af2_params(model, tmp_path / "q.npz")
-    assert unused == [ROOT + "experimentally_resolved_head/logits//weights"]
+    assert load_af2_params(model, tmp_path / "q.npz") == []
     q = model.evoformer.blocks[0].row_attn.attn.q.weight.detach().numpy()
     assert np.allclose(q[1 * 4 + 3], qw[0, :, 1, 3])
     pts = model.structure_module.ipa.q_pts.bias.detach().numpy().reshape(hp, 3)
@@ -64,5 +62,12 @@ def test_wrong_files_are_refused(tmp_path):
     with pytest.raises(KeyError, match="pair_transition/transition1//weights"):
         load_af2_params(model, tmp_path / "missing.npz")
     bigger = tiny_model(seed=0, evoformer_blocks=2)
-    with pytest.raises(ValueError, match="stacks 1 blocks"):
+    with pytest.raises(ValueError, match="stacks 1 blocks where the config has 2"):
         load_af2_params(bigger, path)
+    with pytest.raises(ValueError, match="stacks 2 blocks where the config has 1"):
+        load_af2_params(model, save_af2_params(bigger, tmp_path / "bigger.npz"))
+    params = dict(np.load(path))
+    params[ROOT + "predicted_aligned_error_head/logits//weights"] = np.zeros((8, 64), np.float32)
+    np.savez(tmp_path / "ptm.npz", **params)
+    with pytest.raises(KeyError, match="set model.pae_head=true"):
+        load_af2_params(model, tmp_path / "ptm.npz")
