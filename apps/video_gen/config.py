@@ -36,9 +36,23 @@ class DataConfig:
     clip_stride: int = 2                        # keep every n-th frame (motion per frame at low fps)
     clips_per_video: int = 8
     clip_height: int = 16                       # real clips are resized to this height (aspect kept)
+    # A manifest of real clips for datasets of any size: CSV / JSONL / parquet in Open-Sora's layout (path, text,
+    # optional num_frames, height, width, fps, aes, score; see manifest.py). Only paths and captions are kept; clips
+    # are decoded when drawn (on train.num_workers DataLoader workers), every clip_stride-th frame from a random
+    # offset, cropped to the bucket's aspect and resized. data.held_out of its videos are held out. null: none.
+    manifest: str | None = None
+    manifest_root: str | None = None            # the base of the manifest's relative paths (null: its folder)
+    min_aesthetic: float | None = None          # keep only rows whose aes / aesthetic column is at least this
+    min_score: float | None = None              # keep only rows whose score column is at least this
+    clip_fps: float | None = None               # manifest clips: stride = the video's fps / this (null: clip_stride)
+    crop: str = "center"                        # manifest clips: crop to the bucket's aspect at the centre, or "random"
+    # With vae.from_dir: a folder of the manifest's latents written by `python -m apps.video_gen.latents`
+    # (safetensors shards), read back in training instead of decoding and encoding clips. null: none.
+    latent_cache: str | None = None
+    latent_views: int = 1                       # precomputed views per row (each its own offset / crop)
     # Buckets [frames, height, width, batch_size]: each sample goes to the nearest by aspect and length.
     buckets: list[list[int]] = field(default_factory=lambda: [[1, 16, 16, 16], [8, 16, 16, 8], [8, 16, 28, 4]])
-    held_out: float = 0.1                       # share of the moving-shapes clips kept for the evaluation loss
+    held_out: float = 0.1                       # share of the shapes clips (and of a manifest's videos) held out
     caption_dropout: float = 0.1                # empty prompt instead of the caption (classifier-free guidance)
     max_prompt_tokens: int = 12
 
@@ -48,6 +62,10 @@ class ModelConfig:
     # A local pipeline directory this recipe exported (transformer/, text_encoder/, tokenizer/, vae/?):
     # start from its weights. null: build the tiny models below, randomly initialised.
     init_from: str | None = None
+    # With init_from: the flow settings (timesteps, shift, skip ...) of the next stage. "keep": the saved pipeline's
+    # (where this config's flow section differs, the differences are printed and ignored); "config": this config's
+    # flow section (each changed setting printed, saved -> new). The export records the settings trained with.
+    init_flow: str = "keep"
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
     num_layers: int = 4
     num_heads: int = 4
@@ -178,6 +196,18 @@ class RecipeConfig:
         need(0.0 <= d.caption_dropout < 1.0, "data.caption_dropout", d.caption_dropout, "must be in [0, 1)")
         need(0.0 < d.held_out < 1.0, "data.held_out", d.held_out, "must be in (0, 1)")
         need(d.shapes_size >= 8, "data.shapes_size", d.shapes_size, "must be at least 8 pixels")
+        need(m.init_flow in ("keep", "config"), "model.init_flow", m.init_flow,
+             "choose keep (the saved pipeline's flow settings) or config (this config's flow section)")
+        need(d.crop in ("center", "random"), "data.crop", d.crop, "choose center or random")
+        need(d.latent_views >= 1, "data.latent_views", d.latent_views, "must be at least 1")
+        need(not d.latent_cache or bool(d.manifest), "data.latent_cache", d.latent_cache,
+             "caches a manifest's latents: give data.manifest too, or set it to null")
+        need(d.clip_stride >= 1, "data.clip_stride", d.clip_stride, "must be at least 1")
+        need(d.clip_fps is None or d.clip_fps > 0, "data.clip_fps", d.clip_fps, "must be positive (or null)")
+        need(bool(d.shapes_videos or d.shapes_images or d.clips_dir or d.manifest), "data.manifest", d.manifest,
+             "no training data: give a manifest, a clips_dir or moving shapes (data.shapes_videos)")
+        need(d.shapes_videos > 0 or not self.eval.motion_samples, "eval.motion_samples", self.eval.motion_samples,
+             "the motion check samples moving-shapes prompts; set it to 0 when data.shapes_videos=0")
         need(f.timesteps in ("logit_normal", "uniform"), "flow.timesteps", f.timesteps, "choose logit_normal or uniform")
         need(f.logit_std > 0, "flow.logit_std", f.logit_std, "must be positive")
         need(0.0 <= f.high_noise_share <= 1.0, "flow.high_noise_share", f.high_noise_share, "must be in [0, 1]")

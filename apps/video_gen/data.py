@@ -1,22 +1,27 @@
-"""The training set: moving shapes (videos and single-frame images) plus real clips, tokenized,
-placed in (frames, height, width) buckets and grouped into whole batches for `fit`.
+"""The training set: moving shapes (videos and single-frame images), real clips from a folder and
+real clips from a manifest, tokenized, placed in (frames, height, width) buckets and grouped into
+whole batches for `fit`.
 
 A sample is {"video": [C, F, H, W] in [-1, 1], "prompt_ids": [tokens]}; images are 1-frame
-videos. Samples are resized to their bucket's shape (first `frames` frames, area resampling), so a
-batch stacks. The held-out set (for the evaluation loss) is a share of the moving-shapes clips.
+videos. The in-memory clips (shapes, `data.clips_dir`) are resized to their bucket's shape (first
+`frames` frames, area resampling); manifest clips are decoded when drawn (`manifest.py`: strided
+frames from a random offset, cropped to the bucket's aspect). The held-out set (for the evaluation
+loss) is a share of the moving-shapes clips and a share of the manifest's videos.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from phalanx.data.buckets import Bucket, BucketBatches, BucketConfigError, assign_buckets
 
 from .clips import load_clips
 from .config import DataConfig, resolve
+from .manifest import Manifest, ManifestBatches, fill_sizes, held_out_clips, held_out_rows, read_manifest
 from .shapes import moving_shapes
 from .text import tokenize
 
@@ -90,3 +95,36 @@ def check_buckets_cover(clips: BucketedClips, what: str) -> None:
         raise BucketConfigError(f"no {what} clip fits any bucket (clip shapes {shapes[:4]}, buckets "
                                 f"{[b.shape for b in clips.buckets]}): add a bucket with at most as many frames "
                                 "and a similar aspect ratio")
+
+
+def load_manifest_split(d: DataConfig, buckets: list[Bucket], max_held_per_bucket: int
+                        ) -> tuple[Manifest, np.ndarray, list[Clip], int]:
+    """(the manifest, its training rows, held-out clips decoded at their bucket's shape, files probed)
+    for `data.manifest`: rows filtered by the score thresholds, missing sizes read from the files'
+    headers, data.held_out of its videos held out (up to `max_held_per_bucket` clips per bucket
+    decoded for the evaluation loss)."""
+    m = read_manifest(resolve(d.manifest), resolve(d.manifest_root) if d.manifest_root else None,
+                      d.min_aesthetic, d.min_score)
+    probed = fill_sizes(m)
+    held = held_out_rows(m, d.held_out, seed=0)
+    clips = held_out_clips(m, np.flatnonzero(held), buckets, d.clip_stride, d.clip_fps, max_held_per_bucket)
+    return m, np.flatnonzero(~held), [Clip(v, c) for v, c in clips], probed
+
+
+def training_dataset(d: DataConfig, buckets: list[Bucket], tokenizer, clips: list[Clip], manifest: Manifest | None,
+                     rows: np.ndarray | None, seed: int, latents: bool = False,
+                     keep_std: bool = False) -> tuple[Dataset, BucketedClips | None]:
+    """(whole bucket batches for `fit`, the in-memory part or None): the in-memory clips' batches
+    followed by the manifest's (decoded when drawn; with `latents`, read from data.latent_cache).
+    Raises BucketConfigError when a part yields no batch."""
+    from .latents import LatentShards
+
+    parts, in_memory = [], None
+    if clips:
+        in_memory = BucketedClips(clips, buckets, tokenizer)
+        parts.append(training_batches(in_memory, seed=seed))
+    if manifest is not None and latents:
+        parts.append(LatentShards(resolve(d.latent_cache), manifest, buckets, tokenizer, seed, keep_std))
+    elif manifest is not None:
+        parts.append(ManifestBatches(manifest, rows, buckets, tokenizer, d.clip_stride, d.clip_fps, d.crop, seed))
+    return (parts[0] if len(parts) == 1 else ConcatDataset(parts)), in_memory

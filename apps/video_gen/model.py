@@ -41,6 +41,11 @@ from .config import FlowConfig, ModelConfig
 TIME_SCALE = 1000.0  # Wan embeds timesteps on the 0..1000 scale
 
 
+# Text encoders whose padding states are zeroed before cross-attention, as Wan's pipelines do (they
+# cut T5's states at the prompt's length and pad with zeros). Not the from-scratch CLIP: it is causal,
+# and its padding positions each summarise the whole caption (see `PooledTextConditioning`).
+ZERO_PADDING_TYPES = ("t5", "umt5", "mt5")
+
 POSITION_CHANNELS = 3  # (frame, row, column) planes: see `position_planes`
 MOTION_CHANNELS = 2    # (frame x row, frame x column) planes: see `position_planes`
 
@@ -162,6 +167,7 @@ class VideoFlowModel(nn.Module):
         self.position_channels = extra > 0
         self.motion_channels = extra == POSITION_CHANNELS + MOTION_CHANNELS
         self.text_frozen = False
+        self.zero_padding = getattr(getattr(text_encoder, "config", None), "model_type", None) in ZERO_PADDING_TYPES
 
     def freeze_text_encoder(self) -> "VideoFlowModel":
         """Fixed text encoder weights (`model.freeze_text_encoder`): no gradients (the optimizer skips
@@ -201,9 +207,12 @@ class VideoFlowModel(nn.Module):
         return tuple(self.transformer.config.patch_size)
 
     def encode_prompts(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """[B, L, text_dim]: the text encoder's states; a T5-family encoder's padding states zeroed
+        (`zero_padding`), so cross-attention reads exactly what Wan's pipelines give it."""
         mask = (prompt_ids != self.pad_token_id).long()
         with torch.no_grad() if self.text_frozen else contextlib.nullcontext():
-            return self.text_encoder(input_ids=prompt_ids, attention_mask=mask).last_hidden_state
+            states = self.text_encoder(input_ids=prompt_ids, attention_mask=mask).last_hidden_state
+        return states * mask.unsqueeze(-1).to(states.dtype) if self.zero_padding else states
 
     def tokens(self, shape: tuple[int, ...]) -> int:
         pt, ph, pw = self.patch

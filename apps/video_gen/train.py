@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
         train.plugin=zero2 parallel.sp_size=2
 
-The flow: (frozen autoencoder, with `vae.from_dir`) -> data (moving shapes + real clips, tokenizer
+The flow: (frozen autoencoder, with `vae.from_dir`) -> data (moving shapes + real clips, and the
+clips of `data.manifest`, decoded when drawn or read as latents from `data.latent_cache`; tokenizer
 from the captions or `model.text_encoder_dir`) -> buckets -> model (diffusers' Wan transformer + a
 small CLIP text encoder or the user's local one, or `model.init_from`) -> each clip encoded to its
 latent once (with the autoencoder) -> fit (eval: the rectified-flow loss at fixed timesteps on
@@ -20,6 +21,7 @@ Latent stage (2 commands; see configs/tiny_latent.yaml):
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,8 +32,8 @@ from phalanx.device import to_device
 from phalanx.diffusion import fixed_eval_timesteps, save_gif
 from phalanx.observe import get_logger, is_main_process
 
-from .config import RecipeConfig, parse_args, resolve
-from .data import BucketedClips, check_buckets_cover, load_all_clips, training_batches
+from .config import FlowConfig, RecipeConfig, parse_args, resolve
+from .data import BucketedClips, check_buckets_cover, load_all_clips, load_manifest_split, training_dataset
 from .model import MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer
 from .motion import motion_prompts, motion_score
 from .pipeline import VideoPipeline, make_meta, sample_clips
@@ -51,7 +53,8 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
     if m.init_from:
         pipe = VideoPipeline.from_pretrained(resolve(m.init_from))
         model, tokenizer = pipe.model, pipe.tokenizer
-        model.fcfg, model.caption_dropout = cfg.flow, cfg.data.caption_dropout
+        model.fcfg = cfg.flow = chain_flow(model.fcfg, cfg.flow, m.init_flow)
+        model.caption_dropout = cfg.data.caption_dropout
     else:
         if text_encoder is None and m.text_encoder_dir:
             text_encoder, tokenizer = load_local_text(m.text_encoder_dir, m.tokenizer_dir, cfg.data.max_prompt_tokens)
@@ -70,6 +73,21 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
     if m.freeze_text_encoder:
         model.freeze_text_encoder()
     return model.train(), tokenizer
+
+
+def chain_flow(saved: FlowConfig, stage: FlowConfig, mode: str) -> FlowConfig:
+    """The flow settings a stage started from `model.init_from` trains with: the saved ones
+    (mode "keep") or this stage's (mode "config"); every setting that differs is printed."""
+    changed = {k: (v, getattr(stage, k)) for k, v in asdict(saved).items() if getattr(stage, k) != v}
+    if not changed:
+        return saved
+    listed = ", ".join(f"flow.{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+    if mode == "config":
+        log.info(f"model.init_flow=config: this stage changes the saved flow settings: {listed}")
+        return stage
+    log.info(f"model.init_flow=keep: training with the saved flow settings; this config's differ and are ignored "
+             f"({listed}); set model.init_flow=config to use them")
+    return saved
 
 
 def build_pooled_text(cfg: RecipeConfig, dim: int, text_dim: int | None = None) -> PooledTextConditioning | None:
@@ -94,7 +112,7 @@ def frozen_vae(cfg: RecipeConfig):
         return None
     tf, sf = vae_factors(vae)
     pt, ph, pw = cfg.model.patch_size
-    frames = [cfg.data.shapes_frames, *(b.frames for b in cfg.buckets)]
+    frames = [cfg.data.shapes_frames] * bool(cfg.data.shapes_videos) + [b.frames for b in cfg.buckets]
     bad = [f for f in frames if not frames_ok(f, tf)]
     if bad:
         raise ConfigError(f"config 'data.buckets'={cfg.data.buckets!r} / 'data.shapes_frames'={cfg.data.shapes_frames}: "
@@ -156,7 +174,22 @@ def prepare(cfg: RecipeConfig):
     data, bucket and text-encoder errors come before the model is built and the clips are encoded."""
     vae = frozen_vae(cfg)
     train_clips, held_clips = load_all_clips(cfg.data)
-    captions = [c.caption for c in train_clips + held_clips]
+    manifest, rows = None, None
+    if cfg.data.manifest:
+        if vae is not None and not cfg.data.latent_cache:
+            raise ConfigError("config 'data.latent_cache'=null: latent training on data.manifest reads its latents "
+                              "from disk; write them with `python -m apps.video_gen.latents` (same config) and set "
+                              "data.latent_cache to that folder, or set vae.from_dir=null for pixel space")
+        if vae is None and cfg.data.latent_cache:
+            raise ConfigError(f"config 'data.latent_cache'={cfg.data.latent_cache!r}: the cache holds latents but "
+                              "there is no autoencoder; set vae.from_dir to the one that wrote it, or the cache to "
+                              "null")
+        manifest, rows, manifest_held, probed = load_manifest_split(cfg.data, cfg.buckets, cfg.eval.max_clips)
+        held_clips += manifest_held
+        log.info(f"manifest {manifest.source}: {len(manifest)} rows ({manifest.dropped} left out by the score "
+                 f"filters, {probed} files probed for their sizes), {len(rows)} training rows, "
+                 f"{len(manifest_held)} held-out clips decoded")
+    captions = [c.caption for c in train_clips + held_clips] + (list(manifest.all_captions()) if manifest else [])
     text_encoder = None
     if cfg.model.init_from:
         model, tokenizer = build_model(cfg, captions)
@@ -165,10 +198,11 @@ def prepare(cfg: RecipeConfig):
                                                   cfg.data.max_prompt_tokens)
     else:
         tokenizer = build_tokenizer(captions, cfg.data.max_prompt_tokens)
-    train = BucketedClips(train_clips, cfg.buckets, tokenizer)
     held = BucketedClips(held_clips, cfg.buckets, tokenizer)
     check_buckets_cover(held, "held-out")
-    batches = training_batches(train, seed=cfg.train.seed)  # raises BucketConfigError when it yields no batch
+    # raises BucketConfigError when a part yields no batch
+    batches, train = training_dataset(cfg.data, cfg.buckets, tokenizer, train_clips, manifest, rows, cfg.train.seed,
+                                      latents=vae is not None, keep_std=cfg.vae.sample_posterior)
     channels = vae.config["z_dim"] if vae is not None else 3
     if not cfg.model.init_from:
         model, tokenizer = build_model(cfg, captions, channels, tokenizer=tokenizer, text_encoder=text_encoder)
@@ -178,11 +212,12 @@ def prepare(cfg: RecipeConfig):
                           f"({'latents of vae.from_dir' if vae is not None else 'pixels'}); set vae.from_dir to the "
                           "autoencoder it was trained with (or null for pixels)")
     if vae is not None:
-        for clips in (train, held):
+        for clips in (c for c in (train, held) if c is not None):  # manifest clips: from data.latent_cache
             encode_clips(vae, clips, cfg.vae.sample_posterior)
-        z = torch.stack([train[i]["video"] for i in next(iter(train.per_bucket().values()))])
-        log.info(f"encoded {len(train)} training and {len(held)} held-out clips once; normalised latents: mean "
-                 f"{float(z.mean()):.3f}, std {float(z.std()):.3f}")
+        some = train if train is not None else held
+        z = torch.stack([some[i]["video"] for i in next(iter(some.per_bucket().values()))])
+        log.info(f"encoded {len(train) if train is not None else 0} training and {len(held)} held-out clips once; "
+                 f"normalised latents: mean {float(z.mean()):.3f}, std {float(z.std()):.3f}")
     return model, tokenizer, batches, held, vae
 
 
@@ -240,6 +275,15 @@ def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: 
     return eval_fn
 
 
+def sample_size(cfg: RecipeConfig) -> tuple[int, int, int]:
+    """The exported pipeline's default clip (frames, height, width): the moving shapes' size, or
+    without shapes the longest (then largest) bucket."""
+    d = cfg.data
+    if d.shapes_videos:
+        return d.shapes_frames, d.shapes_size, d.shapes_size
+    return max(cfg.buckets, key=lambda b: (b.frames, b.height * b.width)).shape
+
+
 def setup_sequence_parallel(cfg: RecipeConfig, model: VideoFlowModel) -> None:
     sp = cfg.parallel.sp_size
     if sp == 1:
@@ -273,9 +317,7 @@ def train(cfg: RecipeConfig):
     if is_main_process():
         model.sp_group = None
         load_trained(model, load_hf_state_dict(result.checkpoint_dir / "model"))
-        d = cfg.data
-        meta = make_meta(cfg.flow, model.transformer.config.out_channels, d.shapes_frames, d.shapes_size,
-                         d.shapes_size, vae=vae)
+        meta = make_meta(model.fcfg, model.transformer.config.out_channels, *sample_size(cfg), vae=vae)
         VideoPipeline(model, tokenizer, meta, vae).save_pretrained(cfg.final_path)
         summary = {"space": space, "initial": initial, "final": result.last_eval,
                    "loss_drop": 1 - result.last_eval["loss"] / initial["loss"], "steps": result.final_step,

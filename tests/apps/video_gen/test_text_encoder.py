@@ -129,3 +129,34 @@ def test_text_encoder_directories_that_do_not_load_get_one_clear_error(tmp_path)
                                 f"model.tokenizer_dir={tmp_path / 'big'}"), [])
     with pytest.raises(ConfigError, match=r"'model.text_encoder_dir'.*init_from already brings its text encoder"):
         tiny_config(tmp_path / "run", f"model.text_encoder_dir={tmp_path / 't5'}", f"model.init_from={tmp_path}")
+
+
+def test_t5_padding_states_are_zeroed_before_cross_attention_as_wan_does(tmp_path):
+    """Wan's pipelines cut T5's states at each prompt's length and pad with zeros; the recipe's
+    encode_prompts (training, evaluation and sampling) gives exactly that for a T5 encoder, and
+    leaves the causal from-scratch CLIP's states as they are."""
+    from apps.video_gen.shapes import moving_shapes
+    from apps.video_gen.text import tokenize
+    from apps.video_gen.train import build_model
+
+    _save_t5(tmp_path / "t5", _tokenizer())
+    model, tokenizer = build_model(tiny_config(tmp_path / "run", f"model.text_encoder_dir={tmp_path / 't5'}"), [])
+    model.eval()
+    ids = tokenize(tokenizer, ["a red square moving left", "a blue circle"])
+    mask = ids != tokenizer.pad_token_id
+    raw = model.text_encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+    reference = torch.stack([torch.cat([u[:n], u.new_zeros(len(u) - n, u.shape[-1])])
+                             for u, n in zip(raw, mask.sum(1).tolist(), strict=True)])
+    assert model.zero_padding and (raw[~mask] != 0).any()    # T5 does write states at the padding
+    states = model.encode_prompts(ids)
+    assert torch.equal(states, reference)
+    video = torch.stack([c.video for c in moving_shapes(2, 8, 16, seed=3)])
+    t = torch.tensor([0.5, 0.9])
+    assert not torch.allclose(model.velocity(video, t, states), model.velocity(video, t, raw))  # what the model reads
+
+    clip, clip_tok = build_model(tiny_config(tmp_path / "run2"), _captions())
+    clip.eval()
+    ids = tokenize(clip_tok, ["a red square moving left"])
+    assert not clip.zero_padding
+    assert torch.equal(clip.encode_prompts(ids), clip.text_encoder(
+        input_ids=ids, attention_mask=(ids != clip_tok.pad_token_id).long()).last_hidden_state)
