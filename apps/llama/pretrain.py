@@ -8,6 +8,9 @@ The app supplies the model (`<work_dir>/model_init`), the packed rows (`<work_di
 an eval function (held-out bits per character per category); the loop, the parallel plugin
 (`train.plugin`), checkpoints, resume, logging and metrics come from phalanx. Re-running the same
 command continues from the latest checkpoint in `train.output_dir`.
+
+With `lora.enabled: true` (the config's `lora:` section) the base is frozen and only LoRA adapters
+train; the adapter is written to `<train.output_dir>/adapter` (and merged, with `lora.merge`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .config import EvalConfig, RecipeConfig, parse_args
+from .config import EvalConfig, LoRAConfig, RecipeConfig, parse_args
 from .evaluate import Chunk, bits_per_char, flat_metrics, load_heldout_chunks
 from .rows import TokenRows
 from .tokenizer_io import load_tokenizer
@@ -49,6 +52,36 @@ def load_model(model_dir: Path, plugin: str | None = None):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
+def with_lora(model, lora: LoRAConfig):
+    """`model` with the `lora:` section's adapters (a `peft.PeftModel` whose base is frozen: only the
+    adapters train, under any plugin), or `model` itself when LoRA is off."""
+    if not lora.enabled:
+        return model
+    from phalanx.booster.lora import enable_lora, import_peft
+
+    peft = import_peft()
+    return enable_lora(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                              target_modules=list(lora.target_modules)))
+
+
+def export_lora(model, lora: LoRAConfig, result, output_dir: Path, tokenizer=None) -> None:
+    """After a LoRA run: rank 0 writes `<output_dir>/adapter` (PEFT's format) and, with `lora.merge`,
+    `<output_dir>/merged` (plain HF) from the run's last checkpoint; every rank waits for it."""
+    if not lora.enabled:
+        return
+    from phalanx.booster.lora import export_from_checkpoint
+    from phalanx.checkpoint.atomic import atomic_directory
+
+    if result.checkpoint_dir is None:
+        raise RuntimeError(f"LoRA run in {output_dir} ended without a checkpoint to export the adapter from")
+    model_dir = Path(result.checkpoint_dir) / "model"
+    targets = [("adapter", False)] + ([("merged", True)] if lora.merge else [])
+    for name, merge in targets:
+        with atomic_directory(output_dir / name) as tmp:  # collective: rank 0 writes, the others wait
+            if torch.distributed.get_rank() == 0:
+                export_from_checkpoint(model, model_dir, tmp, merge=merge, tokenizer=tokenizer)
+
+
 def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
     """Train as `cfg.train` says; returns phalanx's TrainResult (on every rank).
 
@@ -58,7 +91,9 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
 
     tokenizer = load_tokenizer(cfg.model_init_dir if (cfg.model_init_dir / "tokenizer_config.json").exists()
                                else cfg.tokenizer_dir)
-    model = model if model is not None else load_model(cfg.model_init_dir, cfg.train.plugin)
+    # With LoRA the whole base is built here (the adapters go next to real weights), not lazily.
+    model = model if model is not None else load_model(cfg.model_init_dir, None if cfg.lora.enabled else cfg.train.plugin)
+    model = with_lora(model, cfg.lora)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the tokenizer "
                          f"{len(tokenizer)} tokens: re-run init_model after expand_vocab")
@@ -67,7 +102,9 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
     if with_eval:
         chunks = load_heldout_chunks(cfg.data_dir, cfg.eval.chunk_chars, cfg.eval.max_chars_per_category)
         eval_fn = bpc_eval_fn(tokenizer, chunks, cfg.eval) if chunks else None
-    return fit(cfg.train, model, rows, eval_fn=eval_fn, tokenizer=tokenizer)
+    result = fit(cfg.train, model, rows, eval_fn=eval_fn, tokenizer=tokenizer)
+    export_lora(model, cfg.lora, result, Path(cfg.train.output_dir), tokenizer)
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,7 +54,7 @@ def test_precision_fields():
     assert [p.mixed for p in (FP32, BF16, FP16)] == [False, True, True]
     assert [p.loss_scaling for p in (FP32, BF16, FP16)] == [False, False, True]
     assert [p.low_dtype for p in (FP32, BF16, FP16)] == [None, torch.bfloat16, torch.float16]
-    assert f"{BF16}" == "bf16" and CHOICES == ("auto", "fp32", "bf16", "fp16")
+    assert f"{BF16}" == "bf16" and CHOICES == ("auto", "fp32", "bf16", "fp16", "fp8")
     assert resolve_precision(FP16) is FP16  # a Precision passes through unchanged
     with pytest.raises(dataclasses.FrozenInstanceError):
         FP32.name = "bf16"

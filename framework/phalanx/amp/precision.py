@@ -14,6 +14,7 @@ honoured everywhere, with one warning per process where it is slower than fp32.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 
 import torch
@@ -25,11 +26,14 @@ from phalanx_kernels.capability import bf16_is_fastest, cpu_bf16_support
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """name: "fp32" | "bf16" | "fp16" (never "auto"); compute_dtype: what the model computes in;
-    master_dtype: the optimizer's copy of the weights (fp32)."""
+    """name: "fp32" | "bf16" | "fp16" | "fp8" (never "auto"); compute_dtype: what the model
+    computes in; master_dtype: the optimizer's copy of the weights (fp32); fp8_linears: the linear
+    layers' matmuls run in fp8 with dynamic scaling (`phalanx.amp.fp8_linear`), everything else
+    in the compute dtype (bf16)."""
     name: str
     compute_dtype: torch.dtype
     master_dtype: torch.dtype = torch.float32
+    fp8_linears: bool = False
 
     @property
     def mixed(self) -> bool:
@@ -53,7 +57,8 @@ class Precision:
 FP32 = Precision("fp32", torch.float32)
 BF16 = Precision("bf16", torch.bfloat16)
 FP16 = Precision("fp16", torch.float16)
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16, FP16)}
+FP8 = Precision("fp8", torch.bfloat16, fp8_linears=True)
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (FP32, BF16, FP16, FP8)}
 NAMES = tuple(PRECISIONS)  # the concrete names
 CHOICES = ("auto", *NAMES)  # for configs and argparse
 
@@ -84,7 +89,7 @@ def warn_if_emulated_bf16(device: torch.device | str | None = None, what: str = 
 
 
 def precision_named(name: str | Precision) -> Precision:
-    """The Precision called `name` (fp32, bf16 or fp16), with no device involved: no `auto`, no
+    """The Precision called `name` (fp32, bf16, fp16 or fp8), with no device involved: no `auto`, no
     warning (for the planner, which sizes runs on other machines). Unknown names raise."""
     if isinstance(name, Precision):
         return name
@@ -104,9 +109,35 @@ def resolve_precision(value: str | Precision, device: torch.device | str | None 
     if value == "auto":
         return BF16 if bf16_is_fastest(device) else FP32
     precision = PRECISIONS[value]
-    if precision.compute_dtype == torch.bfloat16:
+    if precision.fp8_linears:
+        check_fp8_device(device)
+    elif precision.compute_dtype == torch.bfloat16:
         warn_if_emulated_bf16(device)
     return precision
+
+
+def fp8_device_support(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether `device` has fp8 matrix units (NVIDIA compute capability 8.9 or newer: Ada, Hopper,
+    Blackwell; the emulated GPU reports 9.0) and what the device is, for messages."""
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cpu":
+        return False, "the CPU"
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "get_device_capability"):
+        return False, f"a {device.type} device"
+    major, minor = backend.get_device_capability(device)
+    return (major, minor) >= (8, 9), f"{backend.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def check_fp8_device(device: torch.device | str | None = None) -> None:
+    """Refuse precision=fp8 where the device has no fp8 matmul, or where torchao is missing."""
+    supported, what = fp8_device_support(device)
+    if not supported:
+        raise ValueError(f"precision=fp8 needs a GPU with fp8 matrix units (NVIDIA compute capability 8.9 or newer: "
+                         f"L4/RTX 40xx, H100/H200, B200); this run's device is {what}. Use precision=bf16 (or auto).")
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("precision=fp8 runs its linear layers through torchao's float8 training, which is not "
+                         "installed: pip install -e \".[fp8]\" (torchao)")
 
 
 def precision_of_dtype(dtype: torch.dtype) -> Precision:

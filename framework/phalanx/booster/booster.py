@@ -5,6 +5,9 @@
                                                                           dataloader, lr_scheduler)
     booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
     booster.save_model(model, "ckpt/model", shard=True)
+
+LoRA: `model = booster.enable_lora(model, peft.LoraConfig(...))` before the optimizer is built,
+`booster.save_lora_as_pretrained(model, dir, merge=False)` after training (docs/lora.md).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.booster import lora
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.state import boosted_state
 from phalanx.booster.wrappers import ModelWrapper
@@ -53,6 +57,14 @@ class Booster:
         optimizer before calling this: the wrapper keeps that optimizer's param groups."""
         if isinstance(model, ModelWrapper):
             raise ValueError("this model was already boosted; boost the original model once")
+        if optimizer is not None and lora.is_lora_model(model):
+            lora.keep_trainable(optimizer, model)  # adapters only: no state or buckets for the frozen base
+        if self.plugin.precision.fp8_linears:
+            from phalanx.amp.fp8_linear import FP8_PLUGINS, convert_linears_to_fp8
+            if self.plugin.name not in FP8_PLUGINS:
+                raise ValueError(f"precision=fp8 runs with the {', '.join(FP8_PLUGINS)} plugins; {self.plugin.name} "
+                                 "shards or offloads the linear layers itself. Use precision=bf16 with it.")
+            convert_linears_to_fp8(model)  # before the plugin wraps or shards the modules
         wrapped = self.plugin.configure_model(model)
         state = boosted_state(wrapped)
         if state is None:  # a plugin that records nothing about the boosted model
@@ -95,6 +107,24 @@ class Booster:
         if not return_loss:
             out["loss"] = None
         return out
+
+    # ------------------------------------------------------------------ LoRA
+    def enable_lora(self, model: nn.Module, lora_config: Any, adapter_name: str = "default") -> nn.Module:
+        """Add LoRA adapters (`lora_config`: a `peft.LoraConfig`) to the un-boosted `model` and
+        freeze its base weights; returns the `peft.PeftModel` to build the optimizer on and boost.
+        Only the adapters then get optimizer state and gradient buckets (`lora.keep_trainable`)."""
+        return lora.enable_lora(model, lora_config, adapter_name=adapter_name)
+
+    def save_lora_as_pretrained(self, model: nn.Module, path: str | Path, *, merge: bool = False,
+                                tokenizer=None, **kwargs) -> Path:
+        """Collective. Write the boosted LoRA model's adapter in PEFT's format
+        (adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained`), or
+        with `merge=True` the base model with the adapter merged in, as a plain Hugging Face
+        directory (`kwargs`: `save_model`'s shard / max_shard_size / dtype). Atomic, as `save_model`."""
+        path = Path(path)
+        with atomic_directory(path) as tmp:
+            lora.save_lora(self.plugin, model, tmp, writer=self.rank == 0, merge=merge, tokenizer=tokenizer, **kwargs)
+        return path
 
     # ------------------------------------------------------------------ model
     def save_model(self, model: nn.Module, path: str | Path, shard: bool = True, max_shard_size: str | int = "2GB",

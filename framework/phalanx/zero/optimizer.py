@@ -69,6 +69,9 @@ class ZeroConfig:
         the copies of its part; "auto" picks all_to_all on gloo, where torch's reduce-scatter
         costs twice its all-reduce (docs/zero.md; a bucket whose receive buffer would exceed
         twice the bucket is all-reduced), and reduce_scatter elsewhere.
+    fp8_communication: None (off), "e4m3" or "e5m2": each rank's copy of each bucket part
+        travels as fp8 with its own scale and is summed in fp32 by its owner
+        (`phalanx.amp.fp8_comm`; the reducer's `fp8_traffic` counts the bytes).
     """
 
     stage: int = 2
@@ -78,6 +81,7 @@ class ZeroConfig:
     max_norm: float | None = None
     overlap_param_gather: bool = False
     grad_collective: str = "auto"
+    fp8_communication: str | None = None
 
     def __post_init__(self):
         if self.stage not in (1, 2):
@@ -127,7 +131,7 @@ class ZeroOptimizer(OptimizerWrapper):
         self.reducer = GradReducer(groups, stage=self.config.stage, bucket_numel=bucket_numel,
                                    overlap=self.config.overlap_communication, process_group=process_group,
                                    rank=self.rank, world_size=self.world_size, model_order=order,
-                                   collective=self.config.grad_collective)
+                                   collective=self.config.grad_collective, fp8=self.config.fp8_communication)
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range. Standalone (no
         # precision given) the parameters' dtype says which precision the model was cast to.
         self.precision = resolve_precision(precision) if precision is not None else precision_of_dtype(dtype)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.amp import fp8_comm
 from phalanx.zero import comm
 from phalanx.zero.flat_group import FlatParamGroup
 from phalanx.zero.partition import Slot, bucket_slots
@@ -113,7 +114,7 @@ class ReducerStats:
 class GradReducer:
     def __init__(self, groups: Sequence[FlatParamGroup], *, stage: int, bucket_numel: int, overlap: bool,
                  process_group: dist.ProcessGroup | None, rank: int, world_size: int,
-                 model_order: dict[int, int] | None = None, collective: str = "auto"):
+                 model_order: dict[int, int] | None = None, collective: str = "auto", fp8: str | None = None):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage}: the ZeRO gradient reducer implements stages 1 and 2")
         if collective not in GRAD_COLLECTIVES:
@@ -121,6 +122,8 @@ class GradReducer:
         if collective == "auto":
             collective = "all_to_all" if comm.is_gloo(process_group) else "reduce_scatter"
         self.collective = collective
+        self.fp8 = fp8  # "e4m3" / "e5m2": buckets travel as fp8 (phalanx.amp.fp8_comm); None: as they are
+        self.fp8_traffic = fp8_comm.Fp8Traffic()
         self.stage = stage
         self.group = process_group
         self.rank = rank
@@ -277,6 +280,11 @@ class GradReducer:
         direct = False
         if self.world_size == 1:
             work, result = None, buffer[own_lo - bucket.lo:own_hi - bucket.lo]
+        elif self.fp8:
+            # Each rank's copy of each part travels as fp8 with its own scale; this rank gets the
+            # fp32 sum of its part (synchronous: the collectives sit between the quantisations).
+            work, result = None, fp8_comm.reduce_scatter_fp8(buffer, [b - a for a, b in parts], self.group,
+                                                             self.fp8, self.fp8_traffic)
         elif bucket.exchange:
             # Every rank's copy of the part this rank owns arrives; `_complete` adds them up.
             work = comm.OwnPartExchange(buffer, [b - a for a, b in parts], self.rank, self.group, self._op_name,

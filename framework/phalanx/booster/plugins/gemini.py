@@ -157,7 +157,7 @@ class GeminiPlugin(Plugin):
                         data = t.data.to(self.device)
                         comm.broadcast_from_first(data, self.dp_group, "gemini.broadcast_model")
                         t.data = data.to(t.device)
-        named = list(model.named_parameters())  # unique parameters, model order
+        named = _chunked_parameters(model, self.device)  # unique parameters, model order
         budget = parse_bytes(self.device_memory_budget, device_capacity(self.device))
         host_budget = parse_bytes(self.host_memory_budget, None, "host_memory_budget")
         tiers = MemoryTiers(self.device, budget, host_budget)
@@ -215,24 +215,26 @@ class GeminiPlugin(Plugin):
         unwrapped = unwrap_model(model)
         param_ids = {n: id(p) for n, p in unwrapped.named_parameters(remove_duplicate=False)}
         buffers = dict(unwrapped.named_buffers())
+        outside = {**buffers, **dict(unwrapped.named_parameters(remove_duplicate=False))}  # LoRA's frozen base
         for name in unwrapped.state_dict().keys():
-            if name in param_ids:
+            if param_ids.get(name) in self.manager.where:
                 chunk, k = self.manager.where[param_ids[name]]
                 yield name, self.manager.gather_master_param(chunk, k).view(chunk.params[k].shape)
-            elif name in buffers:
-                yield name, buffers[name].detach().cpu().clone()
+            elif name in outside:
+                yield name, outside[name].detach().cpu().clone()
 
     def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return dict(self.iter_full_model_state(model))
 
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         unwrapped = unwrap_model(model)
+        outside = [(n, p) for n, p in unwrapped.named_parameters(remove_duplicate=False) if id(p) not in self.manager.where]
         with torch.no_grad():
-            for name, buf in unwrapped.named_buffers():
+            for name, tensor in list(unwrapped.named_buffers()) + outside:  # outside: LoRA's frozen base
                 if name in state_dict:
-                    buf.copy_(state_dict[name].to(buf))
+                    tensor.copy_(state_dict[name].to(tensor))
         values = {id(p): state_dict[n] for n, p in unwrapped.named_parameters(remove_duplicate=False)
-                  if n in state_dict}
+                  if n in state_dict and id(p) in self.manager.where}
         self.manager.load_values(values)
 
     def optimizer_fragments(self, optimizer: GeminiOptimizer) -> OptimizerFragments:
@@ -243,3 +245,19 @@ class GeminiPlugin(Plugin):
 
     def _names_from(self, optimizer: GeminiOptimizer) -> dict[int, str]:
         return {id(p): n for chunk in optimizer.manager.chunks for n, p in zip(chunk.names, chunk.params)}
+
+
+def _chunked_parameters(model: nn.Module, device: torch.device) -> list[tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs the chunks hold: all of them, except under LoRA
+    (`phalanx.booster.lora`), where only the adapters go into chunks (so only they get fp32
+    masters, optimizer state and gradient reduction) and the frozen base stays whole on the
+    device, as under DDP."""
+    from phalanx.booster.lora import is_lora_model
+
+    named = list(model.named_parameters())
+    if not is_lora_model(model):
+        return named
+    for _, p in named:
+        if not p.requires_grad:
+            p.data = p.data.to(device)
+    return [(n, p) for n, p in named if p.requires_grad]

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from phalanx.amp.fp8_comm import Fp8Traffic, check_format
 from phalanx.amp.precision import Precision
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.state import boosted_optimizer
@@ -31,19 +32,24 @@ from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
 
 class ZeroPlugin(Plugin):
     """ZeroPlugin(stage=2, precision="bf16", reduce_bucket_mb=25, overlap_communication=True,
-    cpu_offload=False, max_norm=1.0, overlap_param_gather=False, grad_collective="auto")."""
+    cpu_offload=False, max_norm=1.0, overlap_param_gather=False, grad_collective="auto",
+    fp8_communication=False) — fp8_communication="e4m3"/"e5m2" sends gradient buckets as fp8
+    (`phalanx.amp.fp8_comm`)."""
 
     full_state_on_every_rank = True
 
     def __init__(self, stage: int = 2, precision: str | Precision = "fp32", reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
-                 overlap_param_gather: bool = False, grad_collective: str = "auto"):
+                 overlap_param_gather: bool = False, grad_collective: str = "auto",
+                 fp8_communication: str | bool = False):
         super().__init__(precision, max_norm)
         self._lazy_source = None  # a lazy model's checkpoint, until the optimizer's masters are read
         self.config = ZeroConfig(stage=stage, reduce_bucket_mb=reduce_bucket_mb,
                                  overlap_communication=overlap_communication, cpu_offload=cpu_offload,
                                  max_norm=max_norm, overlap_param_gather=overlap_param_gather,
-                                 grad_collective=grad_collective)
+                                 grad_collective=grad_collective,
+                                 fp8_communication=check_format(fp8_communication, "ZeroPlugin"))
+        self.fp8_traffic = Fp8Traffic()
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -88,6 +94,7 @@ class ZeroPlugin(Plugin):
         names = optimizer_param_names(optimizer, unwrap_model(model))
         zero = ZeroOptimizer(optimizer, self.config, names=names, process_group=self.dp_group,
                              model=unwrap_model(model), precision=self.precision)
+        self.fp8_traffic = zero.reducer.fp8_traffic  # bytes sent with fp8_communication (phalanx.amp.fp8_comm)
         if self._lazy_source is not None:
             _read_fp32_masters(zero, self._lazy_source)
             self._lazy_source = None

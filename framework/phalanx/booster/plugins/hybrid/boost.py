@@ -62,7 +62,14 @@ class HybridBoosting:
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         from phalanx import lazy
+        from phalanx.booster.lora import is_lora_model
 
+        if is_lora_model(model) and max(self.tp_size, self.pp_size, self.sp_size) > 1:
+            raise NotImplementedError(
+                f"LoRA under HybridParallelPlugin runs with data parallelism and ZeRO only (tp_size=1, pp_size=1, "
+                f"sp_size=1), got tp_size={self.tp_size}, pp_size={self.pp_size}, sp_size={self.sp_size}: the shard "
+                "policies do not split adapter layers yet. Use HybridParallelPlugin(zero_stage=1 or 2), ZeroPlugin "
+                "or FSDPPlugin for LoRA")
         policy = self.policy or policy_for(model)
         heads = policy.heads(model.config)
         check_heads(heads, self.tp_size)

@@ -1,0 +1,264 @@
+"""LoRA through the Booster: low-rank adapters (PEFT underneath) trained by any plugin.
+
+    model = booster.enable_lora(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)     # after enable_lora
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    ...
+    booster.save_lora_as_pretrained(model, "out/adapter")              # adapter_config.json + adapter_model.safetensors
+    booster.save_lora_as_pretrained(model, "out/merged", merge=True)   # a plain Hugging Face model directory
+
+`enable_lora` wraps the model with `peft.get_peft_model`: the base weights are frozen
+(`requires_grad=False`) and only the adapters train. `Booster.boost` then keeps only the trainable
+parameters in the optimizer (`keep_trainable`), so the plugins give optimizer state, fp32 masters
+and gradient buckets (ZeRO's flat partitions, DDP's buckets) to the adapters alone.
+
+Saving walks the plugin's `iter_full_model_state` (a collective, as for a full save) and writes,
+on rank 0, either the adapter in PEFT's format (`peft.PeftModel.from_pretrained(base, dir)` opens
+it) or, with `merge=True`, the base model with `W + scaling * B @ A` folded into each adapted
+linear layer, under the base model's own names (`AutoModelForCausalLM.from_pretrained(dir)`).
+peft is an optional dependency (the `llama` and `diffusion` extras): it is imported only here,
+when LoRA is used.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from phalanx.booster.plugins.base import Plugin, unwrap_model
+from phalanx.booster.wrappers import ModelWrapper
+
+PEFT_PREFIX = "base_model.model."  # what a PeftModel's state-dict keys carry before the base model's names
+BASE_LAYER, LORA_A, LORA_B = ".base_layer.", ".lora_A.", ".lora_B."
+
+
+def import_peft():
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA needs the peft package: pip install 'peft>=0.21' (or the extra: "
+                          "pip install -e '.[llama]')") from None
+    return peft
+
+
+def is_lora_model(model: Any) -> bool:
+    """Whether `model` (boosted or not) is a PEFT model made by `enable_lora`. peft not imported
+    yet means no PEFT model exists (nothing is imported to find out)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(unwrap_model(model), peft.PeftModel)
+
+
+def enable_lora(model: nn.Module, lora_config: Any, adapter_name: str = "default") -> nn.Module:
+    """`model` with LoRA adapters from `lora_config` (a `peft.LoraConfig`): a `peft.PeftModel`
+    whose base weights are frozen. Call it before `Booster.boost`, and build the optimizer on the
+    returned model. A lazy model (meta device, `phalanx.lazy`) is materialised first, whole on
+    this rank: the adapters are created next to real base weights. A collective when several
+    ranks run: every rank starts from rank 0's adapters."""
+    peft = import_peft()
+    if isinstance(model, ModelWrapper):
+        raise ValueError("enable_lora got a boosted model: call booster.enable_lora(model, config) on the original "
+                         "model, then build the optimizer on what it returns, then booster.boost(...)")
+    if not isinstance(lora_config, peft.LoraConfig):
+        raise TypeError(f"enable_lora needs a peft.LoraConfig, got {type(lora_config).__name__}: "
+                        "peft.LoraConfig(r=8, lora_alpha=16, target_modules=[...])")
+    if is_lora_model(model):
+        raise ValueError("this model already has LoRA adapters (it is a peft.PeftModel): call enable_lora once")
+    if any(p.is_meta for p in model.parameters()):
+        from phalanx import lazy
+        lazy.materialize(model)
+    peft_model = peft.get_peft_model(model, lora_config, adapter_name=adapter_name)
+    _same_adapters_on_every_rank(peft_model)
+    return peft_model
+
+
+def _same_adapters_on_every_rank(peft_model: nn.Module) -> None:
+    """Every rank takes rank 0's initial adapters (one broadcast of them all, on the run's
+    device): peft draws them from each rank's own random stream, which need not agree (a rank
+    seeded for its own dropout), and FSDP2 keeps each rank's shard of what it was given."""
+    import torch.distributed as dist
+
+    from phalanx.device import run_device
+    from phalanx.launch import collective
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    if not params:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params]).to(run_device())
+        with collective("lora.broadcast_adapters"):
+            dist.broadcast(flat, src=0)
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(piece.view_as(p).to(p.device, p.dtype))
+
+
+def keep_trainable(optimizer: torch.optim.Optimizer, model: nn.Module) -> int:
+    """Drop the frozen parameters from `optimizer`'s param groups (in place; the groups and their
+    order stay, for the LR scheduler), so no plugin gives them optimizer state, masters or
+    gradient buckets. Refuses an optimizer that lacks an adapter. Returns how many it dropped."""
+    trainable = {id(p): n for n, p in unwrap_model(model).named_parameters() if p.requires_grad}
+    dropped, present = 0, set()
+    for group in optimizer.param_groups:
+        keep = [p for p in group["params"] if p.requires_grad]
+        dropped += len(group["params"]) - len(keep)
+        group["params"] = keep
+        present.update(id(p) for p in keep)
+    missing = [n for i, n in trainable.items() if i not in present]
+    if missing:
+        raise ValueError(f"the optimizer does not hold {len(missing)} of the {len(trainable)} LoRA parameters "
+                         f"(e.g. {missing[0]}): build the optimizer after enable_lora, on the model it returned "
+                         "(torch.optim.AdamW(model.parameters(), ...))")
+    return dropped
+
+
+def adapter_state_names(peft_model: nn.Module) -> set[str]:
+    """State-dict keys of what the adapter saves: the trainable parameters (LoRA matrices,
+    modules_to_save, trained biases) and every `lora_` tensor."""
+    names = {n for n, p in peft_model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return names | {n for n in peft_model.state_dict() if "lora_" in n}
+
+
+def write_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], directory: str | Path) -> None:
+    """Write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) from
+    `state` (full tensors under the PeftModel's own keys; rank 0 only): peft's `save_pretrained`
+    picks and renames the adapter's keys."""
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    peft_model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+
+
+def _lora_layers(peft_model: nn.Module, adapter: str) -> dict[str, nn.Module]:
+    """Base-model name -> LoRA layer, for the layers `merged_pairs` can merge; refuses the rest."""
+    from peft.tuners.lora import LoraLayer
+
+    config = peft_model.peft_config[adapter]
+    if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        raise ValueError("merge=True merges plain LoRA on linear layers; this adapter uses DoRA or modules_to_save: "
+                         "save the adapter (merge=False) and merge it with peft's merge_and_unload on one process")
+    layers = {}
+    for name, module in peft_model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            if not isinstance(module.get_base_layer(), nn.Linear) or getattr(module, "lora_bias", {}).get(adapter):
+                raise ValueError(f"merge=True merges LoRA on nn.Linear layers; {name} is "
+                                 f"{type(module.get_base_layer()).__name__}: save the adapter (merge=False) instead")
+            layers[name] = module
+    return layers
+
+
+def _split(name: str, layers: dict[str, nn.Module]) -> tuple[str, str, str] | None:
+    """(layer name, piece, rest) when `name` is part of a LoRA layer: piece is base/A/B."""
+    for marker, piece in ((BASE_LAYER, "base"), (LORA_A, "A"), (LORA_B, "B")):
+        head, sep, rest = name.partition(marker)
+        if sep and head in layers:
+            return head, piece, rest
+    return None
+
+
+def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's (name, tensor) pairs with the active adapter merged into each adapted
+    linear weight (`W + scaling * B @ A`, computed in fp32, stored in W's dtype), from the full
+    PeftModel pairs a plugin streams. A weight waits only for its own layer's A and B."""
+    adapter = peft_model.active_adapter
+    layers = _lora_layers(peft_model, adapter)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in pairs:
+        name = name.removeprefix(PEFT_PREFIX)
+        where = _split(name, layers)
+        if where is None:
+            if "lora_" not in name:  # another adapter's tensors are not part of the merged model
+                yield name, tensor
+            continue
+        layer, piece, rest = where
+        if piece == "base":
+            if rest != "weight":
+                yield f"{layer}.{rest}", tensor  # the bias, unchanged
+                continue
+        elif not rest.startswith(f"{adapter}."):
+            continue
+        parts = pending.setdefault(layer, {})
+        parts[piece] = tensor
+        if len(parts) == 3:
+            del pending[layer]
+            yield f"{layer}.weight", _merge(layers[layer], adapter, parts)
+    if pending:
+        raise ValueError(f"the model's state lacks the base weight or an adapter matrix of {sorted(pending)[0]}")
+
+
+def _merge(layer: nn.Module, adapter: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    from peft.utils.other import transpose
+
+    weight = parts["base"]
+    delta = transpose(parts["B"].float() @ parts["A"].float(), layer.fan_in_fan_out) * layer.scaling[adapter]
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+
+
+def save_lora(plugin: Plugin, model: nn.Module, directory: Path, *, writer: bool, merge: bool = False,
+              tokenizer=None, **kwargs) -> None:
+    """Collective: every rank walks the plugin's gather of the full model; where `writer` is true
+    the adapter (or, with `merge`, the merged base model in HF layout; `kwargs` go to
+    `save_hf_model`) is written into `directory`."""
+    from phalanx.checkpoint.hf import save_hf_model
+
+    peft_model = unwrap_model(model)
+    if not is_lora_model(peft_model):
+        raise ValueError("save_lora_as_pretrained needs a model with LoRA adapters: call booster.enable_lora(model, "
+                         "config) before booster.boost; save a full model with booster.save_model")
+    if merge:
+        _lora_layers(peft_model, peft_model.active_adapter)  # refuse before the collective walk
+    stream = plugin.iter_full_model_state(model)
+    try:
+        if merge:
+            if writer:
+                save_hf_model(peft_model.get_base_model(), merged_pairs(peft_model, stream), directory,
+                              tokenizer=tokenizer, **kwargs)
+        else:
+            keep = adapter_state_names(peft_model)
+            state = {name: tensor for name, tensor in stream if name in keep}
+            if writer:
+                write_adapter(peft_model, state, directory)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(directory))
+    finally:
+        for pair in stream:
+            del pair  # the other ranks are inside the gather until every tensor is walked
+
+
+def checkpoint_pairs(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a HF-layout directory, one tensor at a time (a file's tensors are read
+    as they are handed out, not the whole model at once)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {str(model_dir)!r}: not a model directory a checkpoint wrote")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def export_from_checkpoint(peft_model: nn.Module, model_dir: str | Path, directory: str | Path, *,
+                           merge: bool = False, tokenizer=None) -> Path:
+    """One process (rank 0): the adapter in PEFT's format (or, with `merge`, the merged base
+    model in HF layout) from the model/ directory of a training checkpoint of the LoRA model
+    `peft_model` (what `phalanx.train.fit` saved), into `directory`. For recipes that train with
+    `fit`, which owns the Booster."""
+    from phalanx.checkpoint.hf import save_hf_model
+
+    directory = Path(directory)
+    pairs = checkpoint_pairs(model_dir)
+    if merge:
+        save_hf_model(peft_model.get_base_model(), merged_pairs(peft_model, pairs), directory, tokenizer=tokenizer)
+        return directory
+    keep = adapter_state_names(peft_model)
+    state = {name: tensor for name, tensor in pairs if name in keep}
+    if not state:
+        raise ValueError(f"the checkpoint in {str(model_dir)!r} holds no adapter tensors: was it saved from this "
+                         "LoRA model?")
+    write_adapter(peft_model, state, directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory

@@ -1,0 +1,167 @@
+"""Rank bodies and the one-process reference for tests/framework/test_lora.py (importable by spawned ranks).
+
+The model: the tiny LLaMA of phalanx.testing with LoRA (r=4) on q_proj, v_proj and down_proj; B
+starts at zero (peft's default), A from a fixed seed, so every run starts from the same adapters.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import plugin_cases as cases
+from phalanx.testing import tiny_llama
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+LORA_R, LORA_ALPHA = 4, 8
+PROBE = torch.arange(2 * cases.SEQ).remainder(128).view(2, cases.SEQ)  # the batch saved models are scored on
+
+
+def lora_config():
+    import peft
+    return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS)
+
+
+def lora_model(enable=None):
+    """The tiny LLaMA with adapters, the same on every rank; `enable`: Booster.enable_lora or
+    (default) peft.get_peft_model."""
+    import peft
+
+    model = tiny_llama(seed=0)
+    torch.manual_seed(1)  # the adapters' A matrices
+    return (enable or peft.get_peft_model)(model, lora_config())
+
+
+def initial_adapter_state() -> dict[str, torch.Tensor]:
+    model = lora_model()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def single_process_reference(steps: int = cases.STEPS):
+    """Plain peft + torch on one process over whole batches: (losses, adapter state, the trained
+    model)."""
+    model = lora_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cases.LR, weight_decay=0.01)
+    losses = []
+    for batch in cases.make_batches(steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return losses, state, model
+
+
+def _state_numel(optimizer) -> int | None:
+    """Elements of this rank's optimizer state (AdamW's exp_avg), local shards only (None for
+    Gemini, whose state lives in its chunks)."""
+    if not optimizer.optim.state:
+        return None
+    total = 0
+    for state in optimizer.optim.state.values():
+        avg = state["exp_avg"]
+        total += (avg.to_local() if hasattr(avg, "to_local") else avg).numel()
+    return total
+
+
+def _train(booster, model, opt, steps: int) -> list[float]:
+    return _train_batches(booster, model, opt, cases.make_batches(steps))
+
+
+def _train_batches(booster, model, opt, batches) -> list[float]:
+    """Each rank its share of each global batch; returns the global mean losses."""
+    from phalanx.device import run_device, to_device
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches:
+        local = to_device(batch.chunk(world)[rank], run_device())
+        loss = model(input_ids=local, labels=local).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        reduced = loss.detach().clone().float()
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / world)
+    return losses
+
+
+def run_lora(name: str, directory: str, steps: int = cases.STEPS, **plugin_kwargs) -> dict:
+    """Train the LoRA model with plugin `name` (the optimizer is built on *all* parameters: boost
+    must drop the frozen ones), then save the adapter and the merged model under `directory`."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    booster = Booster(plugin=make_plugin(name, **plugin_kwargs))
+    model = lora_model(booster.enable_lora)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
+    model, opt, *_ = booster.boost(model, opt)
+    in_optimizer = sum(len(g["params"]) for g in opt.param_groups)
+    zero_params = None
+    from phalanx.zero.optimizer import ZeroOptimizer
+    if isinstance(opt, ZeroOptimizer):  # what its flat partitions hold
+        names = {id(p): n for n, p in booster.unwrap(model).named_parameters()}
+        zero_params = sorted(names[id(p)] for p in opt.model_params())
+    manager = getattr(booster.plugin, "manager", None)  # Gemini: what its chunks hold
+    chunked = sorted(n for c in manager.chunks for n in c.names) if manager is not None else None
+    losses = _train(booster, model, opt, steps)
+    full = {k: v.cpu() for k, v in booster.plugin.full_model_state_dict(model).items()}
+    booster.save_lora_as_pretrained(model, f"{directory}/adapter")
+    booster.save_lora_as_pretrained(model, f"{directory}/merged", merge=True)
+    frozen_moved = max((full[n].float() - v.float()).abs().max().item() for n, v in frozen_before.items())
+    return {"losses": losses, "adapters": {n: full[n] for n in adapters}, "frozen_moved": frozen_moved,
+            "state_numel": _state_numel(opt), "in_optimizer": in_optimizer, "zero_params": zero_params, "chunked": chunked,
+            "adapter_names": sorted(adapters)}
+
+
+def hybrid_tp_refusal() -> str:
+    """HybridParallelPlugin(tp_size=2) with a LoRA model: the error boost raises."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
+    model = lora_model(booster.enable_lora)
+    try:
+        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=cases.LR))
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def resume_lora(name: str, directory: str, first: int = 3, steps: int = cases.STEPS) -> dict:
+    """`first` steps, save_checkpoint, then a new booster and a LoRA model from another seed load
+    it and train to `steps`: the losses of the resumed steps, and those of one straight run."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    def boosted(seed: int):
+        booster = Booster(plugin=make_plugin(name))
+        model = tiny_llama(seed=seed)
+        torch.manual_seed(seed + 1)
+        model = booster.enable_lora(model, lora_config())
+        opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
+        return (booster, *booster.boost(model, opt)[:2])
+
+    booster, model, opt = boosted(0)
+    straight = _train(booster, model, opt, steps)
+    booster, model, opt = boosted(0)
+    _train(booster, model, opt, first)
+    booster.save_checkpoint(directory, model, opt)
+    booster, model, opt = boosted(7)  # everything must come from the checkpoint
+    booster.load_checkpoint(directory, model, opt)
+    resumed = _train_batches(booster, model, opt, cases.make_batches(steps)[first:])
+    return {"straight": straight[first:], "resumed": resumed}
+
+
+def adapters_after_unequal_seeds() -> dict[str, torch.Tensor]:
+    """enable_lora on ranks whose random streams differ (as after `fit` seeds each rank for its
+    dropout): the initial adapters each rank ends up with."""
+    from phalanx.booster import Booster
+
+    booster = Booster(plugin=None)
+    model = tiny_llama(seed=0)
+    torch.manual_seed(1 + dist.get_rank())
+    model = booster.enable_lora(model, lora_config())
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
