@@ -1,6 +1,6 @@
-"""Stable Diffusion training on the Phalanx engine: text-to-image, DreamBooth (+ LoRA), sampling.
+"""Stable Diffusion training on the Phalanx engine: text-to-image (+ LoRA), DreamBooth (+ LoRA), sampling.
 
 See apps/diffusion/README.md. Scripts: `python -m apps.diffusion.train_text_to_image`,
-`apps.diffusion.train_dreambooth`, `apps.diffusion.sample`, `apps.diffusion.bench_plugins`,
-`apps.diffusion.build_tokenizer`.
+`apps.diffusion.train_text_to_image_lora`, `apps.diffusion.train_dreambooth`, `apps.diffusion.sample`,
+`apps.diffusion.bench_plugins`, `apps.diffusion.build_tokenizer`.
 """

@@ -20,9 +20,17 @@ from phalanx.observe import is_main_process
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
-def load_image(path: Path, resolution: int, background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
-    """RGB in [-1, 1], [3, resolution, resolution]: transparent pixels over `background`, centre
-    crop to a square, bicubic resize."""
+def load_image(path: Path, resolution: int, background: tuple[int, int, int] = (255, 255, 255),
+               flip: bool = False, resize_scale: float = 1.0) -> torch.Tensor:
+    """RGB in [-1, 1], [3, resolution, resolution]: transparent pixels over `background`, the centre
+    square resized (bicubic) to resolution x resize_scale, its centre resolution-square cut, mirrored
+    left-right with `flip` (the plain view of `data.resize_scale` / `data.random_flip`)."""
+    image = load_square(path, round(resolution * resize_scale), background)
+    return center_crop(image.flip(-1) if flip else image, resolution)
+
+
+def load_square(path: Path, size: int, background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
+    """The image's centre square resized to size x size, [3, size, size] in [-1, 1]."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -31,8 +39,31 @@ def load_image(path: Path, resolution: int, background: tuple[int, int, int] = (
         im = Image.alpha_composite(canvas, im).convert("RGB")
     side = min(im.size)
     left, top = (im.width - side) // 2, (im.height - side) // 2
-    im = im.crop((left, top, left + side, top + side)).resize((resolution, resolution), Image.BICUBIC)
+    im = im.crop((left, top, left + side, top + side)).resize((size, size), Image.BICUBIC)
     return pixels(im)
+
+
+def center_crop(image: torch.Tensor, size: int) -> torch.Tensor:
+    """The centre size x size window of [..., H, W] (rounding the offset down, as random_crops' range)."""
+    top, left = (image.shape[-2] - size) // 2, (image.shape[-1] - size) // 2
+    return image[..., top:top + size, left:left + size]
+
+
+def random_crops(images: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
+    """Per image of [B, C, S, S]: a size x size window at a random place and, with `flip`, a mirror
+    with probability 1/2 (on the default generator of the images' device: the training RNG stream)."""
+    b, room = images.shape[0], images.shape[-1] - size + 1
+    offsets = torch.randint(0, room, (b, 2), device=images.device).tolist()
+    crops = torch.stack([img[:, top:top + size, left:left + size] for img, (top, left) in zip(images, offsets)])
+    return mirror_some(crops) if flip else crops
+
+
+def mirror_some(images: torch.Tensor, mirrored: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample of `images` or, with probability 1/2, its mirror (`mirrored`, default the
+    left-right flip of `images`: pass the cached latents of the mirrored image where they exist)."""
+    pick = torch.rand(images.shape[0], device=images.device) < 0.5
+    other = images.flip(-1) if mirrored is None else mirrored
+    return torch.where(pick.view(-1, *([1] * (images.dim() - 1))), other, images)
 
 
 def pixels(image) -> torch.Tensor:
@@ -94,9 +125,13 @@ def image_files(folder: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def encode_images(vae, paths: list[Path], resolution: int, background=(255, 255, 255), batch_size: int = 32) -> torch.Tensor:
-    """Raw (unscaled) latents of the images, [N, C, resolution/8, resolution/8], fp32."""
-    return torch.cat([encode_pixels(vae, torch.stack([load_image(p, resolution, background) for p in paths[i:i + batch_size]]))
+def encode_images(vae, paths: list[Path], resolution: int, background=(255, 255, 255), batch_size: int = 32,
+                  flip: bool = False, resize_scale: float = 1.0) -> torch.Tensor:
+    """Raw (unscaled) latents of the images' view, [N, C, resolution/8, resolution/8], fp32."""
+    def view(p: Path) -> torch.Tensor:
+        return load_image(p, resolution, background, flip=flip, resize_scale=resize_scale)
+
+    return torch.cat([encode_pixels(vae, torch.stack([view(p) for p in paths[i:i + batch_size]]))
                       for i in range(0, len(paths), batch_size)])
 
 
@@ -106,18 +141,22 @@ def encode_pixels(vae, images: torch.Tensor) -> torch.Tensor:
     return vae.encode(images.to(vae.device, vae.dtype)).latent_dist.mode().float().cpu()
 
 
-def cached_latents(vae, paths: list[Path], resolution: int, cache_dir: Path, background=(255, 255, 255)) -> torch.Tensor:
-    """`encode_images`, cached in cache_dir by a key of (files, resolution, background, VAE weights)."""
+def cached_latents(vae, paths: list[Path], resolution: int, cache_dir: Path, background=(255, 255, 255),
+                   flip: bool = False, resize_scale: float = 1.0) -> torch.Tensor:
+    """`encode_images` of one view (plain, or mirrored with `flip`), cached in cache_dir by a key of
+    (files, resolution, background, view, VAE weights): each view has its own file."""
     from safetensors.torch import load_file, save_file
 
     from .components import on_device
 
-    key = hashlib.sha256(json.dumps([[str(p) for p in paths], resolution, list(background),
+    view = [] if not flip and resize_scale == 1.0 else [flip, resize_scale]  # the plain view keeps its old key
+    key = hashlib.sha256(json.dumps([[str(p) for p in paths], resolution, list(background), *view,
                                      type(vae).__name__, _weights_fingerprint(vae)]).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"latents-{resolution}px-{key}.safetensors"
+    path = Path(cache_dir) / f"latents-{resolution}px-{'flip-' if flip else ''}{key}.safetensors"
     rank0 = is_main_process()
     if rank0 and not path.is_file():
-        latents = encode_images(on_device(vae, current_device()), paths, resolution, background)  # on the accelerator
+        latents = encode_images(on_device(vae, current_device()), paths, resolution, background,  # on the accelerator
+                                flip=flip, resize_scale=resize_scale)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         save_file({"latents": latents.contiguous()}, str(tmp))
@@ -136,20 +175,53 @@ def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
 
 
 class LatentCaptionDataset(Dataset):
-    """Samples {"latents": [C,h,w] scaled latents, "prompt_ids": [T]} (no "input_ids" key, so fit's
-    throughput meter counts images, not tokens)."""
+    """Samples {"latents": [C,h,w] scaled latents, "prompt_ids": [T]} and, given `flipped` (the
+    mirrored images' latents, for `data.random_flip`), "latents_flipped": the training step picks
+    one of the two views. No "input_ids" key, so fit's throughput meter counts images, not tokens."""
 
-    def __init__(self, latents: torch.Tensor, prompt_ids: torch.Tensor, scaling_factor: float):
+    def __init__(self, latents: torch.Tensor, prompt_ids: torch.Tensor, scaling_factor: float,
+                 flipped: torch.Tensor | None = None):
         if len(latents) != len(prompt_ids):
             raise ValueError(f"{len(latents)} latents but {len(prompt_ids)} prompts")
         self.latents = latents * scaling_factor
         self.prompt_ids = prompt_ids
+        self.flipped = flipped * scaling_factor if flipped is not None else None
 
     def __len__(self) -> int:
         return len(self.latents)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"latents": self.latents[i], "prompt_ids": self.prompt_ids[i]}
+        sample = {"latents": self.latents[i], "prompt_ids": self.prompt_ids[i]}
+        if self.flipped is not None:
+            sample["latents_flipped"] = self.flipped[i]
+        return sample
+
+
+class PixelCaptionDataset(Dataset):
+    """Samples {"pixels": [3, S, S] (the image's centre square at S = resolution x resize_scale, read
+    from disk each time), "prompt_ids": [T]}: for `data.random_crop`, whose views are cut and encoded
+    inside the training step (no latent cache could hold them)."""
+
+    def __init__(self, paths: list[Path], prompt_ids: torch.Tensor, size: int, background=(255, 255, 255)):
+        if len(paths) != len(prompt_ids):
+            raise ValueError(f"{len(paths)} images but {len(prompt_ids)} prompts")
+        self.paths, self.prompt_ids, self.size, self.background = list(paths), prompt_ids, size, tuple(background)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixels": load_square(self.paths[i], self.size, self.background), "prompt_ids": self.prompt_ids[i]}
+
+
+def split_held_out(pairs: list, count: int, seed: int) -> tuple[list, list]:
+    """(training, held-out): `count` items drawn without replacement by `seed`, both in file order."""
+    import random
+
+    if count >= len(pairs):
+        raise ValueError(f"validation.held_out={count} leaves no training image of {len(pairs)}: hold out fewer")
+    held = set(random.Random(seed).sample(range(len(pairs)), count))
+    return [p for i, p in enumerate(pairs) if i not in held], [p for i, p in enumerate(pairs) if i in held]
 
 
 class PriorPreservationDataset(Dataset):
@@ -177,3 +249,34 @@ def collate_prior(samples: list[dict]) -> dict[str, torch.Tensor]:
     if len(parts) > len(samples):  # no `is_prior` without class images: the loss then needs no split
         batch["is_prior"] = torch.tensor([False] * len(samples) + [True] * (len(parts) - len(samples)))
     return batch
+
+
+class TrainingViews:
+    """What a training step trains on (data.random_flip / data.random_crop), drawn on the training
+    RNG stream of the batch's device, so exact resume covers it:
+
+    - cached latents only: themselves;
+    - with "latents_flipped" (random_flip, cached): each sample's plain or mirrored view, 1/2 each;
+    - with "pixels" (random_crop): a random `resolution` square of each image (mirrored 1/2 of the
+      time with random_flip) encoded by the frozen VAE and scaled by `scaling_factor`.
+
+    Not an nn.Module: the VAE stays out of the trained model's parameters, checkpoints and shards."""
+
+    def __init__(self, resolution: int, random_flip: bool, vae=None, scaling_factor: float = 1.0):
+        self.resolution, self.random_flip, self.vae, self.scaling_factor = resolution, random_flip, vae, scaling_factor
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor | None, latents_flipped: torch.Tensor | None = None,
+                 pixels: torch.Tensor | None = None, training: bool = True) -> torch.Tensor:
+        if pixels is not None:
+            if self.vae is None:
+                raise ValueError("a batch of pixels needs TrainingViews(vae=...): data.random_crop encodes in the step")
+            from .components import on_device
+
+            crops = random_crops(pixels, self.resolution, self.random_flip) if training else \
+                center_crop(pixels, self.resolution)
+            vae = on_device(self.vae, pixels.device)
+            return vae.encode(crops.to(vae.dtype)).latent_dist.mode().float() * self.scaling_factor
+        if latents_flipped is not None and training:
+            return mirror_some(latents, latents_flipped)
+        return latents

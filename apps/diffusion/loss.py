@@ -7,7 +7,9 @@ noise for epsilon-prediction, v = sqrt(a_t) noise - sqrt(1-a_t) x0 for v-predict
 Min-SNR (Hang et al. 2023) weighs each sample by min(SNR_t, gamma) / SNR_t (epsilon) or
 min(SNR_t, gamma) / (SNR_t + 1) (v). Caption dropout replaces prompts by the empty prompt here,
 on the training RNG stream, so exact resume covers it. With prior preservation the loss is
-mean(instance losses) + prior_loss_weight x mean(class-image losses), as in DreamBooth. The formulas
+mean(instance losses) + prior_loss_weight x mean(class-image losses), as in DreamBooth. With
+augmentation (`views`, data.TrainingViews) the latents are the step's random view of each image:
+its mirror 1/2 of the time, or a random crop encoded by the VAE here. The formulas
 come from `phalanx.diffusion` (shared with apps/video_gen).
 """
 from __future__ import annotations
@@ -25,12 +27,14 @@ from .config import NoiseConfig
 
 
 class DiffusionTrainModel(nn.Module):
-    """UNet (+ text encoder) and the noise schedule; `forward(latents, prompt_ids, is_prior?)` -> loss."""
+    """UNet (+ text encoder) and the noise schedule; `forward(latents, prompt_ids, is_prior?)` -> loss
+    (or `forward(pixels=..., prompt_ids=...)` with random-crop views)."""
 
     def __init__(self, unet: nn.Module, text_encoder: nn.Module, noise_scheduler, ncfg: NoiseConfig,
                  empty_prompt_ids: torch.Tensor, caption_dropout: float = 0.0, train_text_encoder: bool = False,
-                 prior_loss_weight: float = 1.0):
+                 prior_loss_weight: float = 1.0, views=None):
         super().__init__()
+        self.views = views  # data.TrainingViews or None (a plain object: its VAE is not a submodule)
         self.unet, self.text_encoder = unet, text_encoder
         has_adapters = any("lora_" in n for n, _ in text_encoder.named_parameters())
         if not (train_text_encoder and has_adapters):  # LoRA adapters keep their own requires_grad
@@ -50,8 +54,14 @@ class DiffusionTrainModel(nn.Module):
         with contextlib.nullcontext() if self.train_text_encoder else torch.no_grad():
             return self.text_encoder(prompt_ids)[0]
 
-    def forward(self, latents: torch.Tensor, prompt_ids: torch.Tensor, is_prior: torch.Tensor | None = None,
-                timesteps: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor | None = None, prompt_ids: torch.Tensor | None = None,
+                is_prior: torch.Tensor | None = None, timesteps: torch.Tensor | None = None,
+                noise: torch.Tensor | None = None, latents_flipped: torch.Tensor | None = None,
+                pixels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.views is not None:
+            latents = self.views(latents, latents_flipped, pixels, training=self.training)
+        elif latents is None or latents_flipped is not None or pixels is not None:
+            raise ValueError("DiffusionTrainModel: a batch with pixels or flipped latents needs views=TrainingViews(...)")
         b = latents.shape[0]
         if self.training:
             prompt_ids = drop_captions(prompt_ids, self.empty_prompt_ids, self.caption_dropout)

@@ -1,4 +1,5 @@
-"""What both training scripts share: components -> latents -> train model -> fit -> export."""
+"""What both training scripts share: components -> latents -> (LoRA adapters) -> train model -> fit
+-> export (the whole pipeline, or with `lora.rank` the adapters only)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,38 +12,52 @@ from phalanx.train import EMA
 from .components import Components, load_components, make_pipeline, save_pipeline
 from .config import RecipeConfig, resolve
 from .data import tokenize
+from .lora import add_lora, save_lora
 from .loss import DiffusionTrainModel
 
 CACHE_DIR = "cache"
+LORA_DIR = "lora"
 
 
 def cache_dir(cfg: RecipeConfig) -> Path:
     return resolve(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.train.output_dir) / CACHE_DIR
 
 
-def latent_scaling_factor(cfg: RecipeConfig, parts: Components, latents: torch.Tensor) -> float:
+def latent_scaling_factor(cfg: RecipeConfig, parts: Components, latents) -> float:
     """The config's factor, the VAE's own (a pretrained SD VAE: 0.18215), or 1/std of our latents
-    (TAEF2 has none: this makes the UNet's inputs unit-variance, like SD's factor does)."""
+    (TAEF2 has none: this makes the UNet's inputs unit-variance, like SD's factor does). `latents`:
+    a tensor, or a function that returns one (called only when the factor is measured)."""
     if cfg.model.vae_scaling_factor is not None:
         factor = cfg.model.vae_scaling_factor
     elif cfg.model.pretrained_dir or cfg.model.init_from:
         factor = float(parts.vae.config.scaling_factor)
     else:
-        factor = float(1.0 / latents.std())
+        factor = float(1.0 / (latents() if callable(latents) else latents).std())
     parts.vae.register_to_config(scaling_factor=factor)  # saved with the pipeline, used when sampling
     return factor
 
 
-def build_train_model(cfg: RecipeConfig, parts: Components, prior_loss_weight: float = 1.0) -> DiffusionTrainModel:
+def add_lora_adapters(cfg: RecipeConfig, parts: Components) -> None:
+    """With `lora.rank > 0`: freeze the UNet (and the text encoder) and add LoRA adapters to the
+    UNet's attention and, with `model.train_text_encoder`, to the text encoder's."""
+    if cfg.lora.rank:
+        add_lora(parts.unet, cfg.lora.rank, cfg.lora.alpha)
+        if cfg.model.train_text_encoder:
+            add_lora(parts.text_encoder, cfg.lora.rank, cfg.lora.alpha, text_encoder=True)
+
+
+def build_train_model(cfg: RecipeConfig, parts: Components, prior_loss_weight: float = 1.0,
+                      views=None) -> DiffusionTrainModel:
     """The objective around the components; the text encoder trains when `model.train_text_encoder`
-    (whole, or only its LoRA adapters when they were added before)."""
+    (whole, or only its LoRA adapters when they were added before). `views`: data.TrainingViews
+    for augmented training (None: the batch's cached latents as they are)."""
     if cfg.model.gradient_checkpointing:
         parts.unet.enable_gradient_checkpointing()
     parts.unet.train()
     return DiffusionTrainModel(parts.unet, parts.text_encoder, parts.noise_scheduler, cfg.noise,
                                empty_prompt_ids=tokenize(parts.tokenizer, [""])[0],
                                caption_dropout=cfg.data.caption_dropout, train_text_encoder=cfg.model.train_text_encoder,
-                               prior_loss_weight=prior_loss_weight)
+                               prior_loss_weight=prior_loss_weight, views=views)
 
 
 def make_ema(cfg: RecipeConfig) -> EMA | None:
@@ -83,13 +98,24 @@ def load_trained_weights(model: torch.nn.Module, checkpoint_dir: Path, with_ema:
             params[name].data.copy_(value.to(params[name].dtype))
 
 
-def export_pipeline(cfg: RecipeConfig, checkpoint_dir: Path, out_dir: Path) -> Path:
-    """Rank 0: fresh components + the checkpoint's (EMA) weights -> a diffusers directory."""
+def trained_model(cfg: RecipeConfig, checkpoint_dir: Path, prior_loss_weight: float = 1.0):
+    """Rank 0: fresh components (with LoRA adapters when `lora.rank`) holding the checkpoint's (EMA)
+    weights and the run's latent scaling factor; returns (components, train model)."""
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
-    model = build_train_model(cfg, parts)
+    add_lora_adapters(cfg, parts)
+    model = build_train_model(cfg, parts, prior_loss_weight)
     load_trained_weights(model, checkpoint_dir, with_ema=cfg.ema.enabled)
     parts.vae.register_to_config(scaling_factor=saved_scaling_factor(checkpoint_dir, parts))
-    return save_pipeline(make_pipeline(parts, "dpm"), out_dir)  # `model` trains parts' own UNet / text encoder
+    return parts, model
+
+
+def save_trained(cfg: RecipeConfig, parts: Components, model: DiffusionTrainModel) -> Path:
+    """With `lora.rank`: the adapters as diffusers' LoRA file in <output_dir>/lora (the base model
+    stays where it is); otherwise the whole pipeline in `final_dir`."""
+    if cfg.lora.rank:
+        text_encoder = model.text_encoder if cfg.model.train_text_encoder else None
+        return save_lora(Path(cfg.train.output_dir) / LORA_DIR, model.unet, text_encoder)
+    return save_pipeline(make_pipeline(parts, "dpm"), cfg.final_path)  # `model` trained parts' own modules
 
 
 SCALE_FILE = "latent_scaling_factor.txt"
@@ -106,13 +132,16 @@ def saved_scaling_factor(checkpoint_dir: Path, parts: Components) -> float:
     return float(path.read_text()) if path.is_file() else float(parts.vae.config.scaling_factor)
 
 
-def run_script(description: str, train_fn, argv: list[str] | None = None) -> None:
-    """The scripts' `main`: parse `--config FILE key=value...`, launch, train, print, shut down."""
+def run_script(description: str, train_fn, argv: list[str] | None = None, adjust=None) -> None:
+    """The scripts' `main`: parse `--config FILE key=value...`, `adjust(cfg)` if given, launch, train,
+    print, shut down."""
     from phalanx.launch import launched
 
     from .config import parse_args
 
     cfg = parse_args(description, argv)
+    if adjust is not None:
+        adjust(cfg)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
     with launched(seed=cfg.train.seed):
         result, _ = train_fn(cfg)

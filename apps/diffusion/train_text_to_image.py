@@ -1,60 +1,123 @@
-"""Text-to-image fine-tuning (or training from scratch) of a Stable Diffusion UNet.
+"""Text-to-image fine-tuning (or training from scratch) of a Stable Diffusion UNet, or of LoRA
+adapters on it (`lora.rank > 0`; `python -m apps.diffusion.train_text_to_image_lora` is this
+script with LoRA on by default).
 
     python -m apps.diffusion.train_text_to_image --config apps/diffusion/configs/tiny_emoji.yaml
     phalanx run -n 2 -m apps.diffusion.train_text_to_image --config apps/diffusion/configs/tiny_emoji.yaml train.plugin=zero2
     torchrun --nproc-per-node 8 -m apps.diffusion.train_text_to_image --config apps/diffusion/configs/sd15_text_to_image.yaml
 
-Flow: components (built from config, or a local diffusers directory) -> every image encoded once
-by the frozen VAE (cached) -> `phalanx.train.fit` on the DiffusionTrainModel with EMA as a hook
-and a validation grid as eval -> the final weights (EMA) saved as a diffusers pipeline in
-`final_dir` (default `<output_dir>/pipeline`). Re-running continues from the latest checkpoint.
+Flow: components (built from config, or a local diffusers directory) -> the captioned images split
+into training and held-out ones (`validation.held_out` drawn from `data.root`, or
+`validation.root`) -> the images encoded by the frozen VAE (cached; with `data.random_flip` the
+mirrored view too; with `data.random_crop` training crops are encoded in each step instead) ->
+with `lora.rank` adapters added -> `phalanx.train.fit` on the DiffusionTrainModel with EMA as a hook
+and as eval the fixed-noise loss of the held-out images plus a validation grid -> the final weights
+(EMA) saved as a diffusers pipeline in `final_dir` (default `<output_dir>/pipeline`), or with LoRA
+the adapters in `<output_dir>/lora`. Re-running continues from the latest checkpoint.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from torch.utils.data import Dataset
 
 from phalanx.observe import is_main_process
 
 from .components import load_components
 from .config import RecipeConfig, resolve
-from .data import LatentCaptionDataset, cached_latents, read_captioned_folder, tokenize
-from .recipe import (build_train_model, cache_dir, export_pipeline, fit_with_validation, latent_scaling_factor,
-                     record_scaling_factor, run_script)
+from .data import (LatentCaptionDataset, PixelCaptionDataset, TrainingViews, cached_latents, read_captioned_folder,
+                   split_held_out, tokenize)
+from .recipe import (add_lora_adapters, build_train_model, cache_dir, fit_with_validation, latent_scaling_factor,
+                     record_scaling_factor, run_script, save_trained, trained_model)
 
-VAL_SAMPLES = 16
+
+@dataclass
+class Prepared:
+    """The training set, the held-out batch (scaled plain-view latents and prompt ids; None when
+    nothing is held out), the image lists of both, and the training step's views (None: no augmentation)."""
+    dataset: Dataset
+    val_batch: dict | None
+    train_pairs: list[tuple[Path, str]]
+    held_out_pairs: list[tuple[Path, str]]
+    views: TrainingViews | None
 
 
-def prepare_dataset(cfg: RecipeConfig, parts) -> LatentCaptionDataset:
-    pairs = read_captioned_folder(resolve(cfg.data.root), cfg.data.max_images, cfg.data.exclude)
-    latents = cached_latents(parts.vae, [p for p, _ in pairs], cfg.data.resolution,
-                             cache_dir(cfg), tuple(cfg.data.background))
-    factor = latent_scaling_factor(cfg, parts, latents)
+def split_images(cfg: RecipeConfig) -> tuple[list, list]:
+    """(training, held-out) (image, caption) pairs; held-out ones are never trained on."""
+    d, v = cfg.data, cfg.validation
+    pairs = read_captioned_folder(resolve(d.root), None, d.exclude)
+    if v.root:
+        held = read_captioned_folder(resolve(v.root))
+        shared = {p.resolve() for p, _ in pairs} & {p.resolve() for p, _ in held}
+        if shared:
+            raise ValueError(f"validation.root {v.root} shares {len(shared)} image(s) with data.root, e.g. "
+                             f"{sorted(shared)[0]}: held-out images must not be trained on; list them in "
+                             "data.exclude or use another folder")
+        train_pairs = pairs
+    else:
+        train_pairs, held = split_held_out(pairs, v.held_out, v.seed) if v.held_out else (pairs, [])
+    if is_main_process():
+        print(f"validation: {len(held)} held-out image(s) never trained on "
+              f"({'validation.root' if v.root else 'validation.held_out'})")
+    return train_pairs[:d.max_images] if d.max_images else train_pairs, held
+
+
+def prepare_dataset(cfg: RecipeConfig, parts) -> Prepared:
+    d, cache, background = cfg.data, cache_dir(cfg), tuple(cfg.data.background)
+    train_pairs, held = split_images(cfg)
+    paths, ids = [p for p, _ in train_pairs], tokenize(parts.tokenizer, [c for _, c in train_pairs])
+
+    def plain(files: list[Path]):
+        return cached_latents(parts.vae, files, d.resolution, cache, background, resize_scale=d.resize_scale)
+
+    factor = latent_scaling_factor(cfg, parts, lambda: plain(paths))
     record_scaling_factor(Path(cfg.train.output_dir), factor)
-    return LatentCaptionDataset(latents, tokenize(parts.tokenizer, [c for _, c in pairs]), factor)
+    views = None
+    if d.random_crop:  # a new crop every step: encoded in the step, no training latents cached
+        size = round(d.resolution * d.resize_scale)
+        dataset = PixelCaptionDataset(paths, ids, size, background)
+        views = TrainingViews(d.resolution, d.random_flip, parts.vae, factor)
+    else:
+        flipped = cached_latents(parts.vae, paths, d.resolution, cache, background, flip=True,
+                                 resize_scale=d.resize_scale) if d.random_flip else None
+        dataset = LatentCaptionDataset(plain(paths), ids, factor, flipped)
+        views = TrainingViews(d.resolution, True) if d.random_flip else None
+    val_batch = None
+    if held:
+        val_batch = {"latents": plain([p for p, _ in held]) * factor,
+                     "prompt_ids": tokenize(parts.tokenizer, [c for _, c in held])}
+    return Prepared(dataset, val_batch, train_pairs, held, views)
+
+
+def grid_prompts(cfg: RecipeConfig, prepared: Prepared) -> list[str]:
+    """The configured prompts, then the first `validation.held_out_prompts` held-out captions."""
+    return list(cfg.validation.prompts) + [c for _, c in prepared.held_out_pairs[:cfg.validation.held_out_prompts]]
 
 
 def train(cfg: RecipeConfig):
-    """Train as `cfg` says; returns (TrainResult, path of the saved pipeline or None off rank 0)."""
+    """Train as `cfg` says; returns (TrainResult, the saved pipeline or LoRA directory; None off rank 0)."""
     from phalanx.launch import seed_everything
 
     t0 = time.perf_counter()
     seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
-    dataset = prepare_dataset(cfg, parts)
-    model = build_train_model(cfg, parts)
-    n = min(VAL_SAMPLES, len(dataset))
-    val_batch = {"latents": dataset.latents[:n], "prompt_ids": dataset.prompt_ids[:n]}
-    result = fit_with_validation(cfg, parts, model, dataset, cfg.validation.prompts, val_batch)
+    prepared = prepare_dataset(cfg, parts)
+    add_lora_adapters(cfg, parts)
+    model = build_train_model(cfg, parts, views=prepared.views)
+    result = fit_with_validation(cfg, parts, model, prepared.dataset, grid_prompts(cfg, prepared), prepared.val_batch)
     final = None
     if is_main_process():
-        final = export_pipeline(cfg, result.checkpoint_dir, cfg.final_path)
-        print(f"pipeline saved to {final} ({time.perf_counter() - t0:.0f} s in all)")
+        del model, parts  # the export reloads the base and the trained weights from the checkpoint
+        final = save_trained(cfg, *trained_model(cfg, result.checkpoint_dir))
+        print(f"{'LoRA adapters' if cfg.lora.rank else 'pipeline'} saved to {final} "
+              f"({time.perf_counter() - t0:.0f} s in all)")
     return result, final
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_script("Text-to-image training of a Stable Diffusion UNet.", train, argv)
+    run_script("Text-to-image training of a Stable Diffusion UNet (lora.rank > 0: LoRA adapters only).", train, argv)
 
 
 if __name__ == "__main__":

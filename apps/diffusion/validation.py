@@ -22,11 +22,17 @@ from .config import ValidationConfig
 
 @torch.no_grad()
 def generate(parts: Components, prompts: list[str], vcfg: ValidationConfig, seed: int | None = None) -> list:
+    """PIL images of `prompts`. The pipeline stops at the latents and the VAE decodes them in its own
+    dtype: under bf16 / fp16 training the UNet computes in low precision while the frozen VAE stays
+    fp32, and diffusers' pipeline would hand it latents of the UNet's dtype."""
     pipe = make_pipeline(parts.to(current_device()), vcfg.scheduler)  # sample on the run's device
     generator = torch.Generator("cpu").manual_seed(vcfg.seed if seed is None else seed)
     size = parts.unet.config.sample_size * pipe.vae_scale_factor
-    return pipe(prompts, num_inference_steps=vcfg.num_inference_steps, guidance_scale=vcfg.guidance_scale,
-                generator=generator, height=size, width=size).images
+    latents = pipe(prompts, num_inference_steps=vcfg.num_inference_steps, guidance_scale=vcfg.guidance_scale,
+                   generator=generator, height=size, width=size, output_type="latent").images
+    vae = parts.vae
+    images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor).sample
+    return pipe.image_processor.postprocess(images.float(), output_type="pil")
 
 
 @torch.no_grad()

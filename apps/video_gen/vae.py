@@ -12,7 +12,8 @@ about unit scale like real Wan weights' do.
 
 Loss (perceptual-free, runs on CPU): L1 + l2_weight * MSE of the reconstruction, each pixel weighted
 1 + foreground_weight where the input is not black (`reconstruction_weights`), + kl_weight * KL of
-the latent posterior to N(0, I), + temporal_weight * L1 between the frame-to-frame changes of the
+the latent posterior to N(0, I) (summed over every latent dim, `posterior_kl`, divided by the
+input's element count per clip), + temporal_weight * L1 between the frame-to-frame changes of the
 reconstruction and of the input (temporal smoothness: no flicker the input does not have).
 
 The foreground weight: 90% of a moving-shapes clip is black background, so with an unweighted loss
@@ -96,12 +97,21 @@ class VAETrainModel(nn.Module):
         c = self.vcfg
         weight, err = reconstruction_weights(video, self.foreground_weight), recon - video
         loss = (weight * err.abs()).mean() + c.l2_weight * (weight * err.square()).mean()
-        loss = loss + c.kl_weight * posterior.kl().float().mean() / video[0].numel()
+        loss = loss + c.kl_weight * posterior_kl(posterior).mean() / video[0].numel()
         if c.temporal_weight and video.shape[2] > 1:
             loss = loss + c.temporal_weight * F.l1_loss(recon.diff(dim=2), video.diff(dim=2))
         # A batch of 1-frame images never reaches the temporal down/upsampling convolutions; DDP needs a
         # gradient (zero) for every parameter in every step.
         return loss + 0.0 * sum(p.sum() for p in self.vae.parameters() if p.requires_grad)
+
+
+def posterior_kl(posterior) -> torch.Tensor:
+    """KL(posterior || N(0, I)) per sample, [B] in fp32: summed over every latent dim but the batch.
+
+    diffusers' `DiagonalGaussianDistribution.kl()` sums over dims [1, 2, 3] only: on a video's 5D
+    latents [B, C, F, H, W] it returns [B, W], whose mean is 1/W of the per-sample KL."""
+    mean, logvar = posterior.mean.float(), posterior.logvar.float()
+    return 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).flatten(1).sum(dim=1)
 
 
 def decode_unclamped(vae, z: torch.Tensor) -> torch.Tensor:

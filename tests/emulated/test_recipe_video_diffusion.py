@@ -44,7 +44,7 @@ DREAMBOOTH = ["--config", "apps/diffusion/configs/dreambooth_tiny.yaml", "data.r
               "train.progress_bar=false", "train.plot=false", "train.save_every=0", "train.warmup_steps=0",
               "train.max_steps=2", "train.micro_batch_size=2", "validation.num_inference_steps=2",
               "validation.every=1", "dreambooth.num_class_images=2", "dreambooth.class_generation_steps=2",
-              "dreambooth.lora_rank=4", "dreambooth.fidelity_samples=2"]
+              "lora.rank=4", "dreambooth.fidelity_samples=2"]
 NO_HUB_KERNELS = {"USE_HUB_KERNELS": "0"}
 
 
@@ -105,10 +105,12 @@ def test_video_autoencoder_then_latent_stage_on_one_emulated_gpu(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_emoji_fsdp(tmp_path_factory):
-    """Text-to-image on 2 emulated GPUs under FSDP2 (EMA, fixed-noise validation loss, grid, export)."""
+    """Text-to-image on 2 emulated GPUs under FSDP2 (EMA, held-out fixed-noise validation loss, grid,
+    export), with random crop + flip: the crops are encoded by the VAE on the device inside the step."""
     out = tmp_path_factory.mktemp("emulated_diffusion") / "tiny_emoji"
     emulated(run_module_emulated("apps.diffusion.train_text_to_image", *DIFFUSION, f"train.output_dir={out}",
-                                 "train.plugin=fsdp", ranks=2, **NO_HUB_KERNELS))
+                                 "train.plugin=fsdp", "validation.held_out=4", "data.random_flip=true",
+                                 "data.random_crop=true", "data.resize_scale=1.25", ranks=2, **NO_HUB_KERNELS))
     return out
 
 

@@ -26,7 +26,7 @@ def test_dreambooth_lora_step_save_and_reload(tmp_path, make_config, tiny_pipeli
 
     cfg = make_config(tmp_path, f"model.init_from={tiny_pipeline}", "train.max_steps=1", "train.micro_batch_size=2",
                       "dreambooth.num_class_images=2", "dreambooth.class_generation_steps=2",
-                      "dreambooth.lora_rank=4", "dreambooth.fidelity_samples=2", "train.lr=1e-2",
+                      "lora.rank=4", "dreambooth.fidelity_samples=2", "train.lr=1e-2",
                       config=DREAMBOOTH)
     result, lora_dir = train(cfg)
     assert result.final_step == 1

@@ -65,7 +65,7 @@ def test_dreambooth_lora_on_unet_and_text_encoder_loads_back(sd_pipeline_dir, tm
 
     cfg = sd_config(tmp_path, sd_pipeline_dir, f"dreambooth.instance_dir={CAT}", "dreambooth.instance_prompt=sks cat face",
                     "dreambooth.class_prompt=cat face", "dreambooth.num_class_images=2",
-                    "dreambooth.class_generation_steps=2", "dreambooth.lora_rank=4", "dreambooth.fidelity_samples=2",
+                    "dreambooth.class_generation_steps=2", "lora.rank=4", "dreambooth.fidelity_samples=2",
                     "dreambooth.validation_prompts=[sks cat face]", "model.train_text_encoder=true",
                     "train.max_steps=2", "train.micro_batch_size=2", "train.lr=1e-2", config=SD15_DREAMBOOTH)
     result, lora_dir = train(cfg)

@@ -37,18 +37,20 @@ def test_training_lowers_the_fixed_noise_loss(tmp_path, make_config):
     Measured: 0.296 -> 0.236 (x0.80); untrained weights or a loss that ignores the UNet stay at x1."""
     from phalanx.launch import seed_everything
 
+    from apps.diffusion.recipe import trained_model
     from apps.diffusion.train_text_to_image import build_train_model, load_components, prepare_dataset, train
     from apps.diffusion.validation import fixed_noise_loss
 
     cfg = make_config(tmp_path, "train.max_steps=8", "train.lr=3e-3", "ema.enabled=false", "validation.prompts=[]")
     seed_everything(cfg.train.seed)  # as train() does before building the components
     parts = load_components(cfg.model, cfg.noise, cfg.data.resolution)
-    dataset = prepare_dataset(cfg, parts)
+    dataset = prepare_dataset(cfg, parts).dataset
     model = build_train_model(cfg, parts).eval()
-    batch = {"latents": dataset.latents, "prompt_ids": dataset.prompt_ids}  # train() validates on these 8
+    batch = {"latents": dataset.latents, "prompt_ids": dataset.prompt_ids}  # the 8 training images
     initial = fixed_noise_loss(model, batch, model.num_timesteps)
     result, _ = train(cfg)
-    trained = result.last_eval["loss"]
+    _, trained_model_ = trained_model(cfg, result.checkpoint_dir)
+    trained = fixed_noise_loss(trained_model_.eval(), batch, model.num_timesteps)
     assert math.isfinite(initial) and trained < 0.9 * initial, f"fixed-noise loss {initial:.4f} -> {trained:.4f}"
 
 

@@ -171,3 +171,35 @@ def test_the_foreground_weight_brings_the_shapes_back_sooner():
     (old_err, old_psnr), (new_err, new_psnr) = train(0.0), train(VAEConfig().foreground_weight)
     assert new_err < 0.3 * old_err, (old_err, new_err)  # measured 0.66 -> 0.065 (PSNR 14.6 -> 16.8 dB)
     assert new_psnr > old_psnr + 1.0, (old_psnr, new_psnr)
+
+
+def test_posterior_kl_sums_every_latent_dim_of_a_5d_posterior(monkeypatch):
+    """KL(N(mu, sigma^2) || N(0, 1)) = 0.5 (mu^2 + sigma^2 - 1 - log sigma^2), summed per clip over channels,
+    frames, rows and columns. diffusers' kl() sums dims [1, 2, 3] only ([B, W] on video latents), so its mean
+    was 1/W of this; VAETrainModel's KL term is kl_weight x this / the clip's element count."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from apps.video_gen.config import VAEConfig
+    from apps.video_gen.vae import VAETrainModel, build_vae, posterior_kl
+
+    # One posterior element differs from N(0, 1) per clip: mu = 2 (KL 2) in clip 0; sigma^2 = e (KL (e - 2)/2) in clip 1.
+    mean, logvar = torch.zeros(2, 3, 2, 4, 5), torch.zeros(2, 3, 2, 4, 5)
+    mean[0, 1, 1, 2, 3] = 2.0
+    logvar[1, 0, 0, 3, 4] = 1.0
+    posterior = DiagonalGaussianDistribution(torch.cat([mean, logvar], dim=1))
+    expected = torch.tensor([2.0, 0.5 * (math.e - 2.0)])
+    torch.testing.assert_close(posterior_kl(posterior), expected)
+    assert posterior.kl().shape == (2, 5)  # what the loss used to average: a sum over C, F, H only
+    torch.testing.assert_close(posterior.kl().mean() * 5, posterior_kl(posterior).mean())
+
+    # The training loss's KL term, isolated: every other weight 0, a posterior mean of 1 everywhere.
+    torch.manual_seed(0)
+    vcfg = VAEConfig(base_dim=8, z_dim=4, l2_weight=0.0, temporal_weight=0.0, kl_weight=0.5, foreground_weight=0.0)
+    model = VAETrainModel(build_vae(vcfg), vcfg)
+    clip = torch.zeros(2, 3, 5, 16, 16)
+    fixed = DiagonalGaussianDistribution(torch.cat([torch.ones(2, 4, 3, 8, 8), torch.zeros(2, 4, 3, 8, 8)], dim=1))
+    model.vae.encode = lambda video: type("Out", (), {"latent_dist": fixed})()
+    monkeypatch.setattr("apps.video_gen.vae.decode_unclamped", lambda vae, z: torch.zeros_like(clip))
+    loss = model(clip)
+    # KL per clip: 0.5 x 1 per element x (4 x 3 x 8 x 8) elements = 384; / (3 x 5 x 16 x 16) = 3840 elements
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 384 / 3840))
