@@ -1,9 +1,17 @@
-"""Evoformer forward + backward: time and peak memory against sequence length, one process against
-Dynamic Axial Parallelism on 2 ranks, with and without chunked attention; and the longest
-sequence that fits a memory budget either way (extrapolated from the measured growth).
+"""Evoformer forward + backward (or, with --inference, the forward pass `predict` runs): time and
+peak memory against sequence length, one process against Dynamic Axial Parallelism on 2 ranks,
+with and without chunking (attention, outer product mean and triangle multiplications `--chunk`
+rows at a time); and the longest sequence that fits a memory budget either way, from a fit of the
+measured peaks.
 
     python bench/protein.py                                   # CPU defaults: small channels, short sequences
-    python bench/protein.py --lengths 64 128 256 384 --c-m 256 --c-z 128 --budget-gb 40   # a GPU
+    python bench/protein.py --lengths 64 128 256 384 --c-m 256 --c-z 128 --chunk 64 --budget-gb 40   # a GPU
+
+The fit's form: unchunked, peak = a + b L^2 + c L^3 -- the pair representation and everything of
+its size grow as L^2, and triangle attention's logits [L, heads, L, L] (kept for the backward
+pass) as L^3; chunked, peak = a + b L^2, since no tensor then holds more than `chunk` rows of
+them (under autograd the chunks are checkpointed). Least squares through all measured lengths;
+with fewer lengths than terms the highest terms are dropped (and the line says so).
 
 Each configuration runs in fresh processes (phalanx.testing.spawn: one thread per rank on CPU),
 so the peak memory is that configuration's own: CUDA's max_memory_allocated on a GPU, the peak
@@ -14,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -26,8 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk: int | None, reps: int) -> dict:
-    """One rank: build the stack, run fwd+bwd `reps` times, report the median time and peak memory."""
+def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk: int | None, reps: int,
+             inference: bool = False) -> dict:
+    """One rank: build the stack, run fwd+bwd (or the no-grad forward) `reps` times, report the
+    median time and peak memory."""
     import torch
     import torch.distributed as dist
 
@@ -48,7 +57,7 @@ def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk:
     z = torch.randn(1, length, length, c_z, device=device)
     msa_mask = torch.ones(1, msa_rows, length, device=device)
     pair_mask = torch.ones(1, length, length, device=device)
-    m_local, z_local = ax.scatter(m, 1).requires_grad_(), ax.scatter(z, 1).requires_grad_()
+    m_local, z_local = ax.scatter(m, 1).requires_grad_(not inference), ax.scatter(z, 1).requires_grad_(not inference)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -56,8 +65,11 @@ def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        mo, zo = stack(m_local, z_local, msa_mask, pair_mask, ax)
-        (mo.float().square().mean() + zo.float().square().mean()).backward()
+        with torch.set_grad_enabled(not inference):
+            mo, zo = stack(m_local, z_local, msa_mask, pair_mask, ax)
+        if not inference:
+            (mo.float().square().mean() + zo.float().square().mean()).backward()
+        del mo, zo
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -76,17 +88,45 @@ def measure(world: int, **kwargs) -> dict:
     return {"time_s": max(r["time_s"] for r in results), "peak_mib": max(r["peak_mib"] for r in results)}
 
 
-def longest_fitting(points: list[tuple[int, float]], budget_mib: float) -> int | None:
-    """Extrapolate peak memory ~ a + b L^2 (the pair representation and its attention logits grow
-    with the square of the length) through the two longest measured points."""
-    if len(points) < 2:
+def fit_memory(points: list[tuple[int, float]], chunked: bool) -> dict[int, float]:
+    """Least-squares coefficients {power: coefficient} of peak MiB against the length L: powers
+    0, 2, 3 unchunked (triangle attention's logits grow as L^3), 0, 2 chunked; the highest powers
+    dropped when fewer lengths were measured than the form has terms."""
+    import numpy as np
+
+    powers = (0, 2) if chunked else (0, 2, 3)
+    powers = powers[:len(points)]
+    lengths = np.array([p[0] for p in points], dtype=float)
+    peaks = np.array([p[1] for p in points], dtype=float)
+    coef, *_ = np.linalg.lstsq(lengths[:, None] ** np.array(powers, dtype=float), peaks, rcond=None)
+    return {p: float(c) for p, c in zip(powers, coef)}
+
+
+def describe_fit(fit: dict[int, float]) -> str:
+    """'a + b L^2 + c L^3' with the fitted numbers (a negative one written with a minus)."""
+    text = ""
+    for p, c in fit.items():
+        term = f"{abs(c):.4g}" + (f" L^{p}" if p else "")
+        text += (("-" if c < 0 else "") + term) if not text else (" - " if c < 0 else " + ") + term
+    return text
+
+
+def longest_fitting(fit: dict[int, float], budget_mib: float, limit: int = 100_000) -> int | None:
+    """The longest L whose fitted peak stays within the budget (None without growth to fit)."""
+    if len(fit) < 2 or max(fit) == 0 or fit[max(fit)] <= 0:
         return None
-    (l1, m1), (l2, m2) = points[-2], points[-1]
-    b = (m2 - m1) / max(l2 ** 2 - l1 ** 2, 1)
-    if b <= 0:
-        return None
-    a = m2 - b * l2 ** 2
-    return int(math.sqrt(max(budget_mib - a, 0) / b))
+    def peak(length):
+        return sum(c * length ** p for p, c in fit.items())
+    lo, hi = 0, limit
+    if peak(hi) <= budget_mib:
+        return hi
+    while hi - lo > 1:     # the leading term is positive: the peak grows past some L and stays above
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget_mib:
+            lo = mid
+        else:
+            hi = mid
+    return lo or None
 
 
 def main() -> None:
@@ -96,7 +136,11 @@ def main() -> None:
     parser.add_argument("--c-m", type=int, default=32)
     parser.add_argument("--c-z", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--chunk", type=int, default=8, help="attention rows per chunk in the chunked runs")
+    parser.add_argument("--chunk", type=int, default=8,
+                        help="rows per chunk (attention, outer product mean, triangle multiplication) in the chunked runs")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                        help="one process and/or DAP on 2 ranks")
+    parser.add_argument("--inference", action="store_true", help="the no-grad forward (predict's path), not fwd+bwd")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--budget-gb", type=float, default=4.0)
     args = parser.parse_args()
@@ -108,31 +152,47 @@ def main() -> None:
                "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     rows = []
     for length in args.lengths:
-        for world in (1, 2):
+        for world in args.ranks:
             for chunk in (None, args.chunk):
                 r = measure(world, length=length, msa_rows=args.msa_rows, c_m=args.c_m, c_z=args.c_z,
-                            blocks=args.blocks, chunk=chunk, reps=args.reps)
+                            blocks=args.blocks, chunk=chunk, reps=args.reps, inference=args.inference)
                 rows.append({"length": length, "ranks": world, "chunk": chunk, **r})
-                print(f"L={length:4d} ranks={world} chunk={str(chunk):>4}  fwd+bwd {r['time_s'] * 1e3:9.1f} ms  "
-                      f"peak {r['peak_mib']:8.1f} MiB/rank", flush=True)
+                print(f"L={length:4d} ranks={world} chunk={str(chunk):>4}  {'fwd' if args.inference else 'fwd+bwd'} "
+                      f"{r['time_s'] * 1e3:9.1f} ms  peak {r['peak_mib']:8.1f} MiB/rank", flush=True)
+    summary = summarise(rows, args)
+    print(json.dumps({"bench": "protein_evoformer", "machine": machine, "args": vars(args), "rows": rows, **summary}))
+
+
+def summarise(rows: list[dict], args) -> dict:
+    """Print and return the DAP/one-process ratios, the memory fits and the longest fitting lengths."""
     budget = args.budget_gb * 1024
-    fits = {}
-    for world in (1, 2):
+    fits, longest = {}, {}
+    for world in args.ranks:
         for chunk in (None, args.chunk):
+            key = f"ranks{world}_chunk{chunk}"
             pts = [(r["length"], r["peak_mib"]) for r in rows if r["ranks"] == world and r["chunk"] == chunk]
-            fits[f"ranks{world}_chunk{chunk}"] = longest_fitting(pts, budget)
+            fit = fit_memory(pts, chunk is not None)
+            fits[key], longest[key] = {f"L^{p}": c for p, c in fit.items()}, longest_fitting(fit, budget)
+            full = 2 if chunk is not None else 3
+            note = "" if len(fit) == full else f" (only {len(pts)} lengths: give {full} or more for the full form)"
+            print(f"peak MiB/rank fit ({key}): {describe_fit(fit)}{note}")
     ratios = {}
-    for length in args.lengths:
+    for length in args.lengths if {1, 2} <= set(args.ranks) else ():
         one = next(r for r in rows if r["length"] == length and r["ranks"] == 1 and r["chunk"] is None)
         dap = next(r for r in rows if r["length"] == length and r["ranks"] == 2 and r["chunk"] is None)
         ratios[length] = {"time_dap2_over_one": dap["time_s"] / one["time_s"],
                           "peak_dap2_over_one": dap["peak_mib"] / max(one["peak_mib"], 1e-9)}
         print(f"L={length}: DAP-2 / one process: time x{ratios[length]['time_dap2_over_one']:.2f}, "
               f"peak memory per rank x{ratios[length]['peak_dap2_over_one']:.2f}")
-    for key, value in fits.items():
+    for length in args.lengths:
+        for world in args.ranks:
+            whole, part = (next(r for r in rows if r["length"] == length and r["ranks"] == world and r["chunk"] == c)
+                           for c in (None, args.chunk))
+            print(f"L={length} ranks={world}: chunk {args.chunk} / whole: peak memory x"
+                  f"{part['peak_mib'] / max(whole['peak_mib'], 1e-9):.2f}, time x{part['time_s'] / whole['time_s']:.2f}")
+    for key, value in longest.items():
         print(f"longest sequence in {args.budget_gb:g} GB per rank ({key}): ~{value} residues (extrapolated)")
-    print(json.dumps({"bench": "protein_evoformer", "machine": machine, "args": vars(args), "rows": rows,
-                      "ratios": ratios, "longest_fitting": fits}))
+    return {"ratios": ratios, "memory_fit_mib": fits, "longest_fitting": longest}
 
 
 if __name__ == "__main__":

@@ -94,3 +94,35 @@ def gdt_ts(pred: torch.Tensor, true: torch.Tensor, mask: torch.Tensor) -> torch.
     parts = [_best_superposition_score(pred, true, mask, lambda d, c=c: ((d < c) * mask).sum() / n, cutoff=c)
              for c in (1.0, 2.0, 4.0, 8.0)]
     return torch.stack(parts).mean()
+
+
+def pae_bin_centres(bins: int = 64, max_error: float = 31.0, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Centres of the aligned-error head's bins (AlphaFold's _ptm models): `bins - 1` edges evenly
+    over 0..max_error, each bin's centre half a step above its lower edge, the open last bin one
+    step above the one before (0.25, 0.75, ..., 31.75 A for 64 bins)."""
+    edges = torch.linspace(0.0, max_error, bins - 1, device=device, dtype=dtype)
+    step = edges[1] - edges[0]
+    return torch.cat([edges + step / 2, (edges[-1:] + step * 1.5)])
+
+
+def predicted_aligned_error(pae_logits: torch.Tensor) -> torch.Tensor:
+    """Expected aligned error [.., L, L] (A) of residue j in residue i's frame: sum over bins of
+    probability x bin centre."""
+    centres = pae_bin_centres(pae_logits.shape[-1], device=pae_logits.device, dtype=torch.float32)
+    return (torch.softmax(pae_logits.float(), -1) * centres).sum(-1)
+
+
+def predicted_tm_score(pae_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """pTM (AlphaFold 2 supplement 1.9.7): for each aligned residue i, the expected TM-score term
+    1 / (1 + (e_ij / d0)^2) under the head's error distribution, averaged over residues j; the
+    best i. d0 = 1.24 (N - 15)^(1/3) - 1.8 with N the residue count, at least 19."""
+    centres = pae_bin_centres(pae_logits.shape[-1], device=pae_logits.device, dtype=torch.float32)
+    if mask is None:
+        mask = torch.ones(pae_logits.shape[:-2], device=pae_logits.device)
+    mask = mask.float()
+    n = mask.sum(-1).clamp(min=19)
+    d0 = 1.24 * (n - 15) ** (1 / 3) - 1.8
+    term = 1 / (1 + (centres / d0[..., None]) ** 2)                           # [.., bins]
+    expected = (torch.softmax(pae_logits.float(), -1) * term[..., None, None, :]).sum(-1)  # [.., L, L]
+    per_alignment = (expected * mask[..., None, :]).sum(-1) / (mask.sum(-1, keepdim=True) + 1e-8)
+    return (per_alignment * mask).amax(-1)

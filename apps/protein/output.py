@@ -1,5 +1,6 @@
-"""Writing predictions: PDB and mmCIF through biotite (pLDDT in the B-factor column), and a PNG
-of per-residue pLDDT next to the predicted distogram."""
+"""Writing predictions: PDB and mmCIF through biotite (pLDDT in the B-factor column), a PNG of
+per-residue pLDDT next to the predicted distogram, and with the PAE head a PNG of the predicted
+aligned error."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,6 +73,23 @@ def plot_confidence(plddt: np.ndarray, distogram_logits: np.ndarray, path: Path,
     fig.colorbar(im, ax=b, label="A")
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_pae(pae: np.ndarray, path: Path, title: str = "", max_error: float = 31.75) -> Path:
+    """The predicted aligned error [L, L] (A) as AlphaFold shows it: entry (i, j) is the expected
+    error at residue j when the prediction and the truth are aligned on residue i."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 4.6))
+    im = ax.imshow(pae, cmap="Greens_r", vmin=0.0, vmax=max_error, origin="upper")
+    ax.set(xlabel="scored residue", ylabel="aligned residue", title=title or "predicted aligned error")
+    fig.colorbar(im, ax=ax, label="expected position error (A)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,7 +6,11 @@
 Weights: a training output directory or one checkpoint (its EMA average when it has one), or
 --params FILE for AlphaFold 2 (.npz) or OpenFold (.pt) parameters (apps.protein.weights).
 Writes <out>/<name>.pdb and .cif (pLDDT in the B-factor column), <name>_confidence.png and
-<name>.json (mean pLDDT, and metrics when --reference gives the true structure).
+<name>.json (mean pLDDT, and metrics when --reference gives the true structure). With the PAE head
+(`model.pae_head: true`, the `_ptm` parameters) it also prints the pTM score and writes
+<name>_pae.png and <name>_pae.json (AlphaFold's layout: predicted_aligned_error,
+max_predicted_aligned_error). Long sequences: `model.evoformer.chunk_size=64` (an override)
+computes attention, the outer product mean and the triangle multiplications 64 rows at a time.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from apps.protein.config import RecipeConfig, load_recipe, resolve
 from apps.protein.features import FeatureConfig, make_features
 from apps.protein.io import ProteinChain, read_fasta, read_msa
 from apps.protein.model import AlphaFold
-from apps.protein.output import plot_confidence, to_atom_array, write_structure
+from apps.protein.output import plot_confidence, plot_pae, to_atom_array, write_structure
 
 
 def latest_weights(path: Path) -> tuple[Path, Path | None]:
@@ -78,15 +82,29 @@ def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_f
     batch = to_device({k: v[None] for k, v in feats.items()}, next(model.parameters()).device)
     out = model(**batch, recycles=recycles)
     keys = ("atom37", "atom37_mask", "plddt", "distogram_logits")
-    return {k: v[0].numpy() for k, v in to_device({k: out[k] for k in keys}, "cpu").items()}
+    result = {k: out[k] for k in keys}
+    if "pae_logits" in out:
+        from apps.protein.metrics import predicted_aligned_error, predicted_tm_score
+        result["pae"] = predicted_aligned_error(out["pae_logits"])
+        result["ptm"] = predicted_tm_score(out["pae_logits"], batch["seq_mask"])
+    return {k: v[0].numpy() for k, v in to_device(result, "cpu").items()}
 
 
 def write_prediction(pred: dict, sequence: str, name: str, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     arr = to_atom_array(sequence, pred["atom37"], pred["atom37_mask"], pred["plddt"])
-    return {"pdb": write_structure(arr, out_dir / f"{name}.pdb"), "cif": write_structure(arr, out_dir / f"{name}.cif"),
-            "png": plot_confidence(pred["plddt"], pred["distogram_logits"], out_dir / f"{name}_confidence.png",
-                                   title=f"{name}: mean pLDDT {pred['plddt'].mean():.1f}")}
+    paths = {"pdb": write_structure(arr, out_dir / f"{name}.pdb"), "cif": write_structure(arr, out_dir / f"{name}.cif"),
+             "png": plot_confidence(pred["plddt"], pred["distogram_logits"], out_dir / f"{name}_confidence.png",
+                                    title=f"{name}: mean pLDDT {pred['plddt'].mean():.1f}")}
+    if "pae" in pred:
+        from apps.protein.metrics import pae_bin_centres
+        max_error = float(pae_bin_centres()[-1])
+        paths["pae_png"] = plot_pae(pred["pae"], out_dir / f"{name}_pae.png", max_error=max_error,
+                                    title=f"{name}: pTM {float(pred['ptm']):.3f}")
+        paths["pae_json"] = out_dir / f"{name}_pae.json"
+        paths["pae_json"].write_text(json.dumps([{"predicted_aligned_error": np.round(pred["pae"], 2).tolist(),
+                                                  "max_predicted_aligned_error": max_error}]))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     pred = predict(model, cfg, name, sequence, args.msa, args.recycles)
     paths = write_prediction(pred, sequence, name, resolve(args.out))
     summary = {"name": name, "length": len(sequence), "mean_plddt": float(pred["plddt"].mean()),
+               **({"ptm": float(pred["ptm"]), "mean_pae": float(pred["pae"].mean())} if "pae" in pred else {}),
                **{k: str(v) for k, v in paths.items()}}
     if args.reference:
         from apps.protein.evaluate import score_files

@@ -8,6 +8,11 @@ the split it works in and says, through `ax` (an `Axial`), what it must gather o
 
 With `Axial()` (one process) every split is the whole tensor and the code is plain AlphaFold.
 Masks come in full and each operation takes its slice with `ax.scatter`.
+
+`chunk_size` bounds memory at length: attention runs over that many rows at a time, and the outer
+product mean and both triangle multiplications compute that many residue rows i of their output at
+a time (`chunked`), so the [i, j, c, c] outer product and the [i, j, c_hidden_mul] triangle
+operands and products never exist for all rows at once.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import torch
 from torch import nn
 
 from apps.protein.model.dap import Axial
-from apps.protein.model.primitives import Attention, LayerNorm, Transition, linear
+from apps.protein.model.primitives import Attention, LayerNorm, Transition, chunked, linear
 
 
 @dataclass
@@ -33,7 +38,14 @@ class EvoformerConfig:
     c_hidden_extra: int = 8  # per-head channels of the extra-MSA stack's row and global column attention
                              # (AlphaFold: c_e = 64 over 8 heads)
     transition_n: int = 4
-    chunk_size: int | None = None  # attention rows per chunk (None: all at once)
+    chunk_size: int | None = None  # rows per chunk of attention, outer product mean and triangle
+                                   # multiplication (None: all at once)
+
+    def __post_init__(self):
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size < 1):
+            raise ValueError(f"evoformer.chunk_size={self.chunk_size!r}: give a positive number of rows per chunk "
+                             "(e.g. 64), or null to compute all rows at once")
 
 
 def pair_bias(ax: Axial, norm: LayerNorm, proj: nn.Linear, z: torch.Tensor) -> torch.Tensor:
@@ -105,16 +117,20 @@ class OuterProductMean(nn.Module):
         self.a, self.b = linear(c_m, c), linear(c_m, c)
         self.o = linear(c * c, cfg.c_z, init="zeros")
 
-    def forward(self, m, msa_mask, ax: Axial):
-        """m: column mode [B, S, R/n, c] -> pair update, row mode [B, R/n, R, c_z]."""
+    def forward(self, m, msa_mask, ax: Axial, chunk_size=None):
+        """m: column mode [B, S, R/n, c] -> pair update, row mode [B, R/n, R, c_z]; chunk_size rows i
+        of the update at a time."""
         x = self.norm(m)
         mask_local = ax.scatter(msa_mask, 2)[..., None]
         a, b = self.a(x) * mask_local, self.b(x) * mask_local
         b = ax.gather(b, 2)
-        outer = torch.einsum("bsic,bsjd->bijcd", a, b)
-        outer = self.o(outer.reshape(*outer.shape[:3], -1))
         norm = torch.einsum("bsi,bsj->bij", mask_local[..., 0], msa_mask)
-        return outer / (norm[..., None] + 1e-3)
+
+        def rows(part):
+            outer = torch.einsum("bsic,bsjd->bijcd", a[:, :, part], b)
+            outer = self.o(outer.reshape(*outer.shape[:3], -1))
+            return outer / (norm[:, part, :, None] + 1e-3)
+        return chunked(rows, a.shape[2], chunk_size)
 
 
 class TriangleMultiplication(nn.Module):
@@ -129,20 +145,27 @@ class TriangleMultiplication(nn.Module):
         self.b_p, self.b_g = linear(c, h), linear(c, h, init="gating")
         self.g, self.o = linear(c, c, init="gating"), linear(h, c, init="zeros")
 
-    def forward(self, z, pair_mask, ax: Axial):
-        """z: row mode [B, R/n, R, c]; pair_mask full [B, R, R]."""
+    def forward(self, z, pair_mask, ax: Axial, chunk_size=None):
+        """z: row mode [B, R/n, R, c]; pair_mask full [B, R, R]. chunk_size: rows i of the update
+        (and of the left operand a) computed at a time; the right operand b is whole."""
         zn = self.norm_in(z)
         if self.outgoing:
             src, mask = zn, ax.scatter(pair_mask, 1)[..., None]
         else:  # a_ki needs every k of this rank's columns i: switch to column mode
             src, mask = ax.transpose(zn, 2, 1), ax.scatter(pair_mask, 2)[..., None]
-        a = torch.sigmoid(self.a_g(src)) * self.a_p(src) * mask
         b = torch.sigmoid(self.b_g(src)) * self.b_p(src) * mask
-        if self.outgoing:
-            out = torch.einsum("bikc,bjkc->bijc", a, ax.gather(b, 1))
-        else:
-            out = torch.einsum("bkic,bkjc->bijc", a, ax.gather(b, 2))
-        return torch.sigmoid(self.g(zn)) * self.o(self.norm_out(out))
+        b = ax.gather(b, 1 if self.outgoing else 2)
+
+        def rows(part):
+            # outgoing: a_ik are rows i of src; incoming: a_ki are its (local) columns i
+            sel = (slice(None), part) if self.outgoing else (slice(None), slice(None), part)
+            a = torch.sigmoid(self.a_g(src[sel])) * self.a_p(src[sel]) * mask[sel]
+            if self.outgoing:
+                out = torch.einsum("bikc,bjkc->bijc", a, b)
+            else:
+                out = torch.einsum("bkic,bkjc->bijc", a, b)
+            return torch.sigmoid(self.g(zn[:, part])) * self.o(self.norm_out(out))
+        return chunked(rows, zn.shape[1], chunk_size)
 
 
 class TriangleAttention(nn.Module):
@@ -194,10 +217,10 @@ class EvoformerBlock(nn.Module):
         m = ax.transpose(m, 2, 1)                      # -> column mode
         m = m + self.col_attn(m, msa_mask, ax, c)
         m = m + self.msa_transition(m)
-        z = z + self.opm(m, msa_mask, ax)
+        z = z + self.opm(m, msa_mask, ax, c)
         m = ax.transpose(m, 1, 2)                      # -> row mode
-        z = z + self.tri_mul_out(z, pair_mask, ax)
-        z = z + self.tri_mul_in(z, pair_mask, ax)
+        z = z + self.tri_mul_out(z, pair_mask, ax, c)
+        z = z + self.tri_mul_in(z, pair_mask, ax, c)
         z = z + self.tri_att_start(z, pair_mask, ax, c)
         z = z + self.tri_att_end(z, pair_mask, ax, c)
         z = z + self.pair_transition(z)

@@ -2,7 +2,9 @@
 
 `masked_softmax` (the Evoformer's biased, masked softmax) and `layer_norm` run as Triton kernels
 on GPU and as their torch references on CPU. `chunk_size` splits attention over the batch-like
-axis of long inputs, so the [.., H, Q, K] logits never exist for all rows at once.
+axis of long inputs, so the [.., H, Q, K] logits never exist for all rows at once; under autograd
+each chunk is checkpointed, so the softmax weights of all rows are not kept for the backward
+pass either (`chunked`).
 """
 from __future__ import annotations
 
@@ -10,8 +12,23 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from phalanx_kernels import layer_norm, masked_softmax
+
+
+def chunked(fn, rows: int, chunk_size: int | None, dim: int = 1) -> torch.Tensor:
+    """`fn(part)` for row slices `part` of `rows` rows, `chunk_size` at a time, concatenated along
+    `dim`. Under autograd each chunk is checkpointed (its intermediates are recomputed, one chunk
+    at a time, in the backward pass), so the saved activations shrink as well as the forward peak."""
+    if chunk_size is None or rows <= chunk_size:
+        return fn(slice(0, rows))
+    grad = torch.is_grad_enabled()
+    outs = []
+    for start in range(0, rows, chunk_size):
+        part = slice(start, start + chunk_size)
+        outs.append(checkpoint(fn, part, use_reentrant=False) if grad else fn(part))
+    return torch.cat(outs, dim)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -51,14 +68,8 @@ class Attention(nn.Module):
                 chunk_size: int | None = None) -> torch.Tensor:
         """x [B, N, Q, c] (N rows attended independently), mask [B, N, K] (1 keep), bias
         [B, 1, H, Q, K]. chunk_size: rows per chunk (None: all at once)."""
-        rows = x.shape[-3]
-        if chunk_size is None or rows <= chunk_size:
-            return self._attend(x, mask, bias)
-        outs = []
-        for s in range(0, rows, chunk_size):
-            part = slice(s, s + chunk_size)
-            outs.append(self._attend(x[..., part, :, :], mask[..., part, :], bias))
-        return torch.cat(outs, -3)
+        return chunked(lambda part: self._attend(x[..., part, :, :], mask[..., part, :], bias),
+                       x.shape[-3], chunk_size, dim=-3)
 
     def _attend(self, x: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         *lead, q_len, _ = x.shape

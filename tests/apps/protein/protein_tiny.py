@@ -58,9 +58,10 @@ def loss_and_outputs(model, batch):
     return loss, out
 
 
-def dap_ranks(crop: int, clusters: int, extra: int) -> dict:
-    """On every rank: the one-process result, then the same model under DAP over all ranks.
-    Returns both (loss, outputs, averaged gradients) for the test to compare."""
+def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None) -> dict:
+    """On every rank: the one-process result, then the same model under DAP over all ranks (its
+    Evoformer blocks chunked `dap_chunk` rows at a time when given). Returns both (loss, outputs,
+    averaged gradients) for the test to compare."""
     import torch.distributed as dist
 
     from apps.protein.model.dap import Axial, DapAxial
@@ -69,6 +70,10 @@ def dap_ranks(crop: int, clusters: int, extra: int) -> dict:
     results = {}
     for name, axial in (("one", Axial()), ("dap", DapAxial())):
         model = tiny_model().use_axial(axial)
+        if name == "dap" and dap_chunk is not None:
+            for block in model.modules():
+                if hasattr(block, "chunk_size"):
+                    block.chunk_size = dap_chunk
         loss, out = loss_and_outputs(model, batch)
         loss.backward()
         grads = {}

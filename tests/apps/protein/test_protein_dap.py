@@ -38,6 +38,13 @@ def test_dap_two_ranks_equals_one_process():
     _compare(results, 16, 4)
 
 
+def test_dap_chunked_equals_one_process_whole():
+    """DAP on 2 ranks with attention, outer product mean and triangle multiplications chunked
+    (3 rows at a time of each rank's 8: uneven chunks) against one process unchunked."""
+    results = spawn(dap_ranks, 2, 16, 4, 4, 3, timeout=300)
+    _compare(results, 16, 4)
+
+
 @pytest.mark.slow
 def test_dap_four_ranks_equals_one_process():
     results = spawn(dap_ranks, 4, 16, 4, 4, timeout=400)
