@@ -31,6 +31,9 @@ NODE_IDS = [
     "tests/framework/test_inference_tp.py::test_tp2_matches_tp1",
     "tests/framework/test_inference_server.py::test_completion_matches_the_engine",
     "tests/framework/test_openai_client.py::test_completion_greedy_equals_the_engine",
+    # structured output: the grammar mask made on the host, applied to the device's logits
+    "tests/framework/test_inference_structured.py::test_constrained_and_unconstrained_requests_in_one_batch",
+    "tests/framework/test_inference_structured.py::test_json_object_and_streaming_over_http",
 ]
 
 

@@ -114,9 +114,9 @@ def test_stop_token_ids_over_http(server, client):
                                   extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["stop_reason"] == stop and r.usage.completion_tokens == cut + 1
-    with pytest.raises(openai.BadRequestError, match="'response_format' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="'min_p' is not supported"):
         client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
+                                       extra_body={"min_p": 0.1})
 
 
 def test_health_and_metrics_parse(server):

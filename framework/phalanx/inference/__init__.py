@@ -15,6 +15,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "phalanx.inference.engine",
     "SamplingParams": "phalanx.inference.sampling_params",
+    "StructuredOutput": "phalanx.inference.sampling_params",
     "RequestOutput": "phalanx.inference.outputs",
     "EngineConfig": "phalanx.inference.config",
     "OpenAIServer": "phalanx.inference.server",

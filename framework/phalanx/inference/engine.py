@@ -13,6 +13,11 @@ steps it broadcasts, and all return the same outputs.
 A step that raises fails only the request whose own step fails (`_step`: the step is rolled back,
 its sequences retried alone); that request ends with finish_reason "error" and `error` set, and
 the engine goes on (with tensor parallelism the error is raised).
+
+Structured output (`SamplingParams.structured_output`): each constrained sequence carries a
+grammar (`phalanx.inference.structured`) that masks its row in the sampler and advances only in
+`_append`, so a rolled-back step leaves it untouched. Speculative steps draft nothing for
+constrained sequences (lookahead 0: their verification is a plain, masked decode).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from phalanx.inference.sampling_params import SamplingParams
 from phalanx.inference.scheduler import Scheduler
 from phalanx.inference.sequence import Sequence
 from phalanx.inference.speculative import SpeculativeDecoder
+from phalanx.inference.structured import GrammarCompiler
 from phalanx.inference.stopping import StopChecker
 from phalanx.inference.tp import TPGroup
 from phalanx.inference.weights import directory_source, load_weights, state_dict_source
@@ -153,6 +159,7 @@ class LLM:
                                    num_lookahead_tokens=self.config.num_speculative_tokens if self.speculator else 0,
                                    max_model_len=self.max_model_len)
         self.stop_checker = StopChecker(tokenizer, _eos_ids(config, generation_config, tokenizer), self.max_model_len)
+        self._grammars: GrammarCompiler | None = None  # built on the first structured request
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples (index 0 first)
@@ -229,17 +236,26 @@ class LLM:
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens and max_new_tokens={params.max_new_tokens}: "
                              f"together more than max_model_len={self.max_model_len}")
+        grammar = self.grammar_compiler().matcher(params.structured_output) if params.structured_output else None
         number = next(self._ids)
         request_id = request_id if request_id is not None else str(number)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else self.config.seed + number
         seq = Sequence(request_id, ids, params, prompt=text, generator=self._generator(params, seed, 0))
+        seq.grammar = grammar
         seq.num_pending_forks = params.num_samples - 1
         self.scheduler.add(seq)
         self._seqs[request_id] = [seq]
         self._seeds[request_id] = seed
         return request_id
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles `StructuredOutput` constraints against this model's tokenizer (its
+        `check(spec)` raises ValueError naming what cannot be enforced)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.stop_checker.eos_token_ids)
+        return self._grammars
 
     def _generator(self, params: SamplingParams, seed: int, index: int) -> torch.Generator | None:
         if params.greedy:
@@ -263,7 +279,9 @@ class LLM:
     def _row(self, seq: Sequence, extra_tokens: int = 0, history: list[int] | None = None) -> RowContext:
         params = seq.params
         tokens = history if history is not None else seq.token_ids
-        return RowContext(params, seq.generator,
+        if seq.grammar is not None and extra_tokens:
+            raise RuntimeError("a constrained sequence was asked for a drafted position (its lookahead must be 0)")
+        return RowContext(params, seq.generator, grammar=seq.grammar,
                           history=tokens if params.repetition_penalty != 1.0 else None,
                           banned=self.stop_checker.banned_now(seq, extra_tokens),
                           generated=(tokens[seq.num_prompt_tokens:]
@@ -273,6 +291,8 @@ class LLM:
     def _append(self, seq: Sequence, token: int, logprob: float | None, top: dict | None,
                 processed: float | None = None) -> bool:
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if seq.params.logprobs is not None:
@@ -282,16 +302,22 @@ class LLM:
             seq.processed_logprobs.append(processed)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        return self.stop_checker.check(seq)
+        done = self.stop_checker.check(seq)
+        if not done and seq.grammar is not None and seq.grammar.finished:  # (EOS with ignore_eos)
+            seq.finish_reason, done = "stop", True
+        return done
 
     def _children(self, parent: Sequence) -> list[Sequence]:
         """The other samples of the parent's request, made (not yet attached: `_attach`) now
         that its prompt is in the cache."""
         params, seed = parent.params, self._seeds[parent.request_id]
-        return [Sequence(parent.request_id, parent.prompt_token_ids, params, prompt=parent.prompt,
-                         generator=self._generator(params, seed, index), arrival_time=parent.arrival_time,
-                         index=index)
-                for index in range(1, parent.num_pending_forks + 1)]
+        children = [Sequence(parent.request_id, parent.prompt_token_ids, params, prompt=parent.prompt,
+                             generator=self._generator(params, seed, index), arrival_time=parent.arrival_time,
+                             index=index)
+                    for index in range(1, parent.num_pending_forks + 1)]
+        for child in children:  # the parent has no output yet: its grammar is at the start
+            child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+        return children
 
     def _attach(self, parent: Sequence, children: list[Sequence]) -> None:
         """Fork the children in: each shares the parent's full prompt blocks (see `BlockManager.fork`)."""
@@ -433,7 +459,9 @@ class LLM:
 
     def _compute_speculative(self, plan):
         seqs = [s.seq for s in plan.scheduled]
-        return self.speculator.step(seqs, self._row, [s.lookahead for s in plan.scheduled])
+        # constrained sequences draft nothing (their slots stay reserved, unused, for this step)
+        return self.speculator.step(seqs, self._row, [0 if s.seq.grammar is not None else s.lookahead
+                                                      for s in plan.scheduled])
 
     def _commit_speculative(self, plan, emitted) -> list[Sequence]:
         touched: list[Sequence] = []

@@ -11,12 +11,14 @@ presence/frequency penalties, logit_bias) are passed on only when the dataclass 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
 from phalanx.inference.outputs import RequestOutput
-from phalanx.inference.sampling_params import SamplingParams
+from phalanx.inference.sampling_params import SamplingParams, StructuredOutput
 
 
 MAX_N = 16  # choices (n, best_of) one request may ask for (each sample is a sequence in the batch)
@@ -27,9 +29,11 @@ MAX_N = 16  # choices (n, best_of) one request may ask for (each sample is a seq
 # "text"}` gets what it asked for.
 _COMMON_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "seed", "max_tokens",
                   "presence_penalty", "frequency_penalty", "logit_bias", "user",
-                  "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens"}
+                  "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens",
+                  "response_format"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "logprobs"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                                "parallel_tool_calls"}
 NEUTRAL = {
     "response_format": [{"type": "text"}], "tools": [[]], "tool_choice": ["none"], "functions": [[]],
     "function_call": ["none"], "parallel_tool_calls": [True, False], "suffix": [""], "store": [False],
@@ -38,8 +42,7 @@ NEUTRAL = {
     "add_generation_prompt": [True], "echo": [False], "best_of": [1], "prompt_logprobs": [],
 }
 _WHY = {
-    "response_format": "structured output (JSON mode / json_schema) is not implemented yet",
-    "tools": "tool calls are not implemented yet", "tool_choice": "tool calls are not implemented yet",
+    "tools": "tool calls are a /v1/chat/completions feature", "tool_choice": "tool calls are a /v1/chat/completions feature",
     "functions": "function calls are not implemented yet", "function_call": "function calls are not implemented yet",
     "best_of": "'best_of' is a /v1/completions field; chat completions do not take it",
     "echo": "'echo' is a /v1/completions field; chat completions do not take it",
@@ -79,6 +82,9 @@ class ParsedRequest:
     top_logprobs: int = 0
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the engine puts the prompt before each choice
+    tools: list[dict] | None = None  # chat: the tools the template renders (None: none, or tool_choice "none")
+    tool_choice: str | dict = "none"  # "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True  # False: only the first tool call of an answer is returned
 
 
 # -- field helpers ---------------------------------------------------------------------------------
@@ -123,6 +129,45 @@ def _stop_token_ids(body: dict) -> list[int]:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise RequestError(400, f"'stop_token_ids' must be a list of token ids, got {ids!r}", param="stop_token_ids")
     return ids
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def response_format(body: dict) -> StructuredOutput | None:
+    """OpenAI's `response_format`: {"type": "text"} (no constraint), {"type": "json_object"} (JSON
+    mode) or {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}
+    (the schema is enforced whatever `strict` says). Whether the schema's features can be enforced
+    is checked when the engine takes the request (`Routes.limits`)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise RequestError(400, f"'response_format' must be an object with 'type' one of {', '.join(RESPONSE_FORMATS)}; "
+                                f"got {fmt!r}", param="response_format")
+    extra = sorted(set(fmt) - {"type", "json_schema"})
+    if kind != "json_schema" and fmt.get("json_schema") is not None:
+        extra.append("json_schema")
+    if extra:
+        raise RequestError(400, f"'response_format.{extra[0]}' is not supported with type '{kind}'; remove it",
+                           param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RequestError(400, "'response_format.json_schema' must be an object with a 'schema' (a JSON schema "
+                                "object), a 'name' and optionally 'strict' and 'description'", param="response_format")
+    unknown = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if unknown:
+        raise RequestError(400, f"'response_format.json_schema.{unknown[0]}' is not supported; remove it",
+                           param="response_format")
+    if not isinstance(spec.get("strict", True), (bool, type(None))):
+        raise RequestError(400, "'response_format.json_schema.strict' must be true or false", param="response_format")
+    return StructuredOutput(json_schema=spec["schema"])
 
 
 def supported_sampling_fields() -> set[str]:
@@ -211,6 +256,12 @@ def _sampling(body: dict, max_tokens_name: str, *, default_max_tokens: int, max_
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         logprobs=logprobs, seed=seed)
     kwargs.update(_optional_sampling(body, chat=chat))
+    structured = response_format(body)
+    if structured is not None:
+        if kwargs["min_new_tokens"]:
+            raise RequestError(400, "'min_tokens' cannot be combined with 'response_format' (the format decides "
+                                    "where the output ends); remove one of them", param="min_tokens")
+        kwargs["structured_output"] = structured
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
@@ -255,23 +306,7 @@ def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise RequestError(400, f"messages[{i}] needs a 'role' of system, user, assistant or tool", param="messages")
-        extra = [k for k, v in m.items() if k not in ("role", "content") and v is not None]
-        if extra:
-            raise RequestError(400, f"messages[{i}].{extra[0]} is not supported (messages take 'role' and 'content' "
-                                    "only: tool calls and named participants are not implemented yet)",
-                               param="messages", code="unsupported_parameter")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RequestError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(400, f"messages[{i}].content must be a string", param="messages")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    clean = [_message(i, m) for i, m in enumerate(messages)]
     want_logprobs = _bool(body, "logprobs", False)
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if top and not want_logprobs:
@@ -280,7 +315,138 @@ def parse_chat(body: dict, *, max_tokens_limit: int, default_max_tokens: int) ->
     n, _ = _choices(body, chat=True)
     params = _sampling(body, "max_completion_tokens", default_max_tokens=default_max_tokens,
                        max_tokens_limit=max_tokens_limit, logprobs=top if want_logprobs else None, chat=True)
-    return ParsedRequest([clean], params, stream, usage, chat=True, top_logprobs=top, n=n)
+    tools, choice = _tools(body)
+    if tools is not None and choice != "auto":
+        if params.structured_output is not None:
+            raise RequestError(400, "'response_format' cannot be combined with a forced tool call ('tool_choice')",
+                               param="response_format")
+        params = dataclasses.replace(params, structured_output=StructuredOutput(grammar=tool_call_grammar(tools, choice)))
+    return ParsedRequest([clean], params, stream, usage, chat=True, top_logprobs=top, n=n, tools=tools,
+                         tool_choice=choice, parallel_tool_calls=_bool(body, "parallel_tool_calls", True))
+
+
+def _message(i: int, m) -> dict:
+    """One chat message, as the chat template takes it: `role` and `content` (text parts joined);
+    an assistant's `tool_calls` (their JSON `arguments` decoded, as templates render them), a tool
+    message's `tool_call_id`."""
+    roles = ("system", "user", "assistant", "tool", "developer")
+    if not isinstance(m, dict) or m.get("role") not in roles:
+        raise RequestError(400, f"messages[{i}] needs a 'role' of system, user, assistant or tool", param="messages")
+    allowed = {"role", "content"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(m["role"], set())
+    extra = [k for k, v in m.items() if k not in allowed and v is not None]
+    if extra:
+        raise RequestError(400, f"messages[{i}].{extra[0]} is not supported for role '{m['role']}' (messages take "
+                                "'role' and 'content'; assistant messages also 'tool_calls', tool messages "
+                                "'tool_call_id')", param="messages", code="unsupported_parameter")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    calls = m.get("tool_calls")
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise RequestError(400, f"messages[{i}].content must be a string", param="messages")
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+    if calls:
+        out["tool_calls"] = [_past_call(i, j, c) for j, c in enumerate(calls if isinstance(calls, list) else [None])]
+    if m.get("tool_call_id") is not None:  # (templates that order results by position do not render it)
+        if not isinstance(m["tool_call_id"], str):
+            raise RequestError(400, f"messages[{i}].tool_call_id must be a string", param="messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _past_call(i: int, j: int, call) -> dict:
+    """An assistant message's tool call, its `arguments` (a JSON string in OpenAI's format)
+    decoded to the object chat templates render."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise RequestError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\", \"type\": \"function\", "
+                                "\"function\": {\"name\": str, \"arguments\": JSON string}}", param="messages")
+    try:
+        arguments = json.loads(fn["arguments"])
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}",
+                           param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
+    """The request's tools (None when there are none or tool_choice is "none") and its
+    tool_choice: "auto" (the default with tools), "required", or a named function."""
+    tools = body.get("tools") or None
+    choice = body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise RequestError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None, "none"
+    if not isinstance(tools, list):
+        raise RequestError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}",
+                           param="tools")
+    names = []
+    for k, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise RequestError(400, f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                    "\"parameters\": {JSON schema}}}", param="tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise RequestError(400, f"tools[{k}].function.parameters must be a JSON schema object", param="tools")
+        names.append(fn["name"])
+    choice = "auto" if choice is None else choice
+    if choice == "none":
+        return None, "none"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise RequestError(400, f"'tool_choice' names {name!r}, which is not among the tools {names}",
+                               param="tool_choice")
+    elif choice not in ("auto", "required"):
+        raise RequestError(400, f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}",
+                           param="tool_choice")
+    return tools, choice
+
+
+# -- tool calls in the Hermes / Qwen2.5 format: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def tool_call_grammar(tools: list[dict], choice: str | dict) -> str:
+    """A Lark grammar (llguidance's dialect) for one tool call: of the named function, or of any
+    of the tools ("required"); its arguments valid against the function's parameters schema."""
+    def call_schema(fn: dict) -> dict:
+        return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                 "arguments": fn.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+    fns = [t["function"] for t in tools]
+    if isinstance(choice, dict):
+        fns = [f for f in fns if f["name"] == choice["function"]["name"]]
+    schema = call_schema(fns[0]) if len(fns) == 1 else {"anyOf": [call_schema(f) for f in fns]}
+    schema["x-guidance"] = {"whitespace_flexible": False}
+    return f'start: "{TOOL_CALL_OPEN}\\n" call "\\n{TOOL_CALL_CLOSE}"\ncall: %json {json.dumps(schema)}\n'
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """The text around the tool calls, and the calls in OpenAI's format (`arguments` a JSON
+    string); a block that is not a JSON {name, arguments} object stays in the text."""
+    calls, kept, at = [], [], 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        kept.append(text[at:match.start()])
+        at = match.end()
+        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
+    kept.append(text[at:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
 
 
 def check_model(body: dict, served: str) -> None:
@@ -367,12 +533,27 @@ def completion_response(rid: str, model: str, choices: list[dict], usage_: dict)
             "choices": choices, "usage": usage_}
 
 
-def chat_response(rid: str, model: str, out: RequestOutput, tokenizer, usage_: dict) -> dict:
+def chat_message(text: str, finish_reason: str | None, tools: bool, parallel: bool = True) -> tuple[dict, str | None]:
+    """The assistant message of a chat choice, and its finish_reason: with tools, the tool calls
+    in the text become `tool_calls` (finish_reason "tool_calls"; only the first unless `parallel`)."""
+    if not tools:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse_tool_calls(text)
+    calls = calls if parallel else calls[:1]
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+
+def chat_response(rid: str, model: str, out: RequestOutput, tokenizer, usage_: dict, tools: bool = False,
+                  parallel_tool_calls: bool = True) -> dict:
+    choices = []
+    for i, c in enumerate(completions_of(out)):
+        message, finish = chat_message(c.text, c.finish_reason, tools, parallel_tool_calls)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(c, tokenizer),
+                        "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": chat_logprobs(c, tokenizer), "finish_reason": c.finish_reason}
-                        for i, c in enumerate(completions_of(out))],
-            "usage": usage_}
+            "choices": choices, "usage": usage_}
 
 
 def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason: str | None,

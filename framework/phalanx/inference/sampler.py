@@ -6,6 +6,9 @@ top-k, top-p; OpenAI's presence/frequency penalties come right after the repetit
 the same settings mean the same distribution. Rows are independent: each request draws from its own
 `torch.Generator`, so a seeded request samples the same tokens whatever else is in the batch.
 Log-probs are taken from the raw logits (the model's distribution), see `SamplingParams`.
+A row with a grammar (structured output, `phalanx.inference.structured`) has every token its
+grammar forbids set to -inf after the penalties and before temperature; other rows of the batch
+are untouched.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.inference.sampling_params import SamplingParams
+from phalanx.inference.structured import apply_grammar_masks
 
 
 @dataclass
@@ -27,6 +31,7 @@ class RowContext:
     banned: list[int] | None = None  # token ids that may not be chosen now (EOS before min_new_tokens)
     generated: list[int] | None = None  # output so far (for presence/frequency penalties)
     track_logprob: bool = False  # return the chosen token's raw log-prob even without params.logprobs (best_of)
+    grammar: object | None = None  # a structured.Grammar in the state of this position: masks the row
 
     @property
     def wants_logprob(self) -> bool:
@@ -34,7 +39,7 @@ class RowContext:
 
     @property
     def changes_logits(self) -> bool:
-        return self.params.has_penalties or bool(self.banned)
+        return self.params.has_penalties or bool(self.banned) or self.grammar is not None
 
 
 @dataclass
@@ -46,8 +51,8 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tensor:
-    """Logit bias, repetition / presence / frequency penalties and banned tokens, in place on the
-    rows that ask for them (float logits)."""
+    """Logit bias, repetition / presence / frequency penalties, banned tokens and grammar masks,
+    in place on the rows that ask for them (float logits)."""
     for r, row in enumerate(rows):
         params = row.params
         if params.logit_bias:
@@ -66,7 +71,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowContext]) -> torch.Tenso
             logits[r, ids] -= counts * params.frequency_penalty + params.presence_penalty
         if row.banned:
             logits[r, row.banned] = float("-inf")
-    return logits
+    return apply_grammar_masks(logits, [row.grammar for row in rows])
 
 
 def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,48 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced token by token (`phalanx.inference.structured`):
+    exactly one of
+    json_schema: the output is a JSON document valid against this schema (a dict);
+    json_object: the output is a JSON object, any keys (OpenAI's JSON mode);
+    regex: the output matches this regular expression in full;
+    grammar: the output is a sentence of this Lark grammar (llguidance's dialect, which can embed
+    JSON schemas with `%json {...}`).
+    The output ends once the constraint is complete (the model may then only choose EOS).
+    """
+
+    json_schema: dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json_schema", "regex", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"a StructuredOutput takes exactly one of json_schema, json_object, regex or grammar, "
+                             f"got {given or 'none'}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema must be a JSON schema object (a dict), got {type(self.json_schema).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object={self.json_object!r} must be True or False")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+    def key(self) -> str:
+        """A stable text naming the constraint (compiled grammars are cached by it)."""
+        import json
+        if self.json_schema is not None:
+            return "json_schema:" + json.dumps(self.json_schema, sort_keys=True)
+        if self.json_object:
+            return "json_object"
+        return f"regex:{self.regex}" if self.regex is not None else f"grammar:{self.grammar}"
+
+
 def _check_logit_bias(bias) -> dict[int, float]:
     """{token id: bias}; keys may be ints or decimal strings (as JSON objects carry them)."""
     if bias is None:
@@ -60,6 +102,10 @@ class SamplingParams:
     it was actually drawn from (after penalties, temperature, top-k and top-p; 0.0 for greedy).
     seed: a per-request generator, so the same request samples the same tokens in any batch
     (sample j > 0 of an n > 1 request draws from a generator seeded from (seed, j)).
+    structured_output: a `StructuredOutput` (or a dict of its fields) the output must satisfy:
+    tokens that would break it are masked out after the penalties and before temperature (so
+    greedy, sampling, top-k/top-p all pick among allowed tokens only). Not with min_new_tokens
+    (the constraint decides where the output ends).
     """
 
     max_new_tokens: int = 16
@@ -81,8 +127,14 @@ class SamplingParams:
     processed_logprobs: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or a dict of its fields, "
+                             f"got {type(self.structured_output).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -121,6 +173,9 @@ class SamplingParams:
                              "(OpenAI chat's logprobs=true, top_logprobs=N is logprobs=N)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.structured_output is not None and self.min_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} cannot be combined with structured output "
+                             "(the constraint decides where the output ends); drop one of them")
 
     @property
     def greedy(self) -> bool:

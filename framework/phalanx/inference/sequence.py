@@ -66,6 +66,9 @@ class Sequence:
         # samples again (`Scheduler.schedule`); `error` names the cause when its own step failed.
         self.suspect = False
         self.error: str | None = None
+        # Structured output: a `structured.Grammar` (set by the engine) that masks this sequence's
+        # sampling and advances with each appended token.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -68,10 +68,11 @@ async def run_watching(request, work, on_gone):
 
 class TextDeltas:
     """Per choice: the text not yet sent, holding back what may be the start of a stop string
-    or an unfinished UTF-8 character until it is decided."""
+    or an unfinished UTF-8 character until it is decided (`whole`: everything until the end, for
+    answers whose tool calls are parsed out of the finished text)."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+    def __init__(self, stops: list[str], whole: bool = False) -> None:
+        self.holdback = 1 << 62 if whole else max((len(s) for s in stops), default=1) - 1
         self.sent_text = 0
         self.sent_tokens = 0
 
@@ -213,6 +214,8 @@ class Routes:
 
         def prepare(ids, params):
             api.check_prompt_length(len(ids), max_prompt_tokens, param)
+            if params.structured_output is not None:
+                self.check_structured(params.structured_output)
             if fit_max_tokens:  # no max_tokens asked: whatever the context leaves, up to the limit
                 most = max(1, min(params.max_new_tokens, max_model_len - len(ids)))
                 params = dataclasses.replace(params, max_new_tokens=most,
@@ -220,6 +223,16 @@ class Routes:
             api.check_length(len(ids), params.max_new_tokens, max_model_len, param)
             return params
         return prepare
+
+    def check_structured(self, spec) -> None:
+        """400 naming what of a response_format (or of a forced tool call's parameters: the only
+        Lark grammars the HTTP routes make) cannot be enforced (compiled once, then cached)."""
+        try:
+            self.engine.grammar_compiler().check(spec)
+        except (ValueError, ImportError) as exc:
+            param = "tools" if spec.grammar is not None else "response_format"
+            raise api.RequestError(400, f"'{param}' cannot be used: {exc}", param=param,
+                                   code=f"unsupported_{param}") from None
 
     # -- answers
     async def respond(self, request, req, streams, prompt_lens, make_body):
@@ -286,7 +299,7 @@ class Routes:
             index = p * req.n + getattr(c, "index", 0)
             if index in done:
                 continue
-            d = deltas.setdefault(index, TextDeltas(req.params.stop))
+            d = deltas.setdefault(index, TextDeltas(req.params.stop, whole=req.tools is not None))
             text = d.next(c)
             logprobs = None
             if c.logprobs is not None and len(c.token_ids) > d.sent_tokens:
@@ -332,8 +345,12 @@ class Routes:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise api.RequestError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if req.tools is not None and api.TOOL_CALL_OPEN not in str(tok.chat_template):
+            raise api.RequestError(400, "tool calls need a chat template that renders tools and calls them in the "
+                                        "Hermes / Qwen2.5 format (<tool_call>{...}</tool_call>); this model's does "
+                                        "not", param="tools", code="unsupported_parameter")
         fit = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
-        streams = self.submit([(_chat_encoder(tok, req.prompts[0]), req.params,
+        streams = self.submit([(_chat_encoder(tok, req.prompts[0], req.tools), req.params,
                                 self.limits("messages", fit_max_tokens=fit))])
         try:
             prompt_lens = await self.admit(request, streams, "messages")
@@ -341,18 +358,21 @@ class Routes:
             return Response(status_code=499)
         rid = api.new_id(chat=True)
         if req.stream:
-            return self.stream_events(req, streams, _chat_chunker(rid, server.model_name), rid)
+            chunker = _chat_chunker(rid, server.model_name, req.tools is not None, req.parallel_tool_calls)
+            return self.stream_events(req, streams, chunker, rid)
 
         def make(outs, usage):
-            return api.chat_response(rid, server.model_name, outs[0], tok, usage)
+            return api.chat_response(rid, server.model_name, outs[0], tok, usage, tools=req.tools is not None,
+                                     parallel_tool_calls=req.parallel_tool_calls)
         return await self.respond(request, req, streams, prompt_lens, make)
 
 
-def _chat_encoder(tok, messages):
+def _chat_encoder(tok, messages, tools=None):
     """The chat prompt's token ids, computed on the engine thread like every tokenizer call."""
     def encode():
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": tools} if tools is not None else {}
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
             return tok(text, add_special_tokens=False)["input_ids"]
         except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
             raise api.RequestError(400, f"the chat template failed on these messages: {exc}",
@@ -360,11 +380,20 @@ def _chat_encoder(tok, messages):
     return encode
 
 
-def _chat_chunker(rid: str, model_name: str):
-    """make_chunk for a streamed chat answer: a choice's first chunk carries the role."""
+def _chat_chunker(rid: str, model_name: str, tools: bool = False, parallel_tool_calls: bool = True):
+    """make_chunk for a streamed chat answer: a choice's first chunk carries the role. With tools
+    the text comes whole in the last chunk, its tool calls parsed out into `tool_calls` deltas."""
     started: set[int] = set()
 
     def chunk(i, text, finish, lp):
+        if tools and finish:
+            message, finish = api.chat_message(text, finish, True, parallel_tool_calls)
+            delta = {"content": message["content"]} if i in started else {"role": "assistant",
+                                                                           "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            started.add(i)
+            return api.chat_chunk(rid, model_name, i, delta, finish, lp)
         if i not in started:
             started.add(i)
             delta = {"role": "assistant", "content": text}
