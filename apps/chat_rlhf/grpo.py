@@ -8,7 +8,8 @@ One optimizer step (inside `phalanx.train.fit`, which brings the layout, checkpo
 logging): each rank takes its micro-batch of prompts, samples `n` completions per prompt on its
 colocated engine, scores them, turns rewards into advantages, recomputes the sampled tokens'
 log-probs with the trainer (the stale-weight guard compares them with the engine's), and takes
-the clipped policy-gradient loss against the engine's log-probs; after the step `RLHook` copies
+the clipped policy-gradient loss with the trainer's own log-probs as the old policy, each token
+weighted by the truncated importance ratio trainer / engine (`tis_cap`); after the step `RLHook` copies
 the new weights into the engine. The variants are options of `grpo:` (see `GRPOSettings`).
 
 Under `train.plugin=hybrid` (tensor parallelism, pp_size=1) the engine runs tensor-parallel over
@@ -73,12 +74,19 @@ class GRPOSettings:
     aggregation: str = "token"        # token: mean over all tokens (DAPO) | sequence: mean of sequence means
     clip_low: float = 0.2             # ratio lower bound 1 - clip_low
     clip_high: float = 0.28           # ratio upper bound 1 + clip_high (clip-higher, DAPO; 0.2 = symmetric)
-    dynamic_sampling: bool = False    # drop groups whose rewards are all equal (no signal) from the loss
+    dynamic_sampling: bool = False    # DAPO: groups whose rewards are all equal (no signal) are replaced by groups of
+                                      # newly drawn prompts until the batch is full (at most max_refill_rounds
+                                      # draws); any still without spread leave the loss
+    max_refill_rounds: int = 4
     overlong_penalty: float = 0.0     # subtracted (at most) from completions near/at max_new_tokens
     overlong_buffer: int = 0          # soft zone: penalty grows over the last N tokens (0: truncated ones only)
-    kl_coef: float = 0.0              # k3 KL to the frozen initial policy (0: no reference model is built)
-    kl_target: float | None = None    # adaptive KL controller target (None: fixed kl_coef)
-    kl_horizon: int = 10000
+    kl_coef: float = 0.0              # KL to the frozen initial policy in the loss (0: no reference model is built)
+    kl_estimator: str = "k2"          # the KL term differentiated: k2 (unbiased gradient of KL(pi||ref)) | k3 (GRPO
+                                      # paper; unbiased value, biased gradient); the logged `kl` is always k3's value
+    kl_target: float | None = None    # adaptive KL controller target, per token (None: fixed kl_coef)
+    kl_horizon: int = 10000           # the controller's horizon, in samples (completions)
+    tis_cap: float | None = 2.0       # truncated importance sampling of the engine/trainer mismatch: each token's
+                                      # gradient weighted by min(pi_trainer / pi_engine, tis_cap) (None: off)
     rewards: list[str] = field(default_factory=lambda: ["numeric"])  # built-ins, rm:<dir>, module:function
     reward_weights: list[float] = field(default_factory=list)
     max_logprob_gap: float = 0.5      # stale-weight guard: stop when mean |engine - trainer| log-prob exceeds it ...
@@ -96,12 +104,16 @@ class GRPOSettings:
         need(self.scale in ("group", "batch", "none"), "scale", "choose group, batch or none")
         need(self.aggregation in ("token", "sequence"), "aggregation", "choose token or sequence")
         need(self.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+        need(self.max_refill_rounds >= 0, "max_refill_rounds", "must be 0 or more")
         need(self.temperature > 0, "temperature", "must be > 0 (sampling; greedy rollouts have no spread)")
         need(0 <= self.clip_low < 1, "clip_low", "must be in [0, 1)")
         need(self.clip_high >= 0, "clip_high", "must be >= 0")
         need(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         need(self.overlong_buffer < self.max_new_tokens, "overlong_buffer", "must be below max_new_tokens")
         need(self.max_logprob_gap > 0, "max_logprob_gap", "must be positive")
+        need(self.kl_estimator in L.KL_ESTIMATORS, "kl_estimator", "choose k2 or k3")
+        need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap", "must be >= 1 (or null: no correction)")
+        need(self.kl_horizon >= 1, "kl_horizon", "must be at least 1 (samples)")
 
 
 @dataclass
@@ -176,7 +188,7 @@ class StepStats:
 
     KEYS = ("samples", "reward_sum", "reward_sq_sum", "groups", "zero_spread_groups", "completion_tokens",
             "truncated", "entropy_sum", "kl_sum", "tokens", "clipped_low", "clipped_high", "gap_sum",
-            "generate_s", "score_s")
+            "tis_capped", "tis_weight_sum", "refilled_groups", "generate_s", "score_s")
 
     def __init__(self) -> None:
         self.reset()
@@ -252,8 +264,45 @@ def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_new: in
     return -penalty * torch.where(truncated, torch.ones_like(over), over.clamp(max=1.0))
 
 
+def tis_weights(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor, cap: float | None
+                ) -> torch.Tensor:
+    """[B, T] truncated importance weights min(pi_trainer / pi_engine, cap) of the sampled tokens
+    (1 off the mask, and everywhere with cap None): the engine samples from its own rounding of
+    the policy (another kernel, another dtype, or weights a step behind), the gradient wants the
+    trainer's distribution; the cap bounds the variance (Yao et al., 2025, "truncated importance
+    sampling"). No gradient flows through them."""
+    if cap is None:
+        return torch.ones_like(trainer_lp)
+    w = torch.exp((trainer_lp - engine_lp) * mask).clamp(max=cap)
+    return torch.where(mask > 0, w, torch.ones_like(w)).detach()
+
+
+def refill_prompts(seed: int, step: int, round_: int, replica: int, num_prompts: int, exclude: set[int], k: int
+                   ) -> list[int]:
+    """Up to k prompt indices for dynamic sampling's refill `round_` of `step` on data replica
+    `replica`, none in `exclude`: a permutation seeded by all four, so a resumed run draws the same."""
+    digest = hashlib.sha256(f"grpo-refill/{seed}/{step}/{replica}/{round_}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
+    return [i for i in torch.randperm(num_prompts, generator=g).tolist() if i not in exclude][:k]
+
+
+def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
+    """The rollout's prompt groups `groups` (each its n rows), in that order."""
+    rows = [g * rollout.n + j for g in groups for j in range(rollout.n)]
+    return Rollout(*([getattr(rollout, f)[r] for r in rows] for f in ROLLOUT_ROWS), n=rollout.n,
+                   generate_s=rollout.generate_s)
+
+
+def concat_rollouts(a: Rollout, b: Rollout) -> Rollout:
+    return Rollout(*(getattr(a, f) + getattr(b, f) for f in ROLLOUT_ROWS), n=a.n, generate_s=a.generate_s + b.generate_s)
+
+
+ROLLOUT_ROWS = ("prompt_ids", "completion_ids", "engine_logprobs", "texts", "truncated")
+
+
 class GRPOLoss:
-    """fit's loss_fn: rollout, score, advantages, guard, clipped policy loss (+ optional k3 KL)."""
+    """fit's loss_fn: rollout (refilled under dynamic sampling), score, advantages, guard, clipped policy
+    loss with truncated importance weights (+ an optional KL term, `kl_estimator`)."""
 
     def __init__(self, settings: GRPOSettings, records: Sequence[dict], prompt_ids: Sequence[list[int]],
                  rewards: RewardSet, rollout_fn: Callable[[list[int], int], Rollout], pad_id: int, *,
@@ -277,10 +326,44 @@ class GRPOLoss:
         with torch.no_grad():
             rollout = self.rollout_fn(indices, step)
         t0 = time.perf_counter()
+        scores = self.score(indices, rollout)
+        if getattr(self.s, "dynamic_sampling", False):  # GRPO's option (PPOLoss shares this method)
+            indices, rollout, scores = self.refill(indices, step, rollout, scores)
+        return indices, step, rollout, scores, t0
+
+    def score(self, indices: list[int], rollout: Rollout) -> torch.Tensor:
         prompts = [self.records[i]["prompt"] for i in indices for _ in range(rollout.n)]
         truths = [self.records[i].get("ground_truth") for i in indices for _ in range(rollout.n)]
         scores, _ = self.rewards(prompts, rollout.texts, truths)
-        return indices, step, rollout, scores, t0
+        return scores
+
+    def refill(self, indices: list[int], step: int, rollout: Rollout, scores: torch.Tensor):
+        """DAPO's dynamic sampling: while groups have no reward spread (every sample scored alike, so
+        no learning signal), sample as many new prompts (`refill_prompts`: never one already drawn
+        this step) and keep the batch's size with the groups that have spread first; after
+        `max_refill_rounds` draws the groups still without spread stay (and leave the loss)."""
+        n, size, drawn = rollout.n, len(indices), set(indices)
+        refilled = 0
+        for round_ in range(self.s.max_refill_rounds):
+            zero = L.zero_spread_groups(scores.view(-1, n)).tolist()
+            if not any(zero):
+                break
+            extra = refill_prompts(self.seed, step, round_, self.replicas.rank, len(self.records), drawn, sum(zero))
+            if not extra:
+                break
+            drawn.update(extra)
+            with torch.no_grad():
+                more = self.rollout_fn(extra, step)
+            more_scores = self.score(extra, more)
+            indices, rollout, scores = indices + extra, concat_rollouts(rollout, more), torch.cat([scores, more_scores])
+            zero = L.zero_spread_groups(scores.view(-1, n)).tolist()
+            keep = sorted(range(len(indices)), key=lambda g: (zero[g], g))[:size]  # spread first, then draw order
+            keep.sort()
+            refilled += sum(g >= size for g in keep)
+            indices, rollout = [indices[g] for g in keep], select_groups(rollout, keep)
+            scores = scores.view(-1, n)[keep].reshape(-1)
+        self.stats.add(refilled_groups=refilled)
+        return indices, rollout, scores
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         s, st = self.s, self.stats
@@ -310,24 +393,29 @@ class GRPOLoss:
                                                                 float(keep_seq.sum()), local_gap])
         self.guard.check(gap_sum / max(tokens, 1.0), step)
 
-        loss, clip = L.policy_loss(logp, engine_lp, adv.float(), mask, clip_low=s.clip_low,
+        # The old policy is the trainer's own forward at rollout time (these very weights: one update
+        # per rollout), so the ratio starts at 1 whatever the engine's rounding; what the engine's
+        # sampling distribution differs by is corrected by truncated importance sampling.
+        tis = tis_weights(logp.detach(), engine_lp, raw_mask, s.tis_cap)
+        loss, clip = L.policy_loss(logp, logp.detach(), adv.float().unsqueeze(1) * tis, mask, clip_low=s.clip_low,
                                    clip_high=s.clip_high, aggregation=s.aggregation,
                                    token_total=max(kept_tokens, 1.0), seq_total=max(kept_seqs, 1.0))
         kl_sum = 0.0
         if self.reference is not None:
             with torch.no_grad():
                 ref_lp, _ = completion_logprobs(self.reference, tb)
-            kl = L.k3_kl(logp, ref_lp)
-            loss = loss + self.kl.value * L.aggregate(kl, mask, s.aggregation, token_total=max(kept_tokens, 1.0),
-                                                       seq_total=max(kept_seqs, 1.0))
-            kl_sum = float((kl.detach() * raw_mask).sum())
+            penalty = L.kl_penalty(logp, ref_lp, s.kl_estimator)
+            loss = loss + self.kl.value * L.aggregate(penalty, mask, s.aggregation,
+                                                       token_total=max(kept_tokens, 1.0), seq_total=max(kept_seqs, 1.0))
+            kl_sum = float((L.k3_kl(logp.detach(), ref_lp) * raw_mask).sum())
         # fit averages gradients over data-parallel replicas; the totals above are global, so scale back up.
         st.add(samples=len(scores), reward_sum=float(scores.sum()), reward_sq_sum=float((scores ** 2).sum()),
                groups=len(indices), zero_spread_groups=float(zero.sum()), completion_tokens=float(lengths.sum()),
                truncated=float(truncated.sum()), entropy_sum=float(entropy.sum()), kl_sum=kl_sum,
                tokens=float(raw_mask.sum()), clipped_low=float(clip["clipped_low"]),
                clipped_high=float(clip["clipped_high"]), gap_sum=local_gap,
-               generate_s=rollout.generate_s, score_s=score_s)
+               tis_capped=float(((tis >= s.tis_cap) * raw_mask).sum()) if s.tis_cap is not None else 0.0,
+               tis_weight_sum=float((tis * raw_mask).sum()), generate_s=rollout.generate_s, score_s=score_s)
         return loss * replicas.count
 
 
@@ -370,15 +458,17 @@ class RLHook:
         record = {
             "step": step, "reward_mean": mean, "reward_std": max(v["reward_sq_sum"] / samples - mean ** 2, 0.0) ** 0.5,
             "zero_spread_frac": v["zero_spread_groups"] / max(v["groups"], 1.0),
+            "refilled_groups": v["refilled_groups"],
             "completion_len": v["completion_tokens"] / samples, "clipped_len_frac": v["truncated"] / samples,
             "entropy": v["entropy_sum"] / tokens, "kl": v["kl_sum"] / tokens, "kl_coef": self.loss.kl.value,
             "clip_frac_low": v["clipped_low"] / tokens, "clip_frac_high": v["clipped_high"] / tokens,
-            "logprob_gap": v["gap_sum"] / tokens,
+            "logprob_gap": v["gap_sum"] / tokens, "tis_weight": v["tis_weight_sum"] / tokens,
+            "tis_capped_frac": v["tis_capped"] / tokens,
             "rollout_tokens_per_s": v["completion_tokens"] / max(v["generate_s"], 1e-9),
             "time_generate_s": v["generate_s"] / world, "time_score_s": v["score_s"] / world,
             "time_train_s": train_s, "time_sync_s": sync_s,
         }
-        self.loss.kl.update(record["kl"], 1)
+        self.loss.kl.update(record["kl"], int(v["samples"]))  # per-token KL; horizon in samples
         self.loss.step = step
         st.reset()
         self.history.append(record)

@@ -3,8 +3,9 @@
 A model path in a config may be:
 - ``""`` or ``"smollm2"``: SmolLM2-135M-Instruct, converted once by `phalanx.pretrained`;
 - a Hugging Face model directory (``config.json`` + weights);
-- a training checkpoint (``<output_dir>/checkpoints/step_N``, whose ``model/`` is such a directory),
-  or a training ``output_dir``, meaning its latest complete checkpoint.
+- a training checkpoint (``<output_dir>/checkpoints/step_N``, whose ``policy/`` (PPO: the actor alone,
+  `export.PolicyExport`) or else ``model/`` is such a directory), or a training ``output_dir``,
+  meaning its latest complete checkpoint.
 
 The reward model is ``AutoModelForSequenceClassification`` with one label on the policy's backbone,
 so any tool that opens HF classifiers opens it. Its padding token is ``<|endoftext|>`` (id 0 for
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 BASE_ALIASES = ("", "smollm2", "base")
+CHECKPOINT_MODEL_DIRS = ("policy", "model")  # inside a checkpoint: the exported policy first (PPO), else the model
 
 
 def base_model_dir() -> Path:
@@ -34,12 +36,15 @@ def resolve_model_dir(path: str | Path | None) -> Path:
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         return p
-    if (p / "model" / "config.json").is_file():
-        return p / "model"
+    for inner in CHECKPOINT_MODEL_DIRS:
+        if (p / inner / "config.json").is_file():
+            return p / inner
     from phalanx.checkpoint import latest_checkpoint
 
-    if p.is_dir() and (ckpt := latest_checkpoint(p)) is not None and (Path(ckpt) / "model" / "config.json").is_file():
-        return Path(ckpt) / "model"
+    if p.is_dir() and (ckpt := latest_checkpoint(p)) is not None:
+        for inner in CHECKPOINT_MODEL_DIRS:
+            if (Path(ckpt) / inner / "config.json").is_file():
+                return Path(ckpt) / inner
     raise FileNotFoundError(f"no model at {str(p)!r}: expected a Hugging Face model directory (with config.json), a "
                             "checkpoint directory (with model/), or a training output_dir with checkpoints; "
                             "train that stage first or fix the path")

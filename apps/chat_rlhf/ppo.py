@@ -58,9 +58,10 @@ from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
 from .data import drop_long_prompts
+from .export import PolicyExport
 from .grpo import (DataReplicas, DataSettings, EngineSettings, GRPOLoss, GRPOSettings, PromptIndices, RLHook,
                    build_engine, encode_prompts, global_sum, load_prompt_sets, plot_rl_curves, rollout_tp_size,
-                   seeded_rollouts)
+                   seeded_rollouts, tis_weights)
 from .rewards import RewardSet
 from .rollout import RolloutEngine, completion_batch, completion_logprobs, padded, submodule_weights
 
@@ -74,9 +75,10 @@ class PPOSettings:
     top_k: int = 0
     rewards: list[str] = field(default_factory=lambda: ["numeric"])
     reward_weights: list[float] = field(default_factory=list)
-    kl_coef: float = 0.05             # initial per-token KL penalty
-    kl_target: float | None = 6.0     # adaptive controller target (None: fixed)
-    kl_horizon: int = 10000
+    kl_coef: float = 0.05             # initial per-token KL penalty, in the reward: -kl_coef * (logp - ref_logp)
+    kl_target: float | None = None    # adaptive controller target, KL per token (None: fixed kl_coef)
+    kl_horizon: int = 10000           # the controller's horizon, in samples (completions)
+    tis_cap: float | None = 2.0       # truncated importance sampling of the engine/trainer mismatch (None: off)
     gamma: float = 1.0
     lam: float = 0.95
     clip: float = 0.2                 # policy ratio clip
@@ -115,6 +117,10 @@ class PPOSettings:
             raise ConfigError("ppo config: cache_frozen_trunk needs train_layers > 0 (frozen lower blocks to cache)")
         if self.critic_warmup_rollouts < 0:
             raise ConfigError(f"ppo config: critic_warmup_rollouts={self.critic_warmup_rollouts} must be >= 0")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError(f"ppo config: tis_cap={self.tis_cap} must be >= 1 (or null: no correction)")
+        if self.kl_horizon < 1:
+            raise ConfigError(f"ppo config: kl_horizon={self.kl_horizon} must be at least 1 (samples)")
         if self.ppo_epochs < 1 or self.num_mini_batches < 1:
             raise ConfigError(f"ppo config: ppo_epochs={self.ppo_epochs} and num_mini_batches="
                               f"{self.num_mini_batches} must be at least 1")
@@ -128,7 +134,9 @@ class PPODataSettings(DataSettings):
 @dataclass
 class PPOConfig:
     model: str = ""                   # actor (and reference): "" SmolLM2-135M-Instruct, an HF dir or a checkpoint
-    critic: str = ""                  # critic backbone: "" the actor's
+    critic: str = ""                  # "" the reward model (backbone + score head as the value head) when
+                                      # ppo.rewards has one rm:<dir>, else the actor's backbone; "policy": the
+                                      # actor's backbone; a model directory: its backbone (value head zero)
     data: PPODataSettings = field(default_factory=lambda: PPODataSettings(source="arithmetic"))
     ppo: PPOSettings = field(default_factory=PPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -228,6 +236,7 @@ def actor_critic_policy(actor: nn.Module):
 # -- the rollout buffer ------------------------------------------------------------------------------
 TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids", "completion_mask")
 PER_TOKEN_KEYS = ("old_logp", "old_values", "advantages", "returns")
+OPTIONAL_KEYS = ("tis",)  # [B, T] truncated importance weights trainer / engine (ppo.tis_cap; None: off)
 HIDDEN_KEYS = ("actor_hidden", "critic_hidden")  # [B, P+T, H] frozen-trunk outputs (cache_frozen_trunk only)
 WIDE_KEYS = ("input_ids", "attention_mask", "position_ids") + HIDDEN_KEYS  # prompt + completion columns
 
@@ -254,12 +263,14 @@ class RolloutBuffer:
     returns: torch.Tensor
     actor_hidden: torch.Tensor | None = None
     critic_hidden: torch.Tensor | None = None
+    tis: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def keys(self) -> tuple[str, ...]:
-        return TOKEN_KEYS + PER_TOKEN_KEYS + tuple(k for k in HIDDEN_KEYS if getattr(self, k) is not None)
+        return TOKEN_KEYS + PER_TOKEN_KEYS + tuple(k for k in HIDDEN_KEYS + OPTIONAL_KEYS
+                                                   if getattr(self, k) is not None)
 
     def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """The rows `index`, without the columns that are padding in all of them."""
@@ -275,7 +286,8 @@ class RolloutBuffer:
         from safetensors import safe_open
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             step = int(f.metadata()["step"])
-            tensors = {k: f.get_tensor(k) for k in TOKEN_KEYS + PER_TOKEN_KEYS + HIDDEN_KEYS if k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in TOKEN_KEYS + PER_TOKEN_KEYS + HIDDEN_KEYS + OPTIONAL_KEYS
+                       if k in f.keys()}
         return cls(step=step, **tensors)
 
 
@@ -406,7 +418,7 @@ def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor], trunk
 # -- the loss --------------------------------------------------------------------------------------
 ROLLOUT_SUMS = ("samples", "reward_sum", "reward_sq_sum", "within_sq_sum", "completion_tokens", "truncated",
                 "kl_sum", "rollout_tokens", "gap_sum", "generate_s", "score_s", "prepare_s",
-                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum")
+                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum", "tis_weight_sum", "tis_capped")
 STEP_SUMS = ("tokens", "clipped_low", "clipped_high", "value_clipped", "approx_kl_sum", "ratio_dev_sum",
              "entropy_sum", "policy_loss_sum", "value_loss_sum")
 
@@ -493,7 +505,7 @@ class PPOLoss(GRPOLoss):
         if s.normalize_scores:
             scores = standardize_over_ranks(scores, sums=sums)
         ref_lp, _ = completion_logprobs(self.reference, tb)
-        kl = (engine_lp - ref_lp) * mask  # per-token KL sample of the sampling policy against the reference
+        kl = (logp - ref_lp) * mask  # per-token KL sample (k1) of the policy against the reference, in the reward
         self.kl_coef_used = self.kl.value
         rewards = -self.kl.value * kl
         last = (mask.sum(1).long() - 1).clamp(min=0)
@@ -502,8 +514,9 @@ class PPOLoss(GRPOLoss):
         residual = (returns - values) * mask  # what the critic's rollout-time values missed (explained variance)
         if s.whiten_advantages:
             adv = whiten_over_ranks(adv, mask, sums=sums)
-        (kl_total,) = sums([float(kl.sum())])
-        self.kl.update(kl_total / max(tokens, 1.0), 1)  # once per rollout, with the rollout's mean KL
+        kl_total, samples = sums([float(kl.sum()), float(B)])
+        self.kl.update(kl_total / max(tokens, 1.0), int(samples))  # per-token KL; the horizon counts samples
+        tis = tis_weights(logp, engine_lp, mask, s.tis_cap) if s.tis_cap is not None else None
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         self.rollouts += 1
         self.rollout_sums = {
@@ -515,8 +528,11 @@ class PPOLoss(GRPOLoss):
             "completion_tokens": float(lengths.sum()), "truncated": float(sum(rollout.truncated)),
             "kl_sum": float(kl.sum()), "rollout_tokens": float(mask.sum()), "gap_sum": local_gap,
             "generate_s": rollout.generate_s, "score_s": score_s, "prepare_s": time.perf_counter() - t1}
+        if tis is not None:
+            self.rollout_sums.update(tis_weight_sum=float((tis * mask).sum()),
+                                     tis_capped=float(((tis >= s.tis_cap) * mask).sum()))
         return RolloutBuffer(step=step, **{k: tb[k] for k in TOKEN_KEYS}, old_logp=logp, old_values=values,
-                             advantages=adv, returns=returns, **hidden)
+                             advantages=adv, returns=returns, tis=tis, **hidden)
 
     def mini_batch_loss(self, model: nn.Module, mb: dict[str, torch.Tensor], train_policy: bool = True
                         ) -> torch.Tensor:
@@ -526,7 +542,8 @@ class PPOLoss(GRPOLoss):
         local = float(mask.sum())
         (tokens,) = self.replicas.sum([local])
         tokens = max(tokens, 1.0)
-        pg, clip = L.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_low=s.clip, clip_high=s.clip,
+        adv = mb["advantages"] * mb["tis"] if "tis" in mb else mb["advantages"]  # the engine's sampling corrected
+        pg, clip = L.policy_loss(logp, mb["old_logp"], adv, mask, clip_low=s.clip, clip_high=s.clip,
                                  token_total=tokens)
         vf_local, value_clip_frac = L.value_loss(values, mb["old_values"], mb["returns"], mask, clip=s.value_clip)
         vf = vf_local * (local / tokens)  # a token mean over every rank's mini-batch, like the policy loss
@@ -599,7 +616,7 @@ class PPOHook(RLHook):
             "entropy": v["entropy_sum"] / tokens, "kl_coef": loss.kl.value, "time_sync_s": sync_s,
             "policy_trained": not loss.critic_warmup(step - (step - 1) % s.steps_per_rollout)}
         if loss.rollout_sums:
-            r = dict(zip(ROLLOUT_SUMS, loss.replicas.sum([loss.rollout_sums[k] for k in ROLLOUT_SUMS])))
+            r = dict(zip(ROLLOUT_SUMS, loss.replicas.sum([loss.rollout_sums.get(k, 0.0) for k in ROLLOUT_SUMS])))
             samples = max(r["samples"], 1.0)
             mean = r["reward_sum"] / samples
             record.update({
@@ -612,6 +629,8 @@ class PPOHook(RLHook):
                 "completion_len": r["completion_tokens"] / samples, "clipped_len_frac": r["truncated"] / samples,
                 "kl": r["kl_sum"] / max(r["rollout_tokens"], 1.0), "rollout_kl_coef": loss.kl_coef_used,
                 "logprob_gap": r["gap_sum"] / max(r["rollout_tokens"], 1.0),
+                "tis_weight": r["tis_weight_sum"] / max(r["rollout_tokens"], 1.0) if s.tis_cap is not None else 1.0,
+                "tis_capped_frac": r["tis_capped"] / max(r["rollout_tokens"], 1.0),
                 "rollout_tokens_per_s": r["completion_tokens"] / max(r["generate_s"], 1e-9),
                 "time_generate_s": r["generate_s"] / world, "time_score_s": r["score_s"] / world,
                 "time_prepare_s": r["prepare_s"] / world})
@@ -852,13 +871,10 @@ def plot_ppo(output_dir) -> Path | None:
 
 # -- wiring ----------------------------------------------------------------------------------------
 def build_ppo(cfg: PPOConfig):
-    from transformers import AutoModel
-
+    from phalanx.device import run_device
     from phalanx.launch import context
 
-    from phalanx.device import run_device
-
-    from .models import from_pretrained, load_policy, load_tokenizer, resolve_model_dir, train_top_layers
+    from .models import load_policy, load_tokenizer, train_top_layers
     context()
     tp_size = rollout_tp_size(cfg.train)  # refuses pp / sp layouts
     check_rollout_split(cfg)
@@ -867,10 +883,13 @@ def build_ppo(cfg: PPOConfig):
     actor = load_policy(cfg.model)
     # a frozen copy of the starting actor, on the run's device: it scores the rollout's device batches
     reference = copy.deepcopy(actor).to(run_device()).eval().requires_grad_(False)
-    critic = from_pretrained(AutoModel, resolve_model_dir(cfg.critic or cfg.model))
+    critic, value_head = critic_start(cfg, actor, tokenizer)
     train_top_layers(actor, s.train_layers)  # the frozen bottom needs no gradients or optimizer state
     train_top_layers(critic, s.train_layers)
     model = ActorCritic(actor, critic)
+    if value_head is not None:
+        with torch.no_grad():
+            model.value_head.weight.copy_(value_head)
     if cfg.train.plugin == "hybrid":  # the actor splits over the tp group; critic and value head stay whole
         model.split_actor_only()
     rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
@@ -898,6 +917,26 @@ def build_ppo(cfg: PPOConfig):
     return model, tokenizer, train_records, loss, hook, eval_fn, engine
 
 
+def critic_start(cfg: PPOConfig, actor: nn.Module, tokenizer) -> tuple[nn.Module, torch.Tensor | None]:
+    """(critic backbone, value-head weight or None) as `cfg.critic` says. From a reward model (the
+    default when `ppo.rewards` names one, as InstructGPT and ColossalChat start PPO): its backbone,
+    and its score head as the value head, so V(state) starts as the RM's estimate of the final
+    score rather than 0 everywhere. The critic reads the actor's token ids: the vocabularies must match."""
+    from transformers import AutoModel
+
+    from .models import from_pretrained, load_reward_model, resolve_model_dir
+    rms = [spec[3:] for spec in cfg.ppo.rewards if spec.startswith("rm:")]
+    if cfg.critic == "" and len(rms) == 1:
+        rm, rm_tokenizer = load_reward_model(rms[0])
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"critic='' starts the critic from the reward model {rms[0]}, but its tokenizer differs "
+                              "from the policy's (the critic reads the policy's tokens): set critic=policy (the "
+                              "actor's backbone) or critic=<a model directory with the policy's tokenizer>")
+        return rm.base_model, rm.score.weight.detach().clone()
+    source = cfg.model if cfg.critic in ("", "policy") else cfg.critic
+    return from_pretrained(AutoModel, resolve_model_dir(source)), None
+
+
 def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
     from phalanx.checkpoint import latest_checkpoint
     model, tokenizer, records, loss, hook, eval_fn, _ = build_ppo(cfg)
@@ -905,8 +944,10 @@ def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
         hook.heldout_before = eval_fn(None, 0)  # the engine still holds the initial actor
         hook.log.info("before training: " + ", ".join(f"{k}={v:.4g}" for k, v in hook.heldout_before.items()))
     try:
+        # every checkpoint also gets policy/: the actor alone, a plain Hugging Face model directory
+        export = PolicyExport(model.actor, tokenizer, submodule="actor")
         result = fit(cfg.train, model, PromptIndices(len(records)), loss_fn=loss, eval_fn=eval_fn,
-                     tokenizer=tokenizer, hooks=[hook])
+                     tokenizer=tokenizer, hooks=[hook, export])
     finally:
         hook.close()
     return result, hook

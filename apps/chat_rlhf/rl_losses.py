@@ -7,7 +7,8 @@ GRPO family are [P, n] (P prompts, n samples each). Every function here has a ha
   (batch mean baseline), each scaled by the group std, the batch std, or not at all (Dr. GRPO).
 - `policy_loss`: the clipped importance-weighted objective with asymmetric bounds (clip-higher,
   DAPO), aggregated per token over the batch (DAPO) or per sequence (GRPO paper).
-- `k3_kl`: Schulman's unbiased, always-positive KL estimator, exp(r) - r - 1 with r = ref - logp.
+- `k3_kl`: Schulman's unbiased, always-positive KL estimator, exp(r) - r - 1 with r = ref - logp
+  (what is logged); `kl_penalty`: the KL term to differentiate (k2, whose gradient is unbiased).
 - `gae`, `value_loss`, `whiten`, `AdaptiveKLController`: PPO's pieces (InstructGPT).
 """
 from __future__ import annotations
@@ -84,6 +85,24 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
+KL_ESTIMATORS = ("k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k2") -> torch.Tensor:
+    """The per-token KL term to *differentiate* (a loss), for tokens sampled from the current policy.
+
+    k2 = (logp - ref)^2 / 2: its gradient (logp - ref) * grad logp is, in expectation over the
+    sampled token, exactly the gradient of KL(pi || ref) at that position: the unbiased choice.
+    k3 (`k3_kl`, what GRPO's paper adds to the loss): an unbiased estimate of the KL's *value*, but
+    its gradient (1 - ref / pi) * grad logp averages to the gradient of the reverse direction,
+    KL(ref || pi); kept for comparison with runs that used it."""
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    if estimator == "k3":
+        return k3_kl(logp, ref_logp)
+    raise ValueError(f"KL estimator {estimator!r}: choose one of {', '.join(KL_ESTIMATORS)}")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: Aggregation, *, token_total: float | None = None,
               seq_total: float | None = None) -> torch.Tensor:
     """Reduce [B, T] to a scalar: token = sum over all tokens / number of tokens (DAPO: long answers
@@ -152,7 +171,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 class AdaptiveKLController:
-    """InstructGPT's proportional controller: coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon.
+    """InstructGPT's proportional controller: coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon,
+    with n the samples (completions) the KL was measured on and the horizon in samples, as in
+    InstructGPT and TRL; the callers pass the KL as a per-token mean, so the target is per token.
+    The factor never falls below 0 (a horizon shorter than 5 updates' samples would flip the sign).
     With target None the coefficient stays fixed."""
 
     def __init__(self, init_coef: float, target: float | None = 6.0, horizon: int = 10000) -> None:
@@ -162,10 +184,10 @@ class AdaptiveKLController:
             raise ValueError(f"the KL horizon must be >= 1, got {horizon}")
         self.value, self.target, self.horizon = float(init_coef), target, horizon
 
-    def update(self, current_kl: float, n_steps: int) -> float:
+    def update(self, current_kl: float, n_samples: int) -> float:
         if self.target is not None and math.isfinite(current_kl):
             error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-            self.value *= 1.0 + error * n_steps / self.horizon
+            self.value *= max(1.0 + error * n_samples / self.horizon, 0.0)
         return self.value
 
     def state_dict(self) -> dict:

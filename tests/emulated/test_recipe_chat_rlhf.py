@@ -182,8 +182,20 @@ def test_ppo_one_rank(tiny, tmp_path):
     (rollout,) = [r for r in records if r["new_rollout"]]  # one rollout, two mini-batch steps over it
     assert _finite(rollout["reward_mean"], rollout["kl"], rollout["logprob_gap"]) and rollout["logprob_gap"] < 1e-2
     assert rollout["reward_mean"] != 0 and rollout["reward_std"] > 0  # the reward model scored on the device
+    assert abs(rollout["tis_weight"] - 1.0) < 1e-2  # engine and trainer agree: importance weights ~1
     (final,) = _eval_records(out)
     assert final["step"] == 2 and _finite(final["eval/heldout_reward"])
+    # the checkpoint's policy/ (gathered from the device) is the actor of the actor-critic model/, tensor for tensor
+    import torch
+
+    from phalanx.checkpoint import latest_checkpoint
+    from phalanx.checkpoint.hf import load_hf_state_dict
+    ckpt = Path(latest_checkpoint(out))
+    policy = load_hf_state_dict(ckpt / "policy")
+    actor = {k.removeprefix("actor."): v for k, v in load_hf_state_dict(ckpt / "model").items() if k.startswith("actor.")}
+    assert policy and policy.keys() <= actor.keys()
+    assert all(torch.equal(policy[k], actor[k]) for k in policy)
+    assert (ckpt / "policy" / "config.json").is_file() and (ckpt / "policy" / "tokenizer.json").is_file()
 
 
 @pytest.mark.slow  # ~70 s

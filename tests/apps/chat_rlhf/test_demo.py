@@ -1,6 +1,9 @@
 """The demo's task and its command, on a tiny model (the real run is documented in apps/chat_rlhf/README.md)."""
 import json
+import math
 import re
+
+import pytest
 
 from apps.chat_rlhf.rewards import numeric_first
 from apps.chat_rlhf.tasks import train_and_heldout
@@ -26,8 +29,13 @@ def test_demo_command_runs_and_reports_intervals(tiny_chat_model, tmp_path):
                     f"train.output_dir={tmp_path}", "train.progress_bar=false"])
     saved = json.loads((tmp_path / "demo_result.json").read_text())
     assert saved["n"] == 6 and saved["steps"] == 2
-    lo, hi = saved["after_ci95"]
-    assert 0.0 <= lo <= saved["after"] <= hi <= 1.0
+    for when in ("before", "after"):  # k of 6 answers right, and the textbook Wilson interval of k / 6
+        k = saved[when] * 6
+        assert k == pytest.approx(round(k))
+        p, z = round(k) / 6, 1.96
+        centre, half = p + z * z / 12, z * math.sqrt(p * (1 - p) / 6 + z * z / 144)
+        assert saved[f"{when}_ci95"] == pytest.approx([max(0.0, (centre - half) / (1 + z * z / 6)),
+                                                     min(1.0, (centre + half) / (1 + z * z / 6))], abs=1e-9)
     assert (tmp_path / "rl_curves.png").exists() and summary["before"] == saved["before"]
     assert 0.0 <= saved["before_number_first"] <= 1.0 and 0.0 <= saved["after_number_first"] <= 1.0
 
@@ -49,6 +57,5 @@ def test_comparison_task_is_seeded_disjoint_and_checked_by_hand():
 
 
 def test_unknown_task_names_the_choices():
-    import pytest
     with pytest.raises(ValueError, match="compare, arithmetic"):
         train_and_heldout(10, 10, task="countdown")

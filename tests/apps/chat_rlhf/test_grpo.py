@@ -1,6 +1,7 @@
 """The GRPO trainer end to end on a tiny model: learning signal flows, resume replays exactly,
 bad inputs stop before work, and the stale-weight guard fires."""
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from apps.chat_rlhf.rollout import PromptTooLongError, StaleWeightsError, comple
 
 
 def short_reward(*, completions, **_):
-    """A reward a random tiny model can improve on: short replies."""
+    """A reward with spread between samples: short replies (that GRPO and PPO raise such a reward,
+    and lower it with the advantage's sign flipped, is asserted in test_learning.py)."""
     return [1.0 if len(c) < 12 else 0.0 for c in completions]
 
 
@@ -84,3 +86,72 @@ def test_helpers():
     assert sample_seed(0, 3, 5, 1) == sample_seed(0, 3, 5, 1) != sample_seed(0, 3, 5, 2)
     lo, hi = wilson_interval(50, 100)
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
+
+
+def test_engine_mismatch_is_corrected_by_truncated_importance_weights(tiny_chat_model, tmp_path):
+    """The old policy is the trainer's forward (ratio 1); an engine whose log-probs are off by a
+    constant d gets every token weighted by exp(d), capped at tis_cap: the first step's gradient
+    (norm before clipping) scales by exactly that, and the mismatch and the capped share are logged."""
+    import dataclasses
+    losses = {}
+    for shift in (0.0, 0.1, 1.0):
+        run = build_run(_cfg(tiny_chat_model, tmp_path / str(shift), "train.max_steps=1", "grpo.tis_cap=2.0",
+                             "grpo.max_logprob_gap=5"))
+        sample = run.loss.rollout_fn
+
+        def shifted(indices, step, sample=sample, shift=shift):
+            r = sample(indices, step)
+            return dataclasses.replace(r, engine_logprobs=[[x - shift for x in lp] for lp in r.engine_logprobs])
+        run.loss.rollout_fn = shifted
+        run.train()
+        losses[shift] = json.loads((tmp_path / str(shift) / "metrics.jsonl").read_text().splitlines()[0])["grad_norm"]
+        record = run.hook.history[0]
+        assert record["logprob_gap"] == pytest.approx(shift, abs=1e-4)
+        assert record["tis_weight"] == pytest.approx(min(math.exp(shift), 2.0), rel=1e-4)
+        assert record["tis_capped_frac"] == (1.0 if shift == 1.0 else 0.0)
+        assert record["clip_frac_low"] == record["clip_frac_high"] == 0.0  # ratio 1: nothing to clip
+    assert losses[0.0] > 1e-3
+    assert losses[0.1] == pytest.approx(math.exp(0.1) * losses[0.0], rel=1e-4)
+    assert losses[1.0] == pytest.approx(2.0 * losses[0.0], rel=1e-4)
+
+
+def spread_on_subtraction(*, prompts, completions, **_):
+    """No spread on addition prompts (every sample scores 1), length-dependent on subtraction ones."""
+    return [1.0 if "+" in p[-1]["content"] else float(len(c) % 3) for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_refills_the_batch(tiny_chat_model, tmp_path, monkeypatch):
+    """Groups without reward spread are replaced by newly drawn prompts until the batch is full: the
+    loss sees only groups with spread, the batch keeps its size, the refills are logged; without
+    dynamic sampling the zero-spread groups stay in the batch."""
+    from apps.chat_rlhf import rl_losses as L
+    from apps.chat_rlhf.grpo import refill_prompts
+    shapes = []
+    original_advantages = L.group_advantages
+
+    def advantages(rewards, **kw):
+        shapes.append(tuple(rewards.shape))
+        return original_advantages(rewards, **kw)
+    monkeypatch.setattr(L, "group_advantages", advantages)
+    seen = {}
+    for dynamic in (False, True):
+        run = build_run(_cfg(tiny_chat_model, tmp_path / str(dynamic), "train.max_steps=3",
+                             "grpo.rewards=[test_grpo:spread_on_subtraction]", f"grpo.dynamic_sampling={dynamic}",
+                             "train.micro_batch_size=4"))
+        sizes = []
+        original = run.loss.score
+
+        def score(indices, rollout, original=original):
+            sizes.append(len(indices))
+            return original(indices, rollout)
+        run.loss.score = score
+        run.train()
+        seen[dynamic] = (run.hook.history, sizes)
+    plain, dynamic = seen[False][0], seen[True][0]
+    assert sum(r["zero_spread_frac"] for r in plain) > 0  # addition prompts: no spread, kept
+    assert all(r["zero_spread_frac"] == 0.0 for r in dynamic)  # replaced by prompts with spread
+    assert sum(r["refilled_groups"] for r in dynamic) > 0 and all(r["refilled_groups"] == 0 for r in plain)
+    assert shapes == [(4, 4)] * 6  # every step's loss saw a full batch of 4 groups x 4 samples
+    assert seen[True][1][0] == 4 and len(seen[True][1]) > 3  # the batch's draw, then refill draws
+    drawn = refill_prompts(0, 1, 0, 0, 16, {1, 2, 3}, 5)
+    assert drawn == refill_prompts(0, 1, 0, 0, 16, {1, 2, 3}, 5) and len(drawn) == 5 and not {1, 2, 3} & set(drawn)

@@ -107,3 +107,47 @@ def test_whiten_and_adaptive_controller():
     assert other.value == kl.value
     fixed = L.AdaptiveKLController(0.05, target=None)
     assert fixed.update(100.0, 5) == 0.05
+
+
+def test_controller_counts_samples_and_never_flips_the_sign():
+    kl = L.AdaptiveKLController(0.1, target=0.05, horizon=64)  # per-token target, horizon in samples
+    assert kl.update(0.075, 32) == pytest.approx(0.1 * (1 + 0.2 * 32 / 64))  # error 0.5, clipped at 0.2
+    assert kl.update(0.04, 32) == pytest.approx(0.11 * (1 - 0.2 * 32 / 64))  # error -0.2
+    assert kl.update(0.0, 64 * 10) == 0.0  # 1 - 0.2 * 10 < 0: floored at 0, never negative
+
+
+def _exact_gradients(estimator: str):
+    """Over a 6-token vocabulary: the gradient (w.r.t. the policy's logits) of the estimator's loss
+    averaged exactly over the sampled token x ~ pi, and the exact gradients of KL(pi || ref) and
+    KL(ref || pi)."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6, dtype=torch.float64), -1)
+    logp = torch.log_softmax(theta, -1)
+    pi = logp.exp().detach()
+    expected = sum(pi[x] * torch.autograd.grad(L.kl_penalty(logp[x], ref[x], estimator), theta,
+                                               retain_graph=True)[0] for x in range(6))
+    reverse = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta, retain_graph=True)[0]
+    forward = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta)[0]
+    return expected, reverse, forward
+
+
+def test_k2_penalty_has_the_unbiased_kl_gradient_and_k3_does_not():
+    expected, reverse, forward = _exact_gradients("k2")
+    assert torch.allclose(expected, reverse, atol=1e-12)  # E_pi[(logp - ref) grad logp] = grad KL(pi || ref)
+    expected, reverse, forward = _exact_gradients("k3")
+    assert torch.allclose(expected, forward, atol=1e-12)  # k3 as a loss follows KL(ref || pi) instead
+    assert not torch.allclose(expected, reverse, atol=1e-3)
+    with pytest.raises(ValueError, match="choose one of k2, k3"):
+        L.kl_penalty(torch.zeros(1), torch.zeros(1), "k1")
+
+
+def test_tis_weights_by_hand():
+    from apps.chat_rlhf.grpo import tis_weights
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, 0.0, 0.0]])
+    engine = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    w = tis_weights(trainer, engine, mask, cap=1.5)
+    want = [[min(math.exp(0.5), 1.5), math.exp(-1.0), 1.0], [math.exp(-2.5), 1.0, 1.0]]
+    assert torch.allclose(w, torch.tensor(want))
+    assert tis_weights(trainer, engine, mask, cap=None).tolist() == [[1.0] * 3] * 2
