@@ -73,8 +73,10 @@ def test_opt_without_a_final_norm(tmp_path):
 
 
 def test_every_family_is_checked_against_transformers():
-    """Greedy tokens against transformers: these families here, the others in test_inference_engine.py."""
-    assert set(FAMILIES) | {"llama", "qwen2", "mistral"} == set(SUPPORTED)
+    """Greedy tokens against transformers: these families here, the mixtures of experts in
+    test_inference_moe.py, the others in test_inference_engine.py."""
+    import moe_models
+    assert set(FAMILIES) | {"llama", "qwen2", "mistral"} | set(moe_models.MOE_FAMILIES) == set(SUPPORTED)
 
 
 def test_learned_positions_are_read_at_the_right_offset(models):
@@ -92,7 +94,7 @@ def test_learned_positions_are_read_at_the_right_offset(models):
 
 def test_unsupported_models_and_variants_are_refused_by_name(tmp_path):
     from transformers import GPT2Config, OPTConfig
-    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt")
+    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe")
     OPTConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, ffn_dim=64,
               do_layer_norm_before=False).save_pretrained(tmp_path / "opt-post")
     with pytest.raises(ValueError, match="do_layer_norm_before=False"):
@@ -103,7 +105,7 @@ def test_unsupported_models_and_variants_are_refused_by_name(tmp_path):
     from transformers import BertConfig
     BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "bert")
     with pytest.raises(ValueError, match="'bert' is not supported.*supported families: llama, mistral, qwen2, "
-                                         "qwen3, gpt2, opt"):
+                                         "qwen3, gpt2, opt, mixtral, qwen2_moe, qwen3_moe"):
         LLM(str(tmp_path / "bert"))
 
 

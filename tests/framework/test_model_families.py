@@ -5,8 +5,9 @@ every parameter (split or explicitly replicated), and its weight-name table plac
 checkpoint tensor. The tensor-parallel head rule is one rule: training, the planner and the
 inference engine accept and refuse the same tp sizes with the same message. Greedy decoding
 against transformers is in test_inference_engine.py (llama, qwen2, mistral) and
-test_inference_families.py (qwen3, gpt2, opt); replicated key/value heads under TP in
-test_inference_tp.py.
+test_inference_families.py (qwen3, gpt2, opt), test_inference_moe.py (mixtral, qwen2_moe,
+qwen3_moe); replicated key/value heads under TP in test_inference_tp.py. The mixtures of experts
+also count active parameters (checked by hand here).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import inference_models as im
+import moe_models
 from phalanx.models import FAMILIES, SUPPORTED, ModelSpec, family_of, spec_from_config
 from phalanx.models.heads import HeadCounts, first_kv_head, head_problem, kv_replicated, local_heads
 
@@ -24,11 +26,18 @@ CONFIGS = {
     "opt-projected": dict(word_embed_proj_dim=32),
     "opt-no-final-norm": dict(_remove_final_layer_norm=True),
     "gpt2-inner": dict(n_inner=None),
+    "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "qwen3_moe-dense-layers": dict(mlp_only_layers=[0], num_hidden_layers=3),
+    "qwen2_moe-sparse-step": dict(decoder_sparse_step=2, num_hidden_layers=4, tie_word_embeddings=True),
+    "mixtral-top1": dict(num_experts_per_tok=1, num_local_experts=3),
 }
 
 
 def _config(case: str):
-    return im.model_config(case.split("-")[0], **CONFIGS[case])
+    family = case.split("-")[0]
+    if family in moe_models.MOE_FAMILIES:
+        return moe_models.moe_config(family, **CONFIGS[case])
+    return im.model_config(family, **CONFIGS[case])
 
 
 def _meta_model(config):
@@ -38,10 +47,10 @@ def _meta_model(config):
 
 
 def test_every_family_is_described_once():
-    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt")
+    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe")
     for name, family in FAMILIES.items():
         assert family.name == family.policy.family == name
-        assert family_of(im.model_config(name)) is family
+        assert family_of(_config(name)) is family
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
@@ -76,7 +85,9 @@ def test_shard_policy_names_every_parameter(case):
         module = name.rpartition(".")[0]
         if name.startswith(prefix):
             local = name[len(prefix):].split(".", 1)[1]
-            assert local.rpartition(".")[0] in in_layer or local in policy.per_head_params, (case, name)
+            module = local.rpartition(".")[0]
+            whole = any(module.startswith(path + ".") for path in policy.replicated)  # an MoE block
+            assert module in in_layer or local in policy.per_head_params or whole, (case, name)
         else:
             assert module in top, (case, name)
     for layer in policy.decoder_layers(model):
@@ -84,9 +95,53 @@ def test_shard_policy_names_every_parameter(case):
             layer.get_submodule(path)
 
 
+# ---------------------------------------------------------------------------- mixtures of experts
+def test_moe_spec_reads_the_expert_fields():
+    mixtral = spec_from_config(_config("mixtral"))
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.expert_size) == (4, 2, 32)
+    assert mixtral.norm_topk_prob and mixtral.shared_expert_size == 0 and mixtral.sparse_layers == (True, True)
+    qwen2 = spec_from_config(_config("qwen2_moe-sparse-step"))
+    assert qwen2.sparse_layers == (False, True, False, True)  # (i + 1) % 2 == 0
+    assert (qwen2.shared_expert_size, qwen2.shared_expert_gate, qwen2.norm_topk_prob) == (48, True, False)
+    qwen3 = spec_from_config(_config("qwen3_moe-dense-layers"))
+    assert qwen3.sparse_layers == (False, True, True) and qwen3.norm_topk_prob and qwen3.expert_size == 32
+    dense = spec_from_config(_config("llama"))
+    assert not dense.is_moe and dense.active_params() == dense.total_params()
+
+
+def test_moe_active_parameters_by_hand():
+    """Active = total less the routed experts a token skips. Mixtral: h 64, 4 experts of width 32,
+    top-2: each layer skips 2 · 3·64·32 = 12288 of its expert parameters. Qwen2-MoE (shared expert
+    of 48 + its [1, 64] gate; every layer sparse): the same 12288 per layer, the shared expert
+    always active."""
+    mixtral = spec_from_config(_config("mixtral"))
+    assert mixtral.expert_params() == 3 * 64 * 32 == 6144
+    assert mixtral.total_params() - mixtral.active_params() == 2 * (4 - 2) * 6144
+    attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v (2 kv heads of 16), o
+    layer_active = attention + 4 * 64 + 2 * 6144 + 2 * 64  # + router + 2 experts + 2 norms
+    assert mixtral.layer_params(0, active=True) == layer_active
+    assert mixtral.active_params() == 384 * 64 * 2 + 64 + 2 * layer_active  # embed, head, final norm
+    qwen2 = spec_from_config(_config("qwen2_moe"))
+    assert qwen2.shared_expert_params() == 3 * 64 * 48 + 64
+    assert qwen2.total_params() - qwen2.active_params() == 2 * 2 * 6144
+    qwen3 = spec_from_config(_config("qwen3_moe-dense-layers"))  # layer 0 dense: nothing skipped there
+    assert qwen3.layer_params(0, active=True) == qwen3.layer_params(0)
+    assert qwen3.total_params() - qwen3.active_params() == 2 * 2 * 6144
+    assert qwen3.matmul_params() == qwen3.layers_params(active=True) + 384 * 64
+
+
+def test_moe_config_dict_names_the_missing_expert_key():
+    config = {k: v for k, v in _config("qwen2_moe").to_dict().items() if k != "shared_expert_intermediate_size"}
+    with pytest.raises(ValueError, match="lacks shared_expert_intermediate_size"):
+        spec_from_config(config)
+    full = _config("qwen3_moe-dense-layers")
+    assert spec_from_config(full.to_dict()).total_params() == spec_from_config(full).total_params()
+
+
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_weight_name_table_places_every_checkpoint_tensor(case):
-    """The inference engine's table knows every tensor of the checkpoint (buffers excepted)."""
+    """The inference engine's table knows every tensor of the checkpoint (buffers excepted; for
+    the mixtures of experts transformers' fused expert tensors stand for the per-expert ones)."""
     from phalanx.inference.llama import DecoderModel, spec_for_inference
     config = _config(case)
     spec = spec_for_inference(config)
@@ -96,7 +151,8 @@ def test_weight_name_table_places_every_checkpoint_tensor(case):
     for name in state:
         if not name.endswith(family_of(config).names.ignored):
             assert engine.weight_targets(name) or spec.tie_word_embeddings and name == "lm_head.weight", name
-    assert engine.expected_weight_names() <= set(state) | {"lm_head.weight"}
+    covered = set(state) | {n for name in state for n in engine.covered_weight_names(name)}
+    assert engine.expected_weight_names() <= covered | {"lm_head.weight"}
 
 
 # ---------------------------------------------------------------------------- the head rule

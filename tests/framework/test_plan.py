@@ -36,12 +36,12 @@ def _meta_count(config) -> int:
 
 # ---------------------------------------------------------------------------- the model's size
 def test_parameter_count_equals_transformers_on_meta_device():
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     from phalanx.plan.model import PRESETS
 
-    for name, fields in PRESETS.items():
-        config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    for name, fields in PRESETS.items():  # the mixtures of experts too (every expert counted)
+        config = AutoConfig.for_model(fields["model_type"], **{k: v for k, v in fields.items() if k != "model_type"})
         assert load_spec(name).total_params() == _meta_count(config), name
     small = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     for config in (Qwen2Config(num_key_value_heads=2, **small),                     # q/k/v biases
@@ -54,6 +54,8 @@ def test_parameter_count_equals_transformers_on_meta_device():
     # the published sizes
     assert round(load_spec("llama2-7b").total_params() / 1e9, 2) == 6.74
     assert round(load_spec("llama2-70b").total_params() / 1e9, 2) == 68.98
+    assert round(load_spec("mixtral-8x7b").active_params() / 1e9, 1) == 12.9  # of 46.7B
+    assert round(load_spec("qwen3-30b-a3b").active_params() / 1e9, 1) == 3.4  # "A3B": 3.35B of 30.5B
 
 
 def test_model_from_directory_and_config_file(tmp_path):
@@ -290,3 +292,51 @@ def test_estimate_within_15_percent_of_measured_peak():
         # same losses on both ranks' views is not the point here; training must have run
         assert all(math.isfinite(x) for r in ranks for x in r[i]["losses"])
     assert all(abs(e) <= 0.15 for e in errors.values()), errors
+
+
+# ---------------------------------------------------------------------------- mixtures of experts
+# HAND as a Mixtral: 4 experts of width 32, top-2. Per layer: q,k,v,o 16,384; router 4·64 = 256;
+# experts 4 × 3·64·32 = 24,576 (one token uses 2: 12,288); two norms 128.
+MOE_HAND = dict(HAND, model_type="mixtral", intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+MOE_TOTAL = 64_000 + 64_000 + 64 + 2 * (16_384 + 256 + 24_576 + 128)  # 210,752
+MOE_ACTIVE = 64_000 + 64_000 + 64 + 2 * (16_384 + 256 + 12_288 + 128)  # 186,176
+
+
+def test_moe_memory_counts_every_expert_and_compute_the_active_ones(capsys):
+    from transformers import MixtralConfig
+
+    from phalanx.plan.memory import local_model
+    spec = load_spec(MOE_HAND)
+    assert spec.total_params() == MOE_TOTAL == _meta_count(MixtralConfig(**{k: v for k, v in MOE_HAND.items()
+                                                                               if k != "model_type"}))
+    assert spec.active_params() == MOE_ACTIVE
+    work, hw = Workload(seq=8, micro_batch=1, dtype="bf16"), Hardware(device_memory=2**40, peak_flops=1e12,
+                                                                      efficiency=0.5, bandwidth=1e9)
+    # memory: every expert, on every rank (ddp) and whole on every tp rank (attention and vocab split)
+    dense = estimate_memory(load_spec(HAND), Layout("ddp", 4), work, microbatches=1)
+    moe = estimate_memory(spec, Layout("ddp", 4), work, microbatches=1)
+    assert moe.device["parameters"] * HAND_PARAMS == dense.device["parameters"] * MOE_TOTAL
+    assert local_model(spec, Layout("hybrid", 2, tp=2)).params == 32_000 * 2 + 64 + 2 * (8_192 + 256 + 24_576 + 128)
+    # compute: 6 × (active layers 58,112 + head 64,000) + attention, 4 × 8 tokens; DDP moves every gradient
+    t = estimate_time(spec, Layout("ddp", 4), work, hw, microbatches=1)
+    assert math.isclose(t.compute, 32 * (6 * 122_112 + 6 * 2 * 8 * 64) / 4 / 0.5e12)
+    assert math.isclose(t.dp_comm, 2 * 0.75 * 2 * MOE_TOTAL / 1e9 - t.compute * 2 / 3)
+    # tp2: an expert layer has attention's all-reduces only, 2 per layer (1 forward, 1 backward) of
+    # 8 tokens × 64 × 2 bytes, ring factor 1/2, 2 layers
+    t2 = estimate_time(spec, Layout("hybrid", 2, tp=2), work, hw, microbatches=1)
+    assert math.isclose(t2.tp_comm, 2 * 2 * 2 * 0.5 * 8 * 64 * 2 / 1e9)
+    plan_main(["--model", "mixtral-8x7b", "--world-size", "8", "--device-memory", "80GiB"])
+    assert "mixtral-8x7b (46.7B parameters, 12.9B active: 8 experts, top-2)" in capsys.readouterr().out
+
+
+def test_moe_dense_and_sparse_layers_are_counted_apart():
+    """Qwen3-MoE with layer 0 dense (mlp_only_layers): memory sums the layers as they are; a
+    pipeline stage is sized by the largest layer."""
+    from phalanx.plan.memory import local_model
+    config = dict(HAND, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  head_dim=16, mlp_only_layers=[0], decoder_sparse_step=1)
+    spec = load_spec(config)
+    attention = 16_384 + 2 * 16 + 128  # + q/k norms + the two layer norms
+    dense_layer, sparse_layer = attention + 24_576, attention + 256 + 24_576
+    assert local_model(spec, Layout("ddp", 1)).params == 128_064 + dense_layer + sparse_layer == spec.total_params()
+    assert local_model(spec, Layout("hybrid", 2, pp=2)).layer == sparse_layer

@@ -1,5 +1,6 @@
 """Our own compact decoder for inference over the paged KV cache, for every family in
-`phalanx.models` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT), reading Hugging Face configs and
+`phalanx.models` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE), reading Hugging Face configs and
 weight names through each family's `ModelSpec` and weight-name table. The families differ in
 data (norm kind, positions, MLP kind, q/k norm, biases), not in code: one forward reads those
 flags.
@@ -48,9 +49,13 @@ def check_tp(spec: ModelSpec, tp_size: int) -> None:
     """Refuse a TP size that fits neither the heads (`phalanx.models.heads`: key/value heads split
     or replicated) nor the MLP width."""
     problem = head_problem(spec.heads, tp_size)
-    if problem is None and spec.intermediate_size % tp_size:
-        problem = (f"tp_size={tp_size} does not divide the model's intermediate size ({spec.intermediate_size}); "
-                   f"choose a tp_size that divides {spec.intermediate_size}")
+    widths = {"intermediate size": spec.intermediate_size if not all(spec.sparse_layers) else 0,
+              "expert width (moe_intermediate_size)": spec.expert_size,
+              "shared expert width": spec.shared_expert_size}
+    for what, width in widths.items():
+        if problem is None and width % tp_size:
+            problem = (f"tp_size={tp_size} does not divide the model's {what} ({width}); "
+                       f"choose a tp_size that divides {width}")
     if problem:
         raise ValueError(problem)
 
@@ -97,13 +102,15 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp_size: int, sliding_window: int | None) -> None:
+    """One decoder layer; `sparse`: its MLP is a mixture-of-experts block (router, routed experts,
+    optional shared expert), each expert's width split over the tensor-parallel ranks."""
+
+    def __init__(self, spec: ModelSpec, tp_size: int, sliding_window: int | None, sparse: bool = False) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         local = local_heads(spec.heads, tp_size)
         self.heads, self.kv_heads = local.heads, local.kv_heads
         self.head_dim = d
-        inter = spec.intermediate_size // tp_size
         self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
         layer_norm = spec.norm == "layer"
         self.input_norm = _param(h)
@@ -117,19 +124,75 @@ class DecoderLayer(nn.Module):
         self.o_weight = _param(h, self.q_size)
         self.o_bias = _param(h) if spec.o_bias else None
         self.gated = spec.gated_mlp  # SwiGLU (SiLU: checked by spec_for_inference)
-        width = (2 if self.gated else 1) * inter  # gate and up side by side, or up alone
-        self.gate_up_weight = _param(width, h)
-        self.gate_up_bias = _param(width) if spec.mlp_bias else None
-        self.down_weight = _param(h, inter)
-        self.down_bias = _param(h) if spec.mlp_bias else None
         self.eps = spec.norm_eps
         self.sliding_window = sliding_window
-        self.inter = inter
         self.act = None
         if not self.gated:
             from transformers.activations import ACT2FN  # HF's own functions: the same numerics
             self.act = ACT2FN[spec.activation]
+        self.sparse = sparse
+        self._init_mlp(spec, tp_size, dense=not sparse)
+        self._init_experts(spec, tp_size, sparse)
         self.packed: dict[str, object] = {}  # "qkv", "o", "gate_up", "down" -> packed weight (CPU bf16)
+
+    def _init_mlp(self, spec: ModelSpec, tp_size: int, dense: bool) -> None:
+        """The dense MLP's fused gate/up (column-parallel) and down (row-parallel) weights; None in
+        an expert layer."""
+        h, inter = spec.hidden_size, spec.intermediate_size // tp_size
+        width = (2 if self.gated else 1) * inter  # gate and up side by side, or up alone
+        self.inter = inter
+        self.gate_up_weight = _param(width, h) if dense else None
+        self.gate_up_bias = _param(width) if dense and spec.mlp_bias else None
+        self.down_weight = _param(h, inter) if dense else None
+        self.down_bias = _param(h) if dense and spec.mlp_bias else None
+
+    def _init_experts(self, spec: ModelSpec, tp_size: int, sparse: bool) -> None:
+        """An expert layer's router [experts, hidden] (whole on every rank), every expert's fused
+        gate/up [experts, 2·width/tp, hidden] and down [experts, hidden, width/tp] (this rank's
+        columns of each expert), and the shared expert (its columns) with its sigmoid gate."""
+        h = spec.hidden_size
+        self.num_experts, self.top_k, self.norm_topk = spec.num_experts, spec.experts_per_token, spec.norm_topk_prob
+        self.expert_inter = spec.expert_size // tp_size
+        self.shared_inter = spec.shared_expert_size // tp_size if sparse else 0
+        self.router_weight = _param(spec.num_experts, h) if sparse else None
+        self.experts_gate_up = _param(spec.num_experts, 2 * self.expert_inter, h) if sparse else None
+        self.experts_down = _param(spec.num_experts, h, self.expert_inter) if sparse else None
+        self.shared_gate_up_weight = _param(2 * self.shared_inter, h) if self.shared_inter else None
+        self.shared_down_weight = _param(h, self.shared_inter) if self.shared_inter else None
+        self.shared_gate_up_bias = self.shared_down_bias = None
+        self.shared_expert_gate = _param(1, h) if sparse and spec.shared_expert_gate else None
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert block of x [N, hidden], this rank's partial sum (all-reduced by the caller),
+        as transformers computes it: router logits, softmax in fp32, top-k, renormalised when the
+        family does; each expert runs on the tokens routed to it (one matmul pair per expert hit,
+        in expert order), its output scaled by the token's routing weight and added; the shared
+        expert's output, scaled by sigmoid of its gate, added last."""
+        probs = torch.softmax(F.linear(x, self.router_weight).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start, inter = 0, self.expert_inter
+        for e, count in enumerate(counts):
+            if not count:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            tokens = pairs // self.top_k
+            gate_up = F.linear(x.index_select(0, tokens), self.experts_gate_up[e])
+            y = F.linear(swiglu(gate_up[:, :inter], gate_up[:, inter:]), self.experts_down[e])
+            out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
+        if self.shared_gate_up_weight is not None:
+            up = self.linear("shared_gate_up", x)
+            shared = self.linear("shared_down", swiglu(up[:, :self.shared_inter], up[:, self.shared_inter:]))
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
+        return out
 
     def linear(self, name: str, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         weight, b = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias") if bias else None
@@ -152,9 +215,11 @@ class DecoderLayer(nn.Module):
 
 # Where each role's weight lives in a layer: fused column-parallel ones (param prefix, which
 # slice), row-parallel ones, and replicated ones.
-_COLUMN = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "gate": ("gate_up", 0), "up": ("gate_up", 1)}
-_ROW = {"o": "o", "down": "down"}
-_REPLICATED = {"input_norm": "input_norm", "post_norm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm"}
+_COLUMN = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "gate": ("gate_up", 0), "up": ("gate_up", 1),
+           "shared_gate": ("shared_gate_up", 0), "shared_up": ("shared_gate_up", 1)}
+_ROW = {"o": "o", "down": "down", "shared_down": "shared_down"}
+_REPLICATED = {"input_norm": "input_norm", "post_norm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm",
+               "shared_expert_gate": "shared_expert_gate"}
 
 
 class Target(NamedTuple):
@@ -187,7 +252,8 @@ class DecoderModel(nn.Module):
                           if not spec.rope else None)
         self.project_in = _param(spec.hidden_size, width) if spec.projects_embeddings else None
         self.project_out = _param(width, spec.hidden_size) if spec.projects_embeddings else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp_size, w) for w in spec.sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp_size, w, sparse)
+                                    for w, sparse in zip(spec.sliding_windows, spec.sparse_layers))
         self.norm = _param(spec.hidden_size) if spec.final_norm else None  # OPT may have none
         self.norm_bias = _param(spec.hidden_size) if spec.final_norm and spec.norm == "layer" else None
         self.lm_head = _param(self.vocab_shard, width)
@@ -238,9 +304,12 @@ class DecoderModel(nn.Module):
             if layer.o_bias is not None:
                 h = h + layer.o_bias
             x, residual = _norm(h, layer.post_norm, layer.post_norm_bias, layer.eps, residual=residual)
-            h = self._reduce(layer.linear("down", layer.mlp(x), bias=False))
-            if layer.down_bias is not None:
-                h = h + layer.down_bias
+            if layer.sparse:  # an expert block: its partial sums meet in the same one all-reduce
+                h = self._reduce(layer.moe(x))
+            else:
+                h = self._reduce(layer.linear("down", layer.mlp(x), bias=False))
+                if layer.down_bias is not None:
+                    h = h + layer.down_bias
         if residual is not None:
             h = h + residual
         if self.spec.final_norm:
@@ -257,8 +326,9 @@ class DecoderModel(nn.Module):
         """(Re)build the packed copies of the matmul weights (see `packed_linear`); call after
         every change to the weights."""
         for layer in self.layers:
-            layer.packed = {name: p for name in ("qkv", "o", "gate_up", "down")
-                            if (p := packed_linear.pack(getattr(layer, f"{name}_weight"))) is not None}
+            layer.packed = {name: p for name in ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+                            if getattr(layer, f"{name}_weight") is not None
+                            and (p := packed_linear.pack(getattr(layer, f"{name}_weight"))) is not None}
         self._lm_head_packed = packed_linear.pack(self.lm_head)
 
     # -- weights ---------------------------------------------------------------------------------
@@ -267,6 +337,9 @@ class DecoderModel(nn.Module):
         fills several). Unknown names raise KeyError; buffers and tied heads give []."""
         if name.endswith(self.names.ignored):
             return []
+        expert = self._expert_role(name)
+        if expert is not None:
+            return self._expert_targets(*expert)
         index, pieces, kind = self.names.pieces(name)
         if index is not None and index >= len(self.layers):
             raise KeyError(name)
@@ -297,8 +370,9 @@ class DecoderModel(nn.Module):
             return Target(dest, None, 0, 0)
         if role in _COLUMN:  # this rank's output rows of the source, into a slice of the fused param
             fused, part = _COLUMN[role]
-            size = (layer.q_size, layer.kv_size, layer.kv_size)[part] if fused == "qkv" else layer.inter
-            at = (0, layer.q_size, layer.q_size + layer.kv_size)[part] if fused == "qkv" else part * layer.inter
+            inter = layer.shared_inter if fused == "shared_gate_up" else layer.inter
+            size = (layer.q_size, layer.kv_size, layer.kv_size)[part] if fused == "qkv" else inter
+            at = (0, layer.q_size, layer.q_size + layer.kv_size)[part] if fused == "qkv" else part * inter
             # where this rank's rows start in the source: its query heads / MLP columns, or its
             # first key/value head (the one shared by a group of ranks when replicated)
             first = self.first_kv_head * layer.head_dim if fused == "qkv" and part else r * size
@@ -318,9 +392,45 @@ class DecoderModel(nn.Module):
                 raise KeyError(role)
             if kind == "bias":
                 return Target(dest, None, 0, 0)
-            size = layer.q_size if role == "o" else layer.inter
+            size = {"o": layer.q_size, "shared_down": layer.shared_inter}.get(role, layer.inter)
             return Target(dest, 0 if transposed else 1, r * size, size, transposed)
         raise KeyError(role)
+
+    def _expert_role(self, name: str) -> tuple[int, str, int | None] | None:
+        """(layer, role, expert) of a mixture-of-experts name (router, one expert, fused experts)."""
+        found = self.names.experts and self.names.layer_local(name)
+        parsed = found and self.names.experts.parse(found[1])
+        return (found[0], *parsed) if parsed else None
+
+    def _expert_targets(self, index: int, role: str, expert: int | None) -> list[Target]:
+        """This rank's columns of every expert's width: rows [r·w, (r+1)·w) of gate and of up
+        (into the two halves of the fused gate/up), columns of down; the router whole."""
+        if index >= len(self.layers) or not self.layers[index].sparse:
+            raise KeyError(role)
+        layer = self.layers[index]
+        w, full = layer.expert_inter, self.spec.expert_size
+        first = self.tp_rank * w
+        if role == "router":
+            return [Target(layer.router_weight, None, 0, 0)]
+        if role == "experts_gate_up":  # [experts, 2·width, hidden]
+            return [Target(layer.experts_gate_up.narrow(1, 0, w), 1, first, w),
+                    Target(layer.experts_gate_up.narrow(1, w, w), 1, full + first, w)]
+        if role == "experts_down":  # [experts, hidden, width]
+            return [Target(layer.experts_down, 2, first, w)]
+        if expert is None or expert >= layer.num_experts:
+            raise KeyError(role)
+        if role == "expert_down":  # [hidden, width]
+            return [Target(layer.experts_down[expert], 1, first, w)]
+        half = {"expert_gate": 0, "expert_up": 1}[role]  # [width, hidden]
+        return [Target(layer.experts_gate_up[expert].narrow(0, half * w, w), 0, first, w)]
+
+    def covered_weight_names(self, name: str) -> set[str]:
+        """Checkpoint names that `name` provides besides itself: transformers' fused expert
+        tensors stand for the per-expert tensors of a checkpoint (the strict load's check)."""
+        found = self.names.experts and self.names.layer_local(name)
+        if not found:
+            return set()
+        return {self.names.layer_name(found[0], n) for n in self.names.experts.covered(found[1], self.spec.num_experts)}
 
     def _lm_head_target(self, transposed: bool = False) -> Target:
         start = self.tp_rank * self.vocab_shard
@@ -336,6 +446,9 @@ class DecoderModel(nn.Module):
                     names.add(name)
             except KeyError:
                 pass
+        for i, layer in enumerate(self.layers):
+            if layer.sparse:
+                names |= {self.names.layer_name(i, n) for n in self.names.experts.checkpoint_names(layer.num_experts)}
         return names
 
 

@@ -134,6 +134,7 @@ def load_weights(model, source: Iterable[tuple[str, Reader]], *, strict: bool) -
                                      "config match the weights?")
                 view.copy_(src)
             loaded.add(name)
+            loaded.update(getattr(model, "covered_weight_names", lambda n: ())(name))  # fused experts
     if unknown:
         raise ValueError(f"{len(unknown)} weight(s) do not belong to a {model.spec.family} model of this shape, "
                          f"e.g. {unknown[:4]}")

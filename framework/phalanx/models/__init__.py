@@ -4,10 +4,12 @@ runs it with (docs/models.md). The lowest layer of the framework's model knowled
 torch and transformers and nothing from the rest of phalanx; `phalanx.shard`, `phalanx.plan`
 and `phalanx.inference` read it.
 
-- `ModelSpec` (spec.py): shapes, flags and exact parameter counts;
+- `ModelSpec` (spec.py): shapes, flags and exact parameter counts (total and, for mixtures of
+  experts, active);
 - `heads` (heads.py): the tensor-parallel head rule (split or replicated key/value heads);
 - `Family` (family.py), `Policy` (policy.py), `NameTable`/`Piece` (names.py);
-- one file per family: llama, mistral, qwen2, qwen3, gpt2, opt; `registry`: the list of them.
+- one file per family: llama, mistral, qwen2, qwen3, gpt2, opt, and the mixtures of experts
+  mixtral, qwen2_moe, qwen3_moe (shared parts in moe.py); `registry`: the list of them.
 """
 from phalanx.models.family import Family
 from phalanx.models.heads import HeadCounts, head_problem, local_heads

@@ -20,9 +20,10 @@ class Family:
     read(config) -> the `ModelSpec` fields of an HF config object (all but family, vocab_size,
     tie_word_embeddings, name and config). tied_default: tie_word_embeddings when the config does
     not say. required: keys a bare config dict must name (the planner reads config.json files;
-    a missing size would otherwise be a silent class default). check_inference(config): raise
-    ValueError for variants the inference engine does not run (transformers does). names: the
-    checkpoint weight-name table. policy: the tensor-parallel shard policy."""
+    a missing size would otherwise be a silent class default; "a|b": either name).
+    check_inference(config): raise ValueError for variants the inference engine does not run
+    (transformers does). names: the checkpoint weight-name table. policy: the tensor-parallel
+    shard policy."""
 
     name: str
     model_types: tuple[str, ...]

@@ -24,12 +24,80 @@ def at(role: str, offset=lambda spec: 0, transposed: bool = False) -> tuple[Piec
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """A mixture-of-experts block's names inside a decoder layer. blocks: the block's prefixes,
+    the checkpoint's first ("block_sparse_moe." for Mixtral), then transformers' module name
+    ("mlp."). per_expert: the per-expert projection names of a checkpoint ({"w1": "gate", ...}).
+    Accepted: `<block>gate.weight` (the router), `<block>experts.<e>.<proj>.weight` (one expert,
+    as checkpoints store them) and transformers' fused `<block>experts.gate_up_proj`
+    [experts, 2·width, hidden] / `<block>experts.down_proj` [experts, hidden, width]."""
+
+    blocks: tuple[str, ...]
+    per_expert: dict[str, str]
+
+    def parse(self, local: str) -> tuple[str, int | None] | None:
+        """(role, expert index or None) of a name inside a layer (with its .weight), or None.
+        Roles: "router", "expert_gate", "expert_up", "expert_down" (one expert), "experts_gate_up",
+        "experts_down" (all experts, fused)."""
+        for block in self.blocks:
+            if not local.startswith(block):
+                continue
+            rest = local[len(block):]
+            fixed = {"gate.weight": "router", "experts.gate_up_proj": "experts_gate_up",
+                     "experts.down_proj": "experts_down"}
+            if rest in fixed:
+                return fixed[rest], None
+            parts = rest.split(".")
+            if (len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[2] in self.per_expert
+                    and parts[3] == "weight"):
+                return "expert_" + self.per_expert[parts[2]], int(parts[1])
+        return None
+
+    def checkpoint_names(self, num_experts: int) -> list[str]:
+        """The names one layer's block has in a checkpoint (inside the layer)."""
+        block = self.blocks[0]
+        return [f"{block}gate.weight"] + [f"{block}experts.{e}.{proj}.weight" for e in range(num_experts)
+                                          for proj in self.per_expert]
+
+    def covered(self, local: str, num_experts: int) -> list[str]:
+        """The checkpoint names (inside the layer) that a name fills: a fused tensor fills one
+        projection of every expert; a router under another block name, the checkpoint's router."""
+        parsed = self.parse(local)
+        if parsed is None:
+            return []
+        role, _ = parsed
+        names = self.checkpoint_names(num_experts)
+        if role == "router":
+            return names[:1]
+        if role.startswith("experts_"):
+            wanted = {"experts_gate_up": ("gate", "up"), "experts_down": ("down",)}[role]
+            projs = [p for p, r in self.per_expert.items() if r in wanted]
+            return [n for n in names[1:] if n.split(".")[-2] in projs]
+        return []
+
+
+@dataclass(frozen=True)
 class NameTable:
     prefixes: tuple[str, ...]  # prefixes of the checkpoint's names, longest first (stripped)
     layer_prefix: str  # after the stripped prefix: "layers." / "h."
     top: dict[str, tuple[Piece, ...]]  # model-level names (without prefix, without .weight/.bias)
     layer: dict[str, tuple[Piece, ...]]  # per-layer names (after "<layer_prefix><i>.")
     ignored: tuple[str, ...] = ()  # name suffixes that are buffers, not weights
+    experts: ExpertNames | None = None  # mixture-of-experts blocks (their router and experts)
+
+    def layer_local(self, name: str) -> tuple[int, str] | None:
+        """(layer index, the name inside the layer, with its .weight) of a checkpoint name, or None."""
+        for prefix in self.prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if not name.startswith(self.layer_prefix):
+            return None
+        index, _, local = name[len(self.layer_prefix):].partition(".")
+        return (int(index), local) if index.isdigit() else None
+
+    def layer_name(self, index: int, local: str) -> str:
+        return f"{self.prefixes[0] if self.prefixes else ''}{self.layer_prefix}{index}.{local}"
 
     def pieces(self, name: str) -> tuple[int | None, tuple[Piece, ...], str]:
         """(layer index or None, the pieces, "weight"/"bias") of a checkpoint name; KeyError if unknown."""

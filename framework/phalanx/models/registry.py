@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.models import gpt2, llama, mistral, opt, qwen2, qwen3
+from phalanx.models import gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe
 from phalanx.models.family import Family
 from phalanx.models.spec import ModelSpec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
-                                                   gpt2.FAMILY, opt.FAMILY)}
+                                                   gpt2.FAMILY, opt.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
+                                                   qwen3_moe.FAMILY)}
 SUPPORTED = tuple(FAMILIES)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
@@ -33,10 +34,10 @@ def spec_from_config(config: Any, name: str | None = None) -> ModelSpec:
     keys take the transformers class defaults, as `from_pretrained` would)."""
     family = family_of(config)
     if isinstance(config, dict):
-        missing = [k for k in family.required if k not in config]
+        missing = [k for k in family.required if not any(a in config for a in k.split("|"))]
         if missing:
             raise ValueError(f"config of {name or 'model'!r} lacks {', '.join(missing)}: a {family.name} config "
-                             f"names {', '.join(family.required)}")
+                             f"names {', '.join(family.required)} (a|b: either name)")
         from transformers import AutoConfig
         config = AutoConfig.for_model(family.model_types[0], **{k: v for k, v in config.items() if k != "model_type"})
     tied = getattr(config, "tie_word_embeddings", None)

@@ -22,7 +22,13 @@ class ModelSpec:
     0 is position_offset: OPT 2); max_position_embeddings. embed_dim: token-embedding width when
     it differs from hidden_size (OPT's project_in/out). final_norm: a norm after the last layer.
     sliding_windows: per layer, a window length or None. config: the HF config it was read from
-    (RoPE tables are computed from it); name: a label for reports."""
+    (RoPE tables are computed from it); name: a label for reports.
+    Mixture of experts (0 / empty for dense models): num_experts routed experts per sparse layer,
+    experts_per_token (top-k), expert_size (each expert's SwiGLU width), shared_expert_size
+    (an always-on SwiGLU beside them, 0 if none) and shared_expert_gate (its sigmoid gate, a
+    [1, hidden] weight: Qwen2-MoE), norm_topk_prob (the top-k routing weights renormalised to sum
+    to 1), sparse_layers (per layer: True where the MLP is the expert block; the others are dense
+    MLPs of intermediate_size)."""
 
     family: str
     vocab_size: int
@@ -47,14 +53,30 @@ class ModelSpec:
     embed_dim: int | None = None
     final_norm: bool = True
     sliding_windows: tuple = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
+    norm_topk_prob: bool = False
+    sparse_layers: tuple = ()
     name: str = "model"
     config: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (self.num_experts > 0,) * self.num_layers)
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and "
+                             f"num_experts={self.num_experts}")
 
     # ---- derived shapes ------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
+
     @property
     def heads(self) -> HeadCounts:
         return HeadCounts(self.num_heads, self.num_kv_heads, self.head_dim)
@@ -121,15 +143,39 @@ class ModelSpec:
             return 3 * h * f + ((2 * f + h) if self.mlp_bias else 0)
         return 2 * h * f + ((f + h) if self.mlp_bias else 0)
 
-    def layer_params(self) -> int:
-        return self.attention_params() + self.mlp_params() + 2 * self.norm_params()
+    def expert_params(self) -> int:
+        """One routed expert: gate, up and down projections of width expert_size, no biases."""
+        return 3 * self.hidden_size * self.expert_size
+
+    def shared_expert_params(self) -> int:
+        return 3 * self.hidden_size * self.shared_expert_size + (self.hidden_size if self.shared_expert_gate else 0)
+
+    def moe_params(self, active: bool = False) -> int:
+        """A sparse layer's expert block: the router ([experts, hidden]), the routed experts (all
+        of them, or the experts_per_token one token passes through when `active`) and the shared
+        expert with its gate."""
+        routed = self.experts_per_token if active else self.num_experts
+        return self.num_experts * self.hidden_size + routed * self.expert_params() + self.shared_expert_params()
+
+    def layer_params(self, i: int = 0, active: bool = False) -> int:
+        """Parameters of decoder layer `i` (all of them, or those one token uses when `active`)."""
+        mlp = self.moe_params(active) if self.sparse_layers[i] else self.mlp_params()
+        return self.attention_params() + mlp + 2 * self.norm_params()
+
+    def layers_params(self, active: bool = False) -> int:
+        return sum(self.layer_params(i, active) for i in range(self.num_layers))
 
     def total_params(self) -> int:
-        return (self.embedding_params() + self.num_layers * self.layer_params() + self.final_norm_params()
+        return self.embedding_params() + self.layers_params() + self.final_norm_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters one token uses: the total less the routed experts it is not sent to (equal to
+        total_params for a dense model)."""
+        return (self.embedding_params() + self.layers_params(active=True) + self.final_norm_params()
                 + self.head_params())
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (the 6·N of training FLOPs): layers,
-        the LM head (tied or not) and OPT's projections, not the embedding lookups."""
-        return (self.num_layers * self.layer_params() + self.vocab_size * self.embedding_width
-                + self.projection_params())
+        """Parameters that take part in a matmul per token (the 6·N of training FLOPs): layers
+        (for mixtures of experts the router, the top-k experts and the shared expert: the
+        active ones), the LM head (tied or not) and OPT's projections, not the embedding lookups."""
+        return self.layers_params(active=True) + self.vocab_size * self.embedding_width + self.projection_params()

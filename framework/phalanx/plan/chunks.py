@@ -21,18 +21,31 @@ def parameter_numels(spec: ModelSpec, tp: int = 1) -> list[int]:
     kv = kv_weight_heads(spec.heads, tp) * hd
     vocab = -(-spec.vocab_size // tp)
     out = [vocab * h] + ([spec.position_table * h] if spec.position_table else [])
-    for _ in range(spec.num_layers):
+    for i in range(spec.num_layers):
         for rows, bias in ((q, spec.qkv_bias), (kv, spec.qkv_bias), (kv, spec.qkv_bias)):
             out += [rows * h] + ([rows] if bias else [])
         out += [q * h] + ([h] if spec.o_bias else [])
         out += [hd, hd] if spec.qk_norm else []
-        for size, bias in ((h * f, f), (h * f, f), (f * h, h))[: 3 if spec.gated_mlp else 2]:
-            out += [size] + ([bias] if spec.mlp_bias else [])
+        if spec.sparse_layers[i]:
+            out += _expert_block_numels(spec)
+        else:
+            for size, bias in ((h * f, f), (h * f, f), (f * h, h))[: 3 if spec.gated_mlp else 2]:
+                out += [size] + ([bias] if spec.mlp_bias else [])
         out += [h, h] * (2 if spec.norm_bias else 1)
     out += [h] * (2 if spec.norm_bias else 1)
     if not spec.tie_word_embeddings:
         out.append(vocab * h)
     return out
+
+
+def _expert_block_numels(spec: ModelSpec) -> list[int]:
+    """An expert block, whole on every tp rank: router, fused experts' gate_up and down, then the
+    shared expert's gate/up/down and its sigmoid gate (Mixtral / Qwen2-MoE order; Qwen3-MoE
+    registers the router after the experts, which moves one small tensor)."""
+    h, e, i, s = spec.hidden_size, spec.num_experts, spec.expert_size, spec.shared_expert_size
+    out = [e * h, e * 2 * i * h, e * h * i]
+    out += [h * s, h * s, s * h] if s else []
+    return out + ([h] if spec.shared_expert_gate else [])
 
 
 def chunked_numel(numels: list[int], chunk: int, world: int) -> int:

@@ -72,7 +72,10 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 0
     from phalanx.plan.model import load_spec
     spec = load_spec(args.model)
-    header = (f"phalanx plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters), {args.world_size} rank{'s' if args.world_size != 1 else ''} × "
+    active = (f", {spec.active_params() / 1e9:.3g}B active: {spec.num_experts} experts, top-{spec.experts_per_token}"
+              if spec.is_moe else "")
+    ranks = f"{args.world_size} rank{'s' if args.world_size != 1 else ''}"
+    header = (f"phalanx plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters{active}), {ranks} × "
               f"{args.device_memory}, seq {args.seq}, micro batch {args.micro_batch}, {args.dtype}, AdamW")
     print(format_plan(estimates, header, show=args.show or None))
     return 0 if any(e.fits for e in estimates) else 1

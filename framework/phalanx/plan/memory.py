@@ -36,22 +36,34 @@ class LocalModel:
     has_head: bool     # this (worst) stage runs the LM head and loss
 
 
+def _local_mlp(spec: ModelSpec, i: int, t: int) -> int:
+    """MLP parameters of layer i on one tensor-parallel rank: a dense MLP is split over tp; an
+    expert block (router, experts, shared expert) is whole on every rank, as the mixture-of-experts
+    shard policies keep it (no expert parallelism yet)."""
+    if spec.sparse_layers[i]:
+        return spec.moe_params()
+    h, fl = spec.hidden_size, spec.intermediate_size // t
+    return (3 if spec.gated_mlp else 2) * h * fl + (((2 if spec.gated_mlp else 1) * fl + h) if spec.mlp_bias else 0)
+
+
 def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
+    """Mixtures of experts: memory counts every expert (total parameters); a pipeline stage is
+    sized by the largest layer (an expert block where the model mixes dense and sparse layers)."""
     t, pp = layout.tp, layout.pp
     h, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q = spec.q_dim // t
     kv = kv_weight_heads(spec.heads, t) * hd  # replicated key/value heads: whole on every rank
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
     attn += 2 * hd if spec.qk_norm else 0
-    fl = f // t
-    mlp = (3 if spec.gated_mlp else 2) * h * fl + (((2 if spec.gated_mlp else 1) * fl + h) if spec.mlp_bias else 0)
-    layer = attn + mlp + 2 * spec.norm_params()
+    layers = [attn + _local_mlp(spec, i, t) + 2 * spec.norm_params() for i in range(spec.num_layers)]
+    layer = max(layers)
     vocab_rows = math.ceil(spec.vocab_size / t)
     embed = vocab_rows * spec.embedding_width + spec.position_table * h + spec.projection_params()
     head = vocab_rows * spec.embedding_width
+    largest = max(embed, h * f // t, 2 * spec.num_experts * spec.expert_size * h)  # experts' fused gate_up
     if pp == 1:
         root = embed + spec.final_norm_params() + (0 if spec.tie_word_embeddings else head)
-        return LocalModel(root + spec.num_layers * layer, spec.num_layers, layer, root, max(embed, h * f // t), True)
+        return LocalModel(root + sum(layers), spec.num_layers, layer, root, largest, True)
     base, rem = divmod(spec.num_layers, pp)
     first = base * layer + embed
     last = base * layer + head + spec.final_norm_params()  # a tied head is a second copy on the last stage
@@ -59,8 +71,8 @@ def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
     if pp == 2 and rem:
         last += layer  # 2 stages: the extra layer goes to one of them
     worst = max(first, last, middle)
-    return LocalModel(worst, base + (1 if rem else 0), layer, embed if worst == first else head,
-                      max(embed, h * f // t), worst == last)
+    return LocalModel(worst, base + (1 if rem else 0), layer, embed if worst == first else head, largest,
+                      worst == last)
 
 
 # ---------------------------------------------------------------------------- activations
@@ -75,7 +87,8 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) ->
       MLP: gate, SiLU(gate), up and their product: 4pf.
     Parts computed on 1/tp of the heads or features are divided by tp; norms are not, unless
     split-gather sequence parallelism splits them. Checked exactly against the saved tensors of
-    a transformers Llama (tests/framework/test_plan.py)."""
+    a transformers Llama (tests/framework/test_plan.py). Mixtures of experts: the MLP term of a
+    sparse layer is an estimate, not checked against saved tensors (`_moe_mlp_bytes_per_token`)."""
     t = layout.tp
     h, f = spec.hidden_size, spec.intermediate_size
     q = spec.q_dim / t
@@ -85,7 +98,21 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) ->
         norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole
     attention = p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t
     mlp = 4 * p * f / t
+    if spec.is_moe:  # the average over layers of dense and expert-block MLPs (whole under tp; on
+        # 1/tp of the tokens under split-gather sequence parallelism)
+        sparse = sum(spec.sparse_layers)
+        block = _moe_mlp_bytes_per_token(spec, p) / (t if layout.sp_mode == "split_gather" else 1)
+        mlp = (mlp * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
     return 2 * norm + attention + mlp
+
+
+def _moe_mlp_bytes_per_token(spec: ModelSpec, p: int) -> float:
+    """An expert block, per token (estimate): the router's fp32 logits and probabilities (8·E),
+    for each of its top-k experts the gathered input and the SwiGLU's four tensors (k·p(h + 4I)),
+    and the shared expert's SwiGLU plus its gate (4p·I_shared + p)."""
+    routed = spec.experts_per_token * p * (spec.hidden_size + 4 * spec.expert_size)
+    shared = 4 * p * spec.shared_expert_size + (p if spec.shared_expert_gate else 0)
+    return 2 * FP32 * spec.num_experts + routed + shared
 
 
 def loss_bytes_per_token(spec: ModelSpec, layout: Layout, work: Workload) -> float:

@@ -75,7 +75,10 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
     activation = work.micro_batch * work.seq * spec.hidden_size * p  # one microbatch's hidden states
     tp_bytes = 0.0
     if layout.tp > 1:
-        collectives = 4 + (2 if layout.checkpointing else 0)  # per layer: 2 forward, 2 backward (+2 recomputed)
+        # per layer: 2 forward, 2 backward (+2 recomputed); an expert block (whole on every rank) has
+        # none of its own: attention's 1 + 1 (+1)
+        per_block = 2 + (1 if layout.checkpointing else 0)
+        collectives = per_block * (2 - sum(spec.sparse_layers) / spec.num_layers)
         tp_bytes += m * local.layers * collectives * 2 * _ring(layout.tp) * activation
     if layout.sp_mode == "ulysses":
         per_layer = (2 * spec.q_dim + 2 * spec.kv_dim) / layout.tp * work.micro_batch * work.seq / layout.sp * p
