@@ -129,3 +129,19 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, device
             row = row[:row.index(eos) + 1]
         result.append(row)
     return result
+
+
+def check_against_transformers(eng, model, prompts: list[list[int]], new_tokens: int = 16,
+                               logprob_atol: float = 1e-4) -> None:
+    """The engine's greedy tokens equal transformers' and its log-probs are within `logprob_atol`
+    of the model's own (fp32), and every KV block is free afterwards."""
+    from phalanx.inference import SamplingParams
+
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0, logprobs=0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, new_tokens)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
+        want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want, strict=True)) < logprob_atol
+    assert eng.block_manager.all_free()

@@ -41,14 +41,7 @@ def models(tmp_path_factory):
 
 
 def _check(eng: LLM, model, prompts: list[list[int]]) -> None:
-    outs = eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, logprobs=0))
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == im.hf_greedy(model, prompt, NEW_TOKENS)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
-        want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
-        assert max(abs(a - b) for a, b in zip(out.logprobs, want, strict=True)) < LOGPROB_ATOL
-    assert eng.block_manager.all_free()
+    im.check_against_transformers(eng, model, prompts, NEW_TOKENS, LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("family", moe_models.MOE_FAMILIES)
