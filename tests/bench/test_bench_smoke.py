@@ -41,6 +41,8 @@ CASES: dict[str, tuple[list[str], list[str], bool]] = {
     "inference_ceiling.py": (["--smoke", "--dtype", "float32"], [r"throughput vs HF +[\d.]+x"], False),
     "kernel_speed.py": (["--tokens", "256", "--hidden", "64", "--vocab", "512", "--reps", "2"],
                         [r"memory ratio eager/fused: [\d.]+x", r"time ratio eager/fused: [\d.]+x"], False),
+    "lora_memory.py": (["--model", "tiny", "--seq", "32", "--steps", "1"],
+                       [r"LoRA / full fine-tuning: optimizer state [\d.]+x, peak memory [\d.]+x"], False),
     "memory_sharded.py": (["--world", "2", "--plugins", "ddp,zero2", "--quick", "--seq", "16", "--steps", "1"],
                           [r"ratio"], False),
     "pipeline.py": (["--worlds", "2", "--batch", "4", "--seq", "32", "--microbatches", "2", "--steps", "1",
