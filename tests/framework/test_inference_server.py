@@ -21,7 +21,9 @@ import torch
 
 import inference_models as im
 from phalanx.inference import LLM, OpenAIServer, SamplingParams
+from phalanx.checkpoint.atomic import MANIFEST
 from phalanx.inference.openai_protocol import supported_sampling_fields
+from phalanx.inference.serve import model_dir, serve_main
 from serving_helpers import direct, parse_metrics, wait_until
 
 TIMEOUT = httpx.Timeout(60.0)
@@ -532,6 +534,78 @@ def test_phalanx_serve_command_serves(tmp_path):
         code, seconds, output = server.stop()
     assert code == 0 and "Traceback" not in output, f"{seconds:.1f} s\n" + output[-6000:]
     assert seconds < 20
+
+
+def _checkpoint(step_dir, inner: dict[str, int], complete: bool = True):
+    """A training checkpoint directory with a tiny model (seed per inner dir) in each of `inner`."""
+    for name, seed in inner.items():
+        im.save_model(step_dir / name, "llama", seed=seed)
+    if complete:
+        (step_dir / MANIFEST).write_text("{}")
+    return step_dir
+
+
+def test_serve_finds_the_model_in_a_checkpoint_or_output_dir(tmp_path):
+    """`phalanx serve` takes an HF directory as it is; in a checkpoint `policy/` (the PPO export)
+    before `model/`; in an output_dir the latest complete checkpoint, skipping an unfinished one."""
+    plain, _ = im.save_model(tmp_path / "plain", "llama")
+    assert model_dir(plain) == plain
+    both = _checkpoint(tmp_path / "both", {"model": 1, "policy": 2})
+    assert model_dir(both) == both / "policy"
+    only_model = _checkpoint(tmp_path / "only_model", {"model": 1})
+    assert model_dir(only_model) == only_model / "model"
+    out = tmp_path / "out"
+    _checkpoint(out / "checkpoints" / "step-00000002", {"model": 1, "policy": 2})
+    _checkpoint(out / "checkpoints" / "step-00000010", {"model": 1})
+    _checkpoint(out / "checkpoints" / "step-00000011", {"policy": 2}, complete=False)  # still being written
+    assert model_dir(out) == out / "checkpoints" / "step-00000010" / "model"
+
+
+def test_serve_names_what_it_looked_for_when_there_is_no_model(tmp_path, capsys):
+    empty = tmp_path / "run"
+    (empty / "checkpoints" / "step-00000005" / "optimizer").mkdir(parents=True)
+    (empty / "checkpoints" / "step-00000005" / MANIFEST).write_text("{}")
+    with pytest.raises(FileNotFoundError) as info:
+        model_dir(empty)
+    message = str(info.value)
+    for looked in (empty / "config.json", empty / "policy" / "config.json", empty / "model" / "config.json",
+                   empty / "checkpoints" / "step-00000005" / "policy" / "config.json",
+                   empty / "checkpoints" / "step-00000005" / "model" / "config.json"):
+        assert str(looked) in message
+    assert "output_dir" in message and "checkpoint" in message
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(FileNotFoundError, match="complete checkpoint"):
+        model_dir(bare)
+    assert serve_main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "missing" in err and "is not a directory" in err and "Hugging Face model directory" in err
+    assert serve_main([str(bare)]) == 2
+    assert "no model in" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_phalanx_serve_an_output_dir_serves_its_latest_policy(tmp_path):
+    """The real command on a training output_dir: it says which model it serves (the latest
+    checkpoint's policy/, not its model/), names it after the output_dir, and answers as that
+    model's engine does."""
+    out = tmp_path / "ppo-run"
+    _checkpoint(out / "checkpoints" / "step-00000001", {"policy": 1})
+    latest = _checkpoint(out / "checkpoints" / "step-00000004", {"model": 1, "policy": 2})
+    prompt = "Serve the trained policy"
+    want = make_engine(latest / "policy").generate([prompt], SamplingParams(max_new_tokens=6, temperature=0))[0]
+    server = ServeCommand(str(out), "--port", "0", "--kv-cache-gib", "0.01", "--max-queue", "8")
+    try:
+        url = server.start()
+        models = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0},
+                       timeout=TIMEOUT)
+    finally:
+        code, _, output = server.stop()
+    assert code == 0 and "Traceback" not in output, output[-6000:]
+    assert f"serving the model in {latest / 'policy'}" in output
+    assert models["data"][0]["id"] == "ppo-run"
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
 
 
 def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_path):

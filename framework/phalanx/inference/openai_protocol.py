@@ -2,7 +2,10 @@
 
 Requests are validated here and turned into prompts + `SamplingParams`; anything wrong raises
 `RequestError` with the HTTP status and an OpenAI-style error body, so the server maps every bad
-request to a clear 4xx. Responses and streaming chunks are built here too. No HTTP in this module.
+request to a clear 4xx. Responses and streaming chunks are built here too, and tool calls are
+parsed back out of the generated text. No HTTP in this module: the handlers that call it are in
+`server_routes`, the server-sent events in `server_streaming` (the map of the server's modules is
+in `server`'s docstring).
 
 OpenAI fields that need a `SamplingParams` field this engine version may lack (n, best_of, echo,
 presence/frequency penalties, logit_bias) are passed on only when the dataclass has the field

@@ -1,12 +1,20 @@
-"""`phalanx serve MODEL_DIR`: an OpenAI-compatible server for a local HF model directory.
+"""`phalanx serve MODEL`: an OpenAI-compatible server for a local HF model directory.
 
     phalanx serve path/to/model                         # http://127.0.0.1:8000/v1
+    phalanx serve runs/ppo                              # a training output_dir: its latest checkpoint
+    phalanx serve runs/ppo/checkpoints/step-00000200    # one checkpoint
     phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32 --max-queue 64
     phalanx serve path/to/model --tp-size 2             # restarts itself under torchrun, 2 ranks
 
 The server (FastAPI + uvicorn, `pip install 'phalanx[serve]'`) holds at most --max-num-seqs
 running plus --max-queue waiting requests and answers 429 beyond that; docs/serving.md has the
 routes, limits and metrics.
+
+MODEL is a Hugging Face model directory (config.json, weights, tokenizer), or what training wrote
+(`model_dir`): a checkpoint directory, served from its `policy/` (the RLHF recipe's PPO export: the
+actor alone, under its Hugging Face names) or else its `model/`; or a training output_dir, served
+from its latest complete checkpoint the same way. The served model name defaults to the name of
+the directory given.
 
 With --tp-size N > 1 the command runs torchrun's agent, which starts this module on N ranks; rank
 0 serves HTTP and drives the engine, the other ranks run their model shards for every step it
@@ -21,12 +29,47 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
+
+CHECKPOINT_MODEL_DIRS = ("policy", "model")  # inside a checkpoint: the PPO policy export first, else the model
+
+
+def model_dir(path: str | os.PathLike) -> Path:
+    """The Hugging Face model directory (one with config.json) that `path` names: `path` itself;
+    inside a checkpoint, `policy/` then `model/`; inside a training output_dir, those of its latest
+    complete checkpoint. FileNotFoundError naming every place looked at otherwise."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"{str(p)!r} is not a directory: give a Hugging Face model directory (with "
+                                "config.json), a training checkpoint or a training output_dir")
+    if (p / "config.json").is_file():
+        return p
+    looked = [p / "config.json"]
+    for inner in CHECKPOINT_MODEL_DIRS:
+        looked.append(p / inner / "config.json")
+        if looked[-1].is_file():
+            return p / inner
+    from phalanx.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(p)
+    if ckpt is not None:
+        for inner in CHECKPOINT_MODEL_DIRS:
+            looked.append(Path(ckpt) / inner / "config.json")
+            if looked[-1].is_file():
+                return Path(ckpt) / inner
+    else:
+        looked.append(p / "checkpoints" / "step-*  (a complete checkpoint)")
+    raise FileNotFoundError(f"no model in {str(p)!r}: looked for " + ", ".join(str(x) for x in looked)
+                            + ". Give a Hugging Face model directory, a checkpoint with policy/ or model/, or "
+                            "a training output_dir with a complete checkpoint (train first, or fix the path)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx serve", description="Serve a Llama-family HF model directory over "
                                 "an OpenAI-compatible HTTP API.")
-    p.add_argument("model", help="a local Hugging Face model directory (config.json, weights, tokenizer)")
+    p.add_argument("model", help="a local Hugging Face model directory (config.json, weights, tokenizer), a "
+                   "training checkpoint (its policy/ or model/ is served) or a training output_dir (its latest "
+                   "checkpoint)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 picks a free one; the URL is printed)")
     p.add_argument("--api-key", default=os.environ.get("PHALANX_API_KEY"),
@@ -46,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU, GiB per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU the engine may use")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--draft-model", default=None, help="a small HF model directory for speculative decoding")
+    p.add_argument("--draft-model", default=None, help="a small HF model directory (or checkpoint, output_dir) "
+                   "for speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     return p
@@ -75,17 +119,28 @@ def serve_main(argv: list[str]) -> int:
     if args.max_queue < 0:
         print(f"phalanx serve: --max-queue {args.max_queue} must be >= 0", file=sys.stderr)
         return 2
-    if not os.path.isdir(args.model):
-        print(f"phalanx serve: {args.model} is not a directory (expected a Hugging Face model directory)", file=sys.stderr)
+    try:
+        model = model_dir(args.model)
+        draft = model_dir(args.draft_model) if args.draft_model else None
+    except FileNotFoundError as exc:
+        print(f"phalanx serve: {exc}", file=sys.stderr)
         return 2
+    if model != Path(args.model).expanduser() and os.environ.get("RANK", "0") == "0":
+        print(f"phalanx serve: serving the model in {model}", flush=True)
+    served_name = args.served_model_name or Path(args.model).expanduser().resolve().name
+    return _serve(args, model, draft, served_name)
+
+
+def _serve(args, model: Path, draft: Path | None, served_name: str) -> int:
+    """Build the engine over `model` (every rank) and serve it (rank 0) until a signal."""
     from phalanx.inference.engine import LLM
     from phalanx.inference.server import OpenAIServer
 
-    engine = LLM(args.model, tp_size=args.tp_size, max_num_seqs=args.max_num_seqs,
+    engine = LLM(model, tp_size=args.tp_size, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                  max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib,
                  gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
-                 draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+                 draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
                  enable_prefix_caching=not args.no_prefix_caching)
     if not engine.tp.is_driver:
         # A worker that left on the signal would break the driver's last broadcast ("stop").
@@ -98,7 +153,7 @@ def serve_main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     server = OpenAIServer(engine, host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_name=args.served_model_name, max_tokens_limit=args.max_tokens_limit,
+                          served_model_name=served_name, max_tokens_limit=args.max_tokens_limit,
                           max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue)
     print(f"phalanx serve: {server.model_name} on {server.url}/v1 ({engine.num_blocks} KV blocks of "
           f"{args.block_size} tokens, max_model_len {engine.max_model_len}, at most {server.loop.capacity} "

@@ -7,9 +7,20 @@
     POST /v1/chat/completions     messages -> the model's chat template -> text; streaming too
 
 All requests meet in the same engine batches: one engine thread (`EngineLoop`) steps the engine,
-the handlers run on uvicorn's event loop and never wait for a step. Request validation and
-response shapes live in `openai_protocol`, the handlers in `server_routes`; this module builds the
-app and runs it. The limits:
+the handlers run on uvicorn's event loop and never wait for a step. The server is split by
+concern, each module with one job:
+
+    server            builds the FastAPI app, binds the socket, runs uvicorn and the engine loop
+    server_routes     the handlers: read and check a request, submit it, answer it (JSON)
+    server_streaming  streamed answers: engine outputs -> server-sent events, held-back text
+    server_http       what routes and streams share: error bodies, engine-error -> status,
+                      watching for a client that disconnects
+    openai_protocol   the OpenAI wire format without HTTP: parse and validate request bodies into
+                      `SamplingParams`, shape responses and chunks, tool-call parsing
+    structured        response_format / tool-call constraints compiled with llguidance
+    serve             the `phalanx serve` command line
+
+The limits:
 
 - bounded: the server holds at most `max_num_seqs + max_queue` requests; beyond that a request is
   answered 429 with `Retry-After` instead of joining an ever longer queue;
@@ -44,12 +55,12 @@ def build_app(server: OpenAIServer):
     from fastapi import Depends, FastAPI
     from starlette.exceptions import HTTPException
 
-    from phalanx.inference import server_routes
+    from phalanx.inference import server_http, server_routes
 
     routes = server_routes.Routes(server)
     app = FastAPI(title="phalanx", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_exception_handler(api.RequestError, server_routes.request_error)
-    app.add_exception_handler(HTTPException, server_routes.http_error)
+    app.add_exception_handler(api.RequestError, server_http.request_error)
+    app.add_exception_handler(HTTPException, server_http.http_error)
     keyed = [Depends(routes.authorized)]  # /health and /metrics need no API key
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"])

@@ -14,7 +14,12 @@ verification is a plain decode, masked like any other step).
 Why llguidance: it computes masks lazily, token by token, without a per-schema precompile
 (JSON schemas, JSON mode, regexes and Lark grammars through one API), is a structured-output
 backend of vLLM and SGLang, installs as one abi3 wheel with no Python dependencies (in
-particular it does not pull a torch, as xgrammar's wheel would), and reports unsupported schema features as errors instead of ignoring them.
+particular it does not pull a torch, as xgrammar's wheel would), and reports unsupported schema
+features as errors instead of ignoring them.
+
+The server turns `response_format` and a forced `tool_choice` into a `StructuredOutput`
+(`openai_protocol`) and checks that it compiles before the request reaches the engine
+(`server_routes.Routes.check_structured`: a 400 naming what cannot be enforced).
 
 Compiled grammars are cached by their constraint (`StructuredOutput.key`): many requests with
 one schema compile it once and each gets a cheap copy of the compiled matcher.
