@@ -8,7 +8,10 @@ diffusers directory; and the pipeline saved so plain diffusers opens it.
 
 With `model.pretrained_dir` the parts are a user's Stable Diffusion 1.x / 2.x directory (AutoencoderKL,
 CLIPTextModel, ...): what the recipe saves from it is that same layout, which plain
-`StableDiffusionPipeline.from_pretrained(dir)` opens without remote code.
+`StableDiffusionPipeline.from_pretrained(dir)` opens without remote code. An SDXL directory
+(`StableDiffusionXLPipeline` layout: text_encoder_2 = CLIPTextModelWithProjection, tokenizer_2, a
+UNet with size / crop conditioning) loads as the same Components with the second encoder set, and
+is saved back as an SDXL pipeline.
 """
 from __future__ import annotations
 
@@ -34,11 +37,24 @@ class Components:
     tokenizer: Any
     vae: Any
     noise_scheduler: Any  # DDPM, for training
+    text_encoder_2: Any = None  # SDXL only: CLIPTextModelWithProjection (its pooled embedding conditions the UNet)
+    tokenizer_2: Any = None
+    force_zeros_for_empty_prompt: bool = True  # SDXL pipeline option, kept as the source directory set it
+
+    @property
+    def is_xl(self) -> bool:
+        return self.text_encoder_2 is not None
+
+    @property
+    def tokenizers(self) -> list:
+        """The tokenizers whose ids `prompt_ids` concatenates (SDXL: both, first encoder's first)."""
+        return [self.tokenizer, self.tokenizer_2] if self.is_xl else [self.tokenizer]
 
     def to(self, device: torch.device | str) -> "Components":
-        """The UNet, text encoder and VAE on `device` (see `on_device`): where sampling runs."""
-        for module in (self.unet, self.text_encoder, self.vae):
-            on_device(module, device)
+        """The UNet, text encoder(s) and VAE on `device` (see `on_device`): where sampling runs."""
+        for module in (self.unet, self.text_encoder, self.text_encoder_2, self.vae):
+            if module is not None:
+                on_device(module, device)
         return self
 
 
@@ -117,7 +133,12 @@ def load_components(mcfg: ModelConfig, ncfg: NoiseConfig, resolution: int) -> Co
     source = mcfg.init_from or mcfg.pretrained_dir
     if source:
         pipe = open_pipeline(source)
-        return Components(pipe.unet, pipe.text_encoder, pipe.tokenizer, pipe.vae, training_scheduler(pipe, ncfg, source))
+        parts = Components(pipe.unet, pipe.text_encoder, pipe.tokenizer, pipe.vae,
+                           training_scheduler(pipe, ncfg, source))
+        if hasattr(pipe, "text_encoder_2"):  # SDXL
+            parts.text_encoder_2, parts.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
+            parts.force_zeros_for_empty_prompt = bool(pipe.config.get("force_zeros_for_empty_prompt", True))
+        return parts
     tokenizer = build_tokenizer(mcfg)
     text_encoder = build_text_encoder(mcfg, tokenizer)
     vae = load_taef2(mcfg.vae, scaling_factor=mcfg.vae_scaling_factor or 1.0)
@@ -138,37 +159,43 @@ def training_scheduler(pipe, ncfg: NoiseConfig, source: str | Path):
 
 
 REQUIRED_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+XL_PARTS = ("text_encoder_2", "tokenizer_2")
+
+
+def is_xl_index(index: dict) -> bool:
+    return "text_encoder_2" in index or "XL" in str(index.get("_class_name", ""))
 
 
 def open_pipeline(directory: str | Path, dtype: torch.dtype = torch.float32):
-    """A local diffusers Stable Diffusion 1.x / 2.x directory (a user's, or one this recipe saved).
-    Remote code runs only for a component that ships its own module in its folder (our TAEF2 VAE)."""
-    from diffusers import StableDiffusionPipeline
+    """A local diffusers Stable Diffusion 1.x / 2.x or SDXL directory (a user's, or one this recipe
+    saved). Remote code runs only for a component that ships its own module in its folder (our TAEF2 VAE)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     directory = resolve(directory)
     index = check_pipeline_dir(directory)
+    remote = bool(custom_components(directory, index))
+    if is_xl_index(index):
+        return StableDiffusionXLPipeline.from_pretrained(str(directory), dtype=dtype, add_watermarker=False,
+                                                         trust_remote_code=remote)
     return StableDiffusionPipeline.from_pretrained(str(directory), dtype=dtype, safety_checker=None,
-                                                   requires_safety_checker=False,
-                                                   trust_remote_code=bool(custom_components(directory, index)))
+                                                   requires_safety_checker=False, trust_remote_code=remote)
 
 
 def check_pipeline_dir(directory: Path) -> dict:
-    """model_index.json of a Stable Diffusion directory with every part the recipe needs; one clear
-    error for anything else (not a pipeline, SDXL, a missing folder)."""
+    """model_index.json of a Stable Diffusion (or SDXL) directory with every part the recipe needs;
+    one clear error for anything else (not a pipeline, a missing folder)."""
     index_path = directory / "model_index.json"
     if not index_path.is_file():
         raise FileNotFoundError(f"{directory} is not a diffusers pipeline directory (no model_index.json): point "
                                 "model.pretrained_dir / model.init_from at a Stable Diffusion directory")
     index = json.loads(index_path.read_text())
-    if "text_encoder_2" in index or "XL" in str(index.get("_class_name", "")):
-        raise ValueError(f"{directory} is an SDXL pipeline ({index.get('_class_name')}): this recipe trains "
-                         "Stable Diffusion 1.x / 2.x (one text encoder); SDXL's second text encoder and size "
-                         "conditioning are not supported yet")
-    missing = [p for p in REQUIRED_PARTS if not isinstance(index.get(p), list) or None in index[p]
+    required = REQUIRED_PARTS + (XL_PARTS if is_xl_index(index) else ())
+    missing = [p for p in required if not isinstance(index.get(p), list) or None in index[p]
                or not (directory / p).is_dir()]
     if missing:
-        raise FileNotFoundError(f"{directory} lacks {missing} (model_index.json entries and folders): a Stable "
-                                f"Diffusion directory holds {', '.join(REQUIRED_PARTS)}")
+        kind = "an SDXL" if is_xl_index(index) else "a Stable Diffusion"
+        raise FileNotFoundError(f"{directory} lacks {missing} (model_index.json entries and folders): {kind} "
+                                f"directory holds {', '.join(required)}")
     return index
 
 
@@ -188,8 +215,17 @@ def make_scheduler(kind: str, train_scheduler):
 
 
 def make_pipeline(parts: Components, scheduler: str = "dpm"):
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
+    if parts.is_xl:
+        pipe = StableDiffusionXLPipeline(vae=parts.vae, text_encoder=parts.text_encoder,
+                                         text_encoder_2=parts.text_encoder_2, tokenizer=parts.tokenizer,
+                                         tokenizer_2=parts.tokenizer_2, unet=parts.unet,
+                                         scheduler=make_scheduler(scheduler, parts.noise_scheduler),
+                                         force_zeros_for_empty_prompt=parts.force_zeros_for_empty_prompt,
+                                         add_watermarker=False)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     pipe = StableDiffusionPipeline(vae=parts.vae, text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
                                    unet=parts.unet, scheduler=make_scheduler(scheduler, parts.noise_scheduler),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)

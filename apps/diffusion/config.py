@@ -27,9 +27,11 @@ def resolve(path: str | Path) -> Path:
 class ModelConfig:
     # A local diffusers Stable Diffusion 1.x / 2.x directory (model_index.json, unet/ =
     # UNet2DConditionModel, vae/ = AutoencoderKL, text_encoder/ = CLIPTextModel, tokenizer/,
-    # scheduler/), e.g. stable-diffusion-v1-5. Its VAE's scaling_factor scales the latents and its
-    # scheduler's noise schedule is the training one; the exports keep that layout (plain diffusers
-    # opens them, no remote code). null: build the components below from their configs (the tiny default).
+    # scheduler/), e.g. stable-diffusion-v1-5, or an SDXL one (also text_encoder_2/ =
+    # CLIPTextModelWithProjection and tokenizer_2/; text-to-image and LoRA, not DreamBooth). Its
+    # VAE's scaling_factor scales the latents and its scheduler's noise schedule is the training
+    # one; the exports keep that layout (plain diffusers opens them, no remote code). null: build
+    # the components below from their configs (the tiny default).
     pretrained_dir: str | None = None
     # When building from config:
     vae: str = "apps/diffusion/data/vae"               # TAEF2 weights (taef2_{encoder,decoder}.safetensors)

@@ -52,18 +52,50 @@ def center_crop(image: torch.Tensor, size: int) -> torch.Tensor:
 def random_crops(images: torch.Tensor, size: int, flip: bool) -> torch.Tensor:
     """Per image of [B, C, S, S]: a size x size window at a random place and, with `flip`, a mirror
     with probability 1/2 (on the default generator of the images' device: the training RNG stream)."""
+    return random_crops_where(images, size, flip)[0]
+
+
+def random_crops_where(images: torch.Tensor, size: int, flip: bool):
+    """`random_crops` and where they were cut: (crops, offsets [B, 2] (top, left) inside the square,
+    mirrored [B] bool or None without `flip`)."""
     b, room = images.shape[0], images.shape[-1] - size + 1
-    offsets = torch.randint(0, room, (b, 2), device=images.device).tolist()
-    crops = torch.stack([img[:, top:top + size, left:left + size] for img, (top, left) in zip(images, offsets)])
-    return mirror_some(crops) if flip else crops
+    offsets = torch.randint(0, room, (b, 2), device=images.device)
+    crops = torch.stack([img[:, top:top + size, left:left + size]
+                         for img, (top, left) in zip(images, offsets.tolist())])
+    if not flip:
+        return crops, offsets, None
+    pick = flip_draw(crops)
+    return mirror_some(crops, pick=pick), offsets, pick
 
 
-def mirror_some(images: torch.Tensor, mirrored: torch.Tensor | None = None) -> torch.Tensor:
-    """Each sample of `images` or, with probability 1/2, its mirror (`mirrored`, default the
-    left-right flip of `images`: pass the cached latents of the mirrored image where they exist)."""
-    pick = torch.rand(images.shape[0], device=images.device) < 0.5
+def flip_draw(images: torch.Tensor) -> torch.Tensor:
+    """Which samples are mirrored: [B] bool, each True with probability 1/2."""
+    return torch.rand(images.shape[0], device=images.device) < 0.5
+
+
+def mirror_some(images: torch.Tensor, mirrored: torch.Tensor | None = None,
+                pick: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample of `images` or, with probability 1/2 (or where `pick`), its mirror (`mirrored`,
+    default the left-right flip of `images`: pass the cached latents of the mirrored image where they exist)."""
+    pick = flip_draw(images) if pick is None else pick
     other = images.flip(-1) if mirrored is None else mirrored
     return torch.where(pick.view(-1, *([1] * (images.dim() - 1))), other, images)
+
+
+def view_time_ids(time_ids: torch.Tensor, square: int, resolution: int, offsets: torch.Tensor | None = None,
+                  mirrored: torch.Tensor | None = None) -> torch.Tensor:
+    """SDXL's time_ids of a training view, from the centre view's ([B, 6], `size_crop_table`): the
+    crop at `offsets` inside the square (None: the centre crop) and, where `mirrored`, the crop of
+    the mirrored image, whose left offset is W' - left - resolution (W': the width of the image
+    resized so its shorter side is `square`), as SDXL's training crops a flipped image."""
+    h, w, top, left = time_ids[:, 0], time_ids[:, 1], time_ids[:, 2], time_ids[:, 3]
+    if offsets is not None:
+        inner = (square - resolution) // 2
+        top, left = top - inner + offsets[:, 0].to(top.dtype), left - inner + offsets[:, 1].to(left.dtype)
+    if mirrored is not None:
+        resized_w = torch.round(w * square / torch.minimum(h, w))
+        left = torch.where(mirrored, resized_w - left - resolution, left)
+    return torch.stack([h, w, top, left, time_ids[:, 4], time_ids[:, 5]], dim=1)
 
 
 def pixels(image) -> torch.Tensor:
@@ -174,18 +206,49 @@ def tokenize(tokenizer, prompts: list[str]) -> torch.Tensor:
                      return_tensors="pt").input_ids
 
 
+def tokenize_all(tokenizers: list, prompts: list[str]) -> torch.Tensor:
+    """`prompt_ids` [N, T1 + T2 + ...]: each tokenizer's ids of the prompts side by side (SDXL: the
+    first and the second text encoder's), so datasets and caption dropout handle one tensor."""
+    return torch.cat([tokenize(t, prompts) for t in tokenizers], dim=1)
+
+
+def size_crop_ids(path: Path, resolution: int, resize_scale: float = 1.0) -> list[int]:
+    """SDXL's size / crop conditioning of the plain (centre) view `load_image` makes of `path`:
+    [original height, original width, crop top, crop left, target height, target width]. The crop's
+    top-left is in the coordinates of the original image resized so its shorter side is
+    S = resolution x resize_scale (SDXL's convention): the centre square's offset scaled to S,
+    plus the centre crop's offset inside the S x S square."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        width, height = im.size
+    side, size = min(width, height), round(resolution * resize_scale)
+    inner = (size - resolution) // 2  # center_crop's offset
+    top = round((height - side) // 2 * size / side) + inner
+    left = round((width - side) // 2 * size / side) + inner
+    return [height, width, top, left, resolution, resolution]
+
+
+def size_crop_table(paths: list[Path], resolution: int, resize_scale: float = 1.0) -> torch.Tensor:
+    """`size_crop_ids` of every image, [N, 6] float32 (the dtype of SDXL's `time_ids`)."""
+    return torch.tensor([size_crop_ids(p, resolution, resize_scale) for p in paths], dtype=torch.float32)
+
+
 class LatentCaptionDataset(Dataset):
     """Samples {"latents": [C,h,w] scaled latents, "prompt_ids": [T]} and, given `flipped` (the
     mirrored images' latents, for `data.random_flip`), "latents_flipped": the training step picks
-    one of the two views. No "input_ids" key, so fit's throughput meter counts images, not tokens."""
+    one of the two views; given `time_ids` (SDXL, [N, 6] from `size_crop_table`), "time_ids".
+    No "input_ids" key, so fit's throughput meter counts images, not tokens."""
 
     def __init__(self, latents: torch.Tensor, prompt_ids: torch.Tensor, scaling_factor: float,
-                 flipped: torch.Tensor | None = None):
-        if len(latents) != len(prompt_ids):
-            raise ValueError(f"{len(latents)} latents but {len(prompt_ids)} prompts")
+                 flipped: torch.Tensor | None = None, time_ids: torch.Tensor | None = None):
+        if len(latents) != len(prompt_ids) or (time_ids is not None and len(time_ids) != len(latents)):
+            raise ValueError(f"{len(latents)} latents but {len(prompt_ids)} prompts"
+                             + (f" and {len(time_ids)} time_ids" if time_ids is not None else ""))
         self.latents = latents * scaling_factor
         self.prompt_ids = prompt_ids
         self.flipped = flipped * scaling_factor if flipped is not None else None
+        self.time_ids = time_ids
 
     def __len__(self) -> int:
         return len(self.latents)
@@ -194,24 +257,31 @@ class LatentCaptionDataset(Dataset):
         sample = {"latents": self.latents[i], "prompt_ids": self.prompt_ids[i]}
         if self.flipped is not None:
             sample["latents_flipped"] = self.flipped[i]
+        if self.time_ids is not None:
+            sample["time_ids"] = self.time_ids[i]
         return sample
 
 
 class PixelCaptionDataset(Dataset):
     """Samples {"pixels": [3, S, S] (the image's centre square at S = resolution x resize_scale, read
-    from disk each time), "prompt_ids": [T]}: for `data.random_crop`, whose views are cut and encoded
-    inside the training step (no latent cache could hold them)."""
+    from disk each time), "prompt_ids": [T]} (+ "time_ids" for SDXL): for `data.random_crop`, whose
+    views are cut and encoded inside the training step (no latent cache could hold them)."""
 
-    def __init__(self, paths: list[Path], prompt_ids: torch.Tensor, size: int, background=(255, 255, 255)):
+    def __init__(self, paths: list[Path], prompt_ids: torch.Tensor, size: int, background=(255, 255, 255),
+                 time_ids: torch.Tensor | None = None):
         if len(paths) != len(prompt_ids):
             raise ValueError(f"{len(paths)} images but {len(prompt_ids)} prompts")
         self.paths, self.prompt_ids, self.size, self.background = list(paths), prompt_ids, size, tuple(background)
+        self.time_ids = time_ids  # SDXL: the centre view's (size_crop_table); the step moves them to its crop
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"pixels": load_square(self.paths[i], self.size, self.background), "prompt_ids": self.prompt_ids[i]}
+        sample = {"pixels": load_square(self.paths[i], self.size, self.background), "prompt_ids": self.prompt_ids[i]}
+        if self.time_ids is not None:
+            sample["time_ids"] = self.time_ids[i]
+        return sample
 
 
 def split_held_out(pairs: list, count: int, seed: int) -> tuple[list, list]:
@@ -260,23 +330,40 @@ class TrainingViews:
     - with "pixels" (random_crop): a random `resolution` square of each image (mirrored 1/2 of the
       time with random_flip) encoded by the frozen VAE and scaled by `scaling_factor`.
 
-    Not an nn.Module: the VAE stays out of the trained model's parameters, checkpoints and shards."""
+    For SDXL, `draw` also returns the views' time_ids (`view_time_ids`: the crop offsets actually
+    used and, for mirrored samples, the mirrored image's). Not an nn.Module: the VAE stays out of
+    the trained model's parameters, checkpoints and shards."""
 
-    def __init__(self, resolution: int, random_flip: bool, vae=None, scaling_factor: float = 1.0):
+    def __init__(self, resolution: int, random_flip: bool, vae=None, scaling_factor: float = 1.0,
+                 square: int | None = None):
         self.resolution, self.random_flip, self.vae, self.scaling_factor = resolution, random_flip, vae, scaling_factor
+        self.square = square or resolution  # the resized square the cached views were cut from
 
-    @torch.no_grad()
     def __call__(self, latents: torch.Tensor | None, latents_flipped: torch.Tensor | None = None,
                  pixels: torch.Tensor | None = None, training: bool = True) -> torch.Tensor:
+        return self.draw(latents, latents_flipped, pixels, None, training)[0]
+
+    @torch.no_grad()
+    def draw(self, latents: torch.Tensor | None, latents_flipped: torch.Tensor | None = None,
+             pixels: torch.Tensor | None = None, time_ids: torch.Tensor | None = None,
+             training: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the step's latents, their time_ids; None when `time_ids` is None)."""
         if pixels is not None:
             if self.vae is None:
                 raise ValueError("a batch of pixels needs TrainingViews(vae=...): data.random_crop encodes in the step")
             from .components import on_device
 
-            crops = random_crops(pixels, self.resolution, self.random_flip) if training else \
-                center_crop(pixels, self.resolution)
+            if training:
+                crops, offsets, mirrored = random_crops_where(pixels, self.resolution, self.random_flip)
+                if time_ids is not None:
+                    time_ids = view_time_ids(time_ids, pixels.shape[-1], self.resolution, offsets, mirrored)
+            else:
+                crops = center_crop(pixels, self.resolution)
             vae = on_device(self.vae, pixels.device)
-            return vae.encode(crops.to(vae.dtype)).latent_dist.mode().float() * self.scaling_factor
+            return vae.encode(crops.to(vae.dtype)).latent_dist.mode().float() * self.scaling_factor, time_ids
         if latents_flipped is not None and training:
-            return mirror_some(latents, latents_flipped)
-        return latents
+            pick = flip_draw(latents)
+            if time_ids is not None:
+                time_ids = view_time_ids(time_ids, self.square, self.resolution, mirrored=pick)
+            return mirror_some(latents, latents_flipped, pick=pick), time_ids
+        return latents, time_ids

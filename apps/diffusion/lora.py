@@ -39,16 +39,26 @@ def add_lora(model: nn.Module, rank: int, alpha: int | None = None, text_encoder
     return model
 
 
-def save_lora(directory: str | Path, unet: nn.Module, text_encoder: nn.Module | None = None) -> Path:
-    """The adapters only, as diffusers' `StableDiffusionPipeline.save_lora_weights` writes them."""
-    from diffusers import StableDiffusionPipeline
+def save_lora(directory: str | Path, unet: nn.Module, text_encoder: nn.Module | None = None,
+              text_encoder_2: nn.Module | None = None, xl: bool = False) -> Path:
+    """The adapters only, as diffusers' `StableDiffusionPipeline.save_lora_weights` writes them (with
+    `xl`: `StableDiffusionXLPipeline.save_lora_weights`, whose file also holds text_encoder_2's)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
+    def layers(module):
+        return convert_state_dict_to_diffusers(get_peft_model_state_dict(module)) if module is not None else None
+
     directory = Path(directory)
-    unet_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-    text_layers = (convert_state_dict_to_diffusers(get_peft_model_state_dict(text_encoder))
-                   if text_encoder is not None else None)
-    StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=unet_layers,
-                                              text_encoder_lora_layers=text_layers, safe_serialization=True)
+    if xl:
+        StableDiffusionXLPipeline.save_lora_weights(str(directory), unet_lora_layers=layers(unet),
+                                                    text_encoder_lora_layers=layers(text_encoder),
+                                                    text_encoder_2_lora_layers=layers(text_encoder_2),
+                                                    safe_serialization=True)
+        return directory
+    if text_encoder_2 is not None:
+        raise ValueError("save_lora: text_encoder_2 adapters belong to an SDXL pipeline: pass xl=True")
+    StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=layers(unet),
+                                              text_encoder_lora_layers=layers(text_encoder), safe_serialization=True)
     return directory

@@ -11,7 +11,7 @@ from phalanx.train import EMA
 
 from .components import Components, load_components, make_pipeline, save_pipeline
 from .config import RecipeConfig, resolve
-from .data import tokenize
+from .data import tokenize_all
 from .lora import add_lora, save_lora
 from .loss import DiffusionTrainModel
 
@@ -39,11 +39,13 @@ def latent_scaling_factor(cfg: RecipeConfig, parts: Components, latents) -> floa
 
 def add_lora_adapters(cfg: RecipeConfig, parts: Components) -> None:
     """With `lora.rank > 0`: freeze the UNet (and the text encoder) and add LoRA adapters to the
-    UNet's attention and, with `model.train_text_encoder`, to the text encoder's."""
+    UNet's attention and, with `model.train_text_encoder`, to the text encoder's (SDXL: both)."""
     if cfg.lora.rank:
         add_lora(parts.unet, cfg.lora.rank, cfg.lora.alpha)
         if cfg.model.train_text_encoder:
-            add_lora(parts.text_encoder, cfg.lora.rank, cfg.lora.alpha, text_encoder=True)
+            for encoder in (parts.text_encoder, parts.text_encoder_2):  # SDXL: both encoders
+                if encoder is not None:
+                    add_lora(encoder, cfg.lora.rank, cfg.lora.alpha, text_encoder=True)
 
 
 def build_train_model(cfg: RecipeConfig, parts: Components, prior_loss_weight: float = 1.0,
@@ -55,9 +57,10 @@ def build_train_model(cfg: RecipeConfig, parts: Components, prior_loss_weight: f
         parts.unet.enable_gradient_checkpointing()
     parts.unet.train()
     return DiffusionTrainModel(parts.unet, parts.text_encoder, parts.noise_scheduler, cfg.noise,
-                               empty_prompt_ids=tokenize(parts.tokenizer, [""])[0],
+                               empty_prompt_ids=tokenize_all(parts.tokenizers, [""])[0],
                                caption_dropout=cfg.data.caption_dropout, train_text_encoder=cfg.model.train_text_encoder,
-                               prior_loss_weight=prior_loss_weight, views=views)
+                               prior_loss_weight=prior_loss_weight, views=views, text_encoder_2=parts.text_encoder_2,
+                               split=parts.tokenizer.model_max_length if parts.is_xl else None)
 
 
 def make_ema(cfg: RecipeConfig) -> EMA | None:
@@ -113,8 +116,8 @@ def save_trained(cfg: RecipeConfig, parts: Components, model: DiffusionTrainMode
     """With `lora.rank`: the adapters as diffusers' LoRA file in <output_dir>/lora (the base model
     stays where it is); otherwise the whole pipeline in `final_dir`."""
     if cfg.lora.rank:
-        text_encoder = model.text_encoder if cfg.model.train_text_encoder else None
-        return save_lora(Path(cfg.train.output_dir) / LORA_DIR, model.unet, text_encoder)
+        encoders = model.text_encoders if cfg.model.train_text_encoder else []
+        return save_lora(Path(cfg.train.output_dir) / LORA_DIR, model.unet, *encoders, xl=parts.is_xl)
     return save_pipeline(make_pipeline(parts, "dpm"), cfg.final_path)  # `model` trained parts' own modules
 
 

@@ -54,6 +54,9 @@ def class_images(cfg: RecipeConfig, parts) -> list[Path]:
 
 def prepare_dataset(cfg: RecipeConfig, parts) -> PriorPreservationDataset:
     db, cache = cfg.dreambooth, cache_dir(cfg)
+    if parts.is_xl:
+        raise ValueError("DreamBooth on an SDXL pipeline is not supported yet: train SDXL with "
+                         "apps.diffusion.train_text_to_image or train_text_to_image_lora")
     background = tuple(cfg.data.background)
     inst_latents = cached_latents(parts.vae, image_files(resolve(db.instance_dir)), cfg.data.resolution, cache, background)
     factor = latent_scaling_factor(cfg, parts, inst_latents)

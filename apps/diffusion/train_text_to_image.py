@@ -14,6 +14,10 @@ with `lora.rank` adapters added -> `phalanx.train.fit` on the DiffusionTrainMode
 and as eval the fixed-noise loss of the held-out images plus a validation grid -> the final weights
 (EMA) saved as a diffusers pipeline in `final_dir` (default `<output_dir>/pipeline`), or with LoRA
 the adapters in `<output_dir>/lora`. Re-running continues from the latest checkpoint.
+
+An SDXL directory trains the same way: `prompt_ids` holds both tokenizers' ids, and every sample
+also carries `time_ids` (original size, crop top-left, target size; see data.size_crop_ids), which
+the training step moves to the crop / flip it actually draws (data.view_time_ids).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from phalanx.observe import is_main_process
 from .components import load_components
 from .config import RecipeConfig, resolve
 from .data import (LatentCaptionDataset, PixelCaptionDataset, TrainingViews, cached_latents, read_captioned_folder,
-                   split_held_out, tokenize)
+                   size_crop_table, split_held_out, tokenize_all)
 from .recipe import (add_lora_adapters, build_train_model, cache_dir, fit_with_validation, latent_scaling_factor,
                      record_scaling_factor, run_script, save_trained, trained_model)
 
@@ -67,27 +71,31 @@ def split_images(cfg: RecipeConfig) -> tuple[list, list]:
 def prepare_dataset(cfg: RecipeConfig, parts) -> Prepared:
     d, cache, background = cfg.data, cache_dir(cfg), tuple(cfg.data.background)
     train_pairs, held = split_images(cfg)
-    paths, ids = [p for p, _ in train_pairs], tokenize(parts.tokenizer, [c for _, c in train_pairs])
+    paths, ids = [p for p, _ in train_pairs], tokenize_all(parts.tokenizers, [c for _, c in train_pairs])
+
+    def time_ids(files: list[Path]):  # SDXL's size / crop conditioning of the centre view
+        return size_crop_table(files, d.resolution, d.resize_scale) if parts.is_xl else None
 
     def plain(files: list[Path]):
         return cached_latents(parts.vae, files, d.resolution, cache, background, resize_scale=d.resize_scale)
 
     factor = latent_scaling_factor(cfg, parts, lambda: plain(paths))
     record_scaling_factor(Path(cfg.train.output_dir), factor)
-    views = None
+    views, size = None, round(d.resolution * d.resize_scale)  # size: the resized square views are cut from
     if d.random_crop:  # a new crop every step: encoded in the step, no training latents cached
-        size = round(d.resolution * d.resize_scale)
-        dataset = PixelCaptionDataset(paths, ids, size, background)
+        dataset = PixelCaptionDataset(paths, ids, size, background, time_ids(paths))
         views = TrainingViews(d.resolution, d.random_flip, parts.vae, factor)
     else:
         flipped = cached_latents(parts.vae, paths, d.resolution, cache, background, flip=True,
                                  resize_scale=d.resize_scale) if d.random_flip else None
-        dataset = LatentCaptionDataset(plain(paths), ids, factor, flipped)
-        views = TrainingViews(d.resolution, True) if d.random_flip else None
+        dataset = LatentCaptionDataset(plain(paths), ids, factor, flipped, time_ids(paths))
+        views = TrainingViews(d.resolution, True, square=size) if d.random_flip else None
     val_batch = None
     if held:
         val_batch = {"latents": plain([p for p, _ in held]) * factor,
-                     "prompt_ids": tokenize(parts.tokenizer, [c for _, c in held])}
+                     "prompt_ids": tokenize_all(parts.tokenizers, [c for _, c in held])}
+        if parts.is_xl:
+            val_batch["time_ids"] = time_ids([p for p, _ in held])
     return Prepared(dataset, val_batch, train_pairs, held, views)
 
 

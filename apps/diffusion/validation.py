@@ -42,8 +42,10 @@ def fixed_noise_loss(model: nn.Module, batch: dict[str, torch.Tensor], num_times
     latents = batch["latents"]
     noise = torch.randn(latents.shape, generator=g)  # drawn on the host: the same noise on every device
     t = torch.linspace(0, num_timesteps - 1, len(latents)).long()
-    latents, prompt_ids, noise, t = to_device((latents, batch["prompt_ids"], noise, t), model.alphas_cumprod.device)
-    return float(model(latents, prompt_ids, timesteps=t, noise=noise))
+    extra = {"time_ids": batch["time_ids"]} if "time_ids" in batch else {}  # SDXL's size / crop conditioning
+    latents, prompt_ids, noise, t, extra = to_device((latents, batch["prompt_ids"], noise, t, extra),
+                                                     model.alphas_cumprod.device)
+    return float(model(latents, prompt_ids, timesteps=t, noise=noise, **extra))
 
 
 def validation_eval_fn(parts: Components, vcfg: ValidationConfig, prompts: list[str], output_dir: Path,

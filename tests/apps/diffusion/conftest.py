@@ -44,3 +44,12 @@ def sd_pipeline_dir(tmp_path_factory) -> Path:
     """A random tiny Stable Diffusion 1.x directory (UNet2DConditionModel, AutoencoderKL,
     CLIPTextModel, CLIP tokenizer, PNDM), as `save_pretrained` lays it out."""
     return build_tiny_sd_pipeline(tmp_path_factory.mktemp("sd_layout"))
+
+
+@pytest.fixture(scope="session")
+def sdxl_pipeline_dir(tmp_path_factory) -> Path:
+    """A random tiny SDXL directory (two CLIP encoders, a size / crop-conditioned UNet), as
+    `StableDiffusionXLPipeline.save_pretrained` lays it out."""
+    from diffusion_tiny import build_tiny_sdxl_pipeline
+
+    return build_tiny_sdxl_pipeline(tmp_path_factory.mktemp("sdxl_layout"))

@@ -72,3 +72,47 @@ def build_tiny_sd_pipeline(directory: Path, seed: int = 0) -> Path:
     out = directory / "sd-tiny"
     pipe.save_pretrained(str(out))
     return out
+
+
+def build_tiny_sdxl_pipeline(directory: Path, seed: int = 0) -> Path:
+    """A random SDXL pipeline, tiny, saved by `save_pretrained` in the `StableDiffusionXLPipeline`
+    layout: text_encoder/ (CLIPTextModel), text_encoder_2/ (CLIPTextModelWithProjection, projection
+    32), tokenizer/ and tokenizer_2/ (the same 400-token CLIP BPE, 77 tokens), unet/ with SDXL's
+    size / crop conditioning (addition_embed_type="text_time": 6 time ids x 8 + the 32-dim pooled
+    embedding; cross-attention on both encoders' 32 + 32 features), vae/ (AutoencoderKL, SDXL's
+    scaling_factor 0.13025) and scheduler/ (Euler with SD's betas, as SDXL ships)."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from apps.diffusion.build_tokenizer import captions, train_clip_bpe
+
+    directory = Path(directory)
+    vocab_dir = train_clip_bpe(captions(EMOJI) + ["a photo of sks dog", "sks cat face"], directory / "bpe", 400)
+    tokenizer = CLIPTokenizer.from_pretrained(str(vocab_dir), model_max_length=77)
+    torch.manual_seed(seed)
+
+    def clip_config():
+        return CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+
+    text_encoder, text_encoder_2 = CLIPTextModel(clip_config()), CLIPTextModelWithProjection(clip_config())
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64),
+                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
+                                cross_attention_dim=64, attention_head_dim=(2, 4), use_linear_projection=True,
+                                addition_embed_type="text_time", addition_time_embed_dim=8,
+                                projection_class_embeddings_input_dim=6 * 8 + 32, norm_num_groups=32)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 16, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=1, norm_num_groups=8, sample_size=64, scaling_factor=0.13025)
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")
+    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                                     tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet, scheduler=scheduler,
+                                     add_watermarker=False)
+    out = directory / "sdxl-tiny"
+    pipe.save_pretrained(str(out))
+    return out
