@@ -66,6 +66,12 @@ class ModelConfig:
     # (where this config's flow section differs, the differences are printed and ignored); "config": this config's
     # flow section (each changed setting printed, saved -> new). The export records the settings trained with.
     init_flow: str = "keep"
+    # A pretrained start from diffusers: a local WanTransformer3DModel directory (config.json + weights saved with
+    # save_pretrained), or a diffusers Wan pipeline directory with transformer/ inside. Its sizes replace the tiny
+    # ones below (patch_size must still match it); its text_dim must equal the text encoder's hidden size (pair it
+    # with model.text_encoder_dir, e.g. the same pipeline directory) and its channels the autoencoder's z_dim
+    # (vae.from_dir, e.g. <pipeline>/vae). null: build the tiny transformer below.
+    transformer_dir: str | None = None
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])
     num_layers: int = 4
     num_heads: int = 4
@@ -86,7 +92,10 @@ class ModelConfig:
     # text; `model.PooledTextConditioning`): true / "mean": the mean of the text encoder's states; "flat": the
     # states flattened (max_prompt_tokens x text_hidden_size: the mean dilutes a single word). false: the prompt
     # reaches Wan through cross-attention only.
+    # "attention": `pooled_text_queries` learned queries attend over the states (inputs text_dim x queries, sized
+    # independently of max_prompt_tokens; flat's text_dim x max_prompt_tokens is billions of weights with UMT5-XXL).
     pooled_text: bool | str = False
+    pooled_text_queries: int = 4
     # With pooled_text: also a prompt-dependent absolute position embedding added to the tokens, linear in the
     # (frame, row, column[, frame x row, frame x column]) planes (`PooledTextConditioning.position_embedding`).
     prompt_position: bool = False
@@ -98,6 +107,10 @@ class ModelConfig:
     text_encoder_dir: str | None = None
     tokenizer_dir: str | None = None            # its tokenizer (null: the same directory, or its tokenizer/)
     freeze_text_encoder: bool = False           # keep the text encoder's weights fixed (eval mode, no gradients)
+    # Zero the text encoder's padding states before cross-attention, as WanPipeline does. null: for T5 / UMT5 / mT5
+    # always, for other encoders when model.pooled_text is off (the plain Wan model; the toy configs' CLIP + pooled
+    # text keep them, as their figures were measured).
+    zero_text_padding: bool | None = None
 
 
 @dataclass
@@ -129,6 +142,10 @@ class EvalConfig:
     sample_steps: int = 24
     guidance_scale: float = 2.0
     seed: int = 0
+    # The sampler's timestep grid (recorded in the export): "scheduler": the saved FlowMatchEulerDiscreteScheduler's
+    # sigmas, the steps WanPipeline takes; "linear": the older grid 1 - k / steps (shifted), kept for the toy configs'
+    # documented motion figures.
+    sampler: str = "scheduler"
 
 
 @dataclass
@@ -216,10 +233,15 @@ class RecipeConfig:
              "needs model.position_channels=true")
         need(bool(m.pooled_text) or not m.prompt_position, "model.prompt_position", m.prompt_position,
              "needs model.pooled_text")
-        need(m.pooled_text in (True, False, "mean", "flat"), "model.pooled_text", m.pooled_text,
-             "choose true (mean), false, 'mean' or 'flat'")
+        need(m.pooled_text in (True, False, "mean", "flat", "attention"), "model.pooled_text", m.pooled_text,
+             "choose true (mean), false, 'mean', 'flat' or 'attention'")
+        need(m.pooled_text_queries >= 1, "model.pooled_text_queries", m.pooled_text_queries, "must be at least 1")
         need(not (m.init_from and m.text_encoder_dir), "model.text_encoder_dir", m.text_encoder_dir,
              "model.init_from already brings its text encoder; set one of the two to null")
+        need(not (m.init_from and m.transformer_dir), "model.transformer_dir", m.transformer_dir,
+             "model.init_from already brings its transformer; set one of the two to null")
+        need(self.eval.sampler in ("scheduler", "linear"), "eval.sampler", self.eval.sampler,
+             "choose scheduler (the exported scheduler's grid, as WanPipeline) or linear")
         need(m.text_hidden_size % m.text_heads == 0, "model.text_heads", m.text_heads,
              "must divide model.text_hidden_size")
         need(m.text_token_embedding_std > 0, "model.text_token_embedding_std", m.text_token_embedding_std,

@@ -35,7 +35,7 @@ def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int
         chunk = prompts[start:start + 16]
         ids = tokenize(pipe.tokenizer, [p for p, _, _ in chunk])
         clips = sample_clips(pipe.model, ids, m["frames"], m["height"], m["width"], steps, guidance,
-                             torch.Generator().manual_seed(seed + start), pipe.vae)
+                             torch.Generator().manual_seed(seed + start), pipe.vae, m.get("sampler", "linear"))
         for clip, (_, colour, direction) in zip(clips.cpu(), chunk):
             got_c, got_d, travel = track(clip)
             moved = got_d if got_d is not None and travel >= 1.0 else "none"

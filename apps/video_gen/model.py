@@ -62,6 +62,36 @@ def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
                                  num_layers=mcfg.num_layers, rope_max_seq_len=256)
 
 
+def load_pretrained_transformer(directory: str, text_dim: int, patch_size: list[int]):
+    """A diffusers WanTransformer3DModel from `model.transformer_dir` (or its transformer/ subfolder),
+    offline, checked against the text encoder and model.patch_size: one ConfigError naming the fix."""
+    from diffusers import WanTransformer3DModel
+
+    from phalanx.config import ConfigError
+
+    from .config import resolve
+
+    path = resolve(directory)
+    if not (path / "config.json").is_file() and (path / "transformer" / "config.json").is_file():
+        path = path / "transformer"
+    key = f"config 'model.transformer_dir'={directory!r}"
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: {path} holds no config.json; point it at a diffusers WanTransformer3DModel "
+                          "directory (saved with save_pretrained) or a Wan pipeline directory with transformer/")
+    try:
+        transformer = WanTransformer3DModel.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{key}: could not load a WanTransformer3DModel from {path} ({exc})") from exc
+    c = transformer.config
+    if c.text_dim != text_dim:
+        raise ConfigError(f"{key}: the transformer reads text states of {c.text_dim} dims but the text encoder gives "
+                          f"{text_dim}; set model.text_encoder_dir to the encoder it was trained with")
+    if list(c.patch_size) != list(patch_size):
+        raise ConfigError(f"{key}: its patch size is {list(c.patch_size)}; set model.patch_size={list(c.patch_size)} "
+                          "(the buckets are checked against it)")
+    return transformer
+
+
 class PooledTextConditioning(ModelMixin, ConfigMixin):
     """The prompt, pooled, added to Wan's time embedding: global conditioning of every AdaLN
     modulation (shift, scale and gate of each block and of the output), as SD3 and Flux add their
@@ -71,16 +101,29 @@ class PooledTextConditioning(ModelMixin, ConfigMixin):
     The pool is the mean of the text encoder's states over all positions (the CLIP encoder is
     causal, so the padding positions after the caption each summarise the whole caption), or with
     `tokens` (`model.pooled_text: flat`) the states flattened: the mean dilutes a single word (the
-    direction word changed the mean by 0.85 on a norm-8 state, its own position by 9.0). With
+    direction word changed the mean by 0.85 on a norm-8 state, its own position by 9.0), but flat has
+    text_dim x max_tokens inputs (4096 x 512 with UMT5-XXL); with `queries` (`model.pooled_text:
+    attention`) learned queries pick positions by attention, text_dim x queries inputs. With
     `position_planes` it also gives a prompt-dependent position embedding (`model.prompt_position`)."""
 
     @register_to_config
-    def __init__(self, text_dim: int, dim: int, tokens: int = 0, position_planes: int = 0):
+    def __init__(self, text_dim: int, dim: int, tokens: int = 0, position_planes: int = 0, queries: int = 0):
         super().__init__()
-        self.proj = PixArtAlphaTextProjection(text_dim * max(tokens, 1), dim, act_fn="silu")
-        self.position = nn.Linear(text_dim * max(tokens, 1), position_planes * dim) if position_planes else None
+        if tokens and queries:
+            raise ValueError("PooledTextConditioning pools flat (tokens) or by attention (queries), not both")
+        width = text_dim * max(tokens, queries, 1)
+        self.query = nn.Parameter(torch.randn(queries, text_dim) * text_dim ** -0.5) if queries else None
+        self.proj = PixArtAlphaTextProjection(width, dim, act_fn="silu")
+        self.position = nn.Linear(width, position_planes * dim) if position_planes else None
 
     def pool(self, text_states: torch.Tensor) -> torch.Tensor:
+        """[B, L, text_dim] -> [B, width]: the mean over positions; the states flattened (`tokens`: width
+        text_dim x tokens); or (`queries`) each of `queries` learned vectors' attention-weighted mean of the
+        states, concatenated: width text_dim x queries, whatever the prompt length (`model.pooled_text: attention`)."""
+        if self.query is not None:
+            scores = torch.einsum("qd,bld->bql", self.query.to(text_states.dtype), text_states)
+            weights = (scores / text_states.shape[-1] ** 0.5).softmax(dim=-1)
+            return torch.einsum("bql,bld->bqd", weights, text_states).flatten(1)
         return text_states.flatten(1) if self.config.tokens else text_states.mean(dim=1)
 
     def forward(self, text_states: torch.Tensor) -> torch.Tensor:
@@ -97,6 +140,15 @@ class PooledTextConditioning(ModelMixin, ConfigMixin):
         high noise. Here it is linear in the weights: a regression the optimiser solves at once."""
         u = self.position(self.pool(text_states)).unflatten(1, (planes.shape[-1], -1))   # [B, k, dim]
         return torch.einsum("blk,bkd->bld", planes.to(u.dtype), u)
+
+
+def default_zero_padding(text_encoder: nn.Module, pooled_text: PooledTextConditioning | None) -> bool:
+    """Whether the padding states are zeroed (`model.zero_text_padding: null`): always for the T5 family
+    (Wan's own encoders); for other encoders (the from-scratch CLIP) when there is no pooled-text module,
+    i.e. the prompt reaches Wan through cross-attention only, as in WanPipeline. With the pooled module the
+    CLIP's padding states are kept: its mean pool reads them (the documented toy configs)."""
+    kind = getattr(getattr(text_encoder, "config", None), "model_type", None)
+    return kind in ZERO_PADDING_TYPES or pooled_text is None
 
 
 def velocity_skip(t: torch.Tensor, data_std: float) -> torch.Tensor:
@@ -151,7 +203,7 @@ class VideoFlowModel(nn.Module):
 
     def __init__(self, transformer: nn.Module, text_encoder: nn.Module, empty_prompt_ids: torch.Tensor,
                  pad_token_id: int, fcfg: FlowConfig, caption_dropout: float = 0.0,
-                 pooled_text: PooledTextConditioning | None = None):
+                 pooled_text: PooledTextConditioning | None = None, zero_padding: bool | None = None):
         super().__init__()
         self.transformer, self.text_encoder, self.pooled_text = transformer, text_encoder, pooled_text
         self.fcfg, self.caption_dropout, self.pad_token_id = fcfg, caption_dropout, pad_token_id
@@ -167,7 +219,7 @@ class VideoFlowModel(nn.Module):
         self.position_channels = extra > 0
         self.motion_channels = extra == POSITION_CHANNELS + MOTION_CHANNELS
         self.text_frozen = False
-        self.zero_padding = getattr(getattr(text_encoder, "config", None), "model_type", None) in ZERO_PADDING_TYPES
+        self.zero_padding = default_zero_padding(text_encoder, pooled_text) if zero_padding is None else zero_padding
 
     def freeze_text_encoder(self) -> "VideoFlowModel":
         """Fixed text encoder weights (`model.freeze_text_encoder`): no gradients (the optimizer skips

@@ -7,10 +7,11 @@
 The flow: (frozen autoencoder, with `vae.from_dir`) -> data (moving shapes + real clips, and the
 clips of `data.manifest`, decoded when drawn or read as latents from `data.latent_cache`; tokenizer
 from the captions or `model.text_encoder_dir`) -> buckets -> model (diffusers' Wan transformer + a
-small CLIP text encoder or the user's local one, or `model.init_from`) -> each clip encoded to its
-latent once (with the autoencoder) -> fit (eval: the rectified-flow loss at fixed timesteps on
-held-out clips, per bucket, in latent space when there is an autoencoder; at the end the motion
-check on decoded clips) -> the exported pipeline directory (rank 0; with vae/ in latent space).
+small CLIP text encoder or the user's local one, or `model.init_from`; or diffusers Wan weights from
+`model.transformer_dir`) -> each clip encoded to its latent once (with the autoencoder) -> fit (eval:
+the rectified-flow loss at fixed timesteps on held-out clips, per bucket, in latent space when there is
+an autoencoder; at the end the motion check on decoded clips) -> the exported pipeline directory (rank
+0; with vae/ in latent space; a diffusers WanPipeline when the model is plain Wan, see pipeline.py).
 
 Latent stage (2 commands; see configs/tiny_latent.yaml):
 
@@ -34,7 +35,8 @@ from phalanx.observe import get_logger, is_main_process
 
 from .config import FlowConfig, RecipeConfig, parse_args, resolve
 from .data import BucketedClips, check_buckets_cover, load_all_clips, load_manifest_split, training_dataset
-from .model import MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer
+from .model import (MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer,
+                    load_pretrained_transformer)
 from .motion import motion_prompts, motion_score
 from .pipeline import VideoPipeline, make_meta, sample_clips
 from .sensitivity import direction_gap
@@ -45,7 +47,8 @@ log = get_logger("apps.video_gen")
 
 
 def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, tokenizer=None, text_encoder=None):
-    """(VideoFlowModel, tokenizer): from `model.init_from` (an exported pipeline) or built tiny, with
+    """(VideoFlowModel, tokenizer): from `model.init_from` (an exported pipeline), or with the transformer of
+    `model.transformer_dir` (diffusers weights) or built tiny, with
     `channels` in and out (3: pixels; the autoencoder's z_dim: latents). The text side: `text_encoder`
     and `tokenizer` when given, else `model.text_encoder_dir`, else a CLIP from scratch (with
     `tokenizer`, or one built from the captions)."""
@@ -55,6 +58,8 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
         model, tokenizer = pipe.model, pipe.tokenizer
         model.fcfg = cfg.flow = chain_flow(model.fcfg, cfg.flow, m.init_flow)
         model.caption_dropout = cfg.data.caption_dropout
+        if m.zero_text_padding is not None:     # else the saved pipeline's choice
+            model.zero_padding = m.zero_text_padding
     else:
         if text_encoder is None and m.text_encoder_dir:
             text_encoder, tokenizer = load_local_text(m.text_encoder_dir, m.tokenizer_dir, cfg.data.max_prompt_tokens)
@@ -63,11 +68,12 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
             text_encoder = build_text_encoder(tokenizer, m.text_hidden_size, m.text_layers, m.text_heads,
                                               m.text_token_embedding_std)
         text_dim = text_encoder.config.hidden_size  # the transformer's text_dim follows the encoder
-        transformer = build_transformer(m, channels, text_dim)
+        transformer = load_pretrained_transformer(m.transformer_dir, text_dim, m.patch_size) if m.transformer_dir \
+            else build_transformer(m, channels, text_dim)
         pooled = build_pooled_text(cfg, transformer.config.num_attention_heads * transformer.config.attention_head_dim,
                                    text_dim)
         model = VideoFlowModel(transformer, text_encoder, tokenize(tokenizer, [""])[0], tokenizer.pad_token_id,
-                               cfg.flow, cfg.data.caption_dropout, pooled_text=pooled)
+                               cfg.flow, cfg.data.caption_dropout, pooled_text=pooled, zero_padding=m.zero_text_padding)
     if m.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     if m.freeze_text_encoder:
@@ -97,7 +103,8 @@ def build_pooled_text(cfg: RecipeConfig, dim: int, text_dim: int | None = None) 
         return None
     planes = POSITION_CHANNELS + MOTION_CHANNELS * m.motion_channels if m.prompt_position else 0
     return PooledTextConditioning(text_dim or m.text_hidden_size, dim, position_planes=planes,
-                                  tokens=cfg.data.max_prompt_tokens if m.pooled_text == "flat" else 0)
+                                  tokens=cfg.data.max_prompt_tokens if m.pooled_text == "flat" else 0,
+                                  queries=m.pooled_text_queries if m.pooled_text == "attention" else 0)
 
 
 def frozen_vae(cfg: RecipeConfig):
@@ -207,7 +214,8 @@ def prepare(cfg: RecipeConfig):
     if not cfg.model.init_from:
         model, tokenizer = build_model(cfg, captions, channels, tokenizer=tokenizer, text_encoder=text_encoder)
     if model.transformer.config.out_channels != channels:
-        raise ConfigError(f"config 'model.init_from'={cfg.model.init_from!r}: its transformer works on "
+        key = "model.transformer_dir" if cfg.model.transformer_dir else "model.init_from"
+        raise ConfigError(f"config '{key}'={getattr(cfg.model, key.split('.')[1])!r}: its transformer works on "
                           f"{model.transformer.config.out_channels} channels, but the clips give {channels} "
                           f"({'latents of vae.from_dir' if vae is not None else 'pixels'}); set vae.from_dir to the "
                           "autoencoder it was trained with (or null for pixels)")
@@ -256,7 +264,8 @@ def motion_check(model: VideoFlowModel, tokenizer, cfg: RecipeConfig, out_dir: P
         chunk = prompts[start:start + 16]
         ids = tokenize(tokenizer, [p for p, _, _ in chunk])
         videos += list(sample_clips(model, ids, d.shapes_frames, d.shapes_size, d.shapes_size, e.sample_steps,
-                                    e.guidance_scale, torch.Generator().manual_seed(e.seed + start), vae).cpu())
+                                    e.guidance_scale, torch.Generator().manual_seed(e.seed + start), vae,
+                                    e.sampler).cpu())
     score = motion_score(videos, [c for _, c, _ in prompts], [dd for _, _, dd in prompts])
     if out_dir is not None:
         grid = torch.cat([torch.cat(videos[r * 4:(r + 1) * 4], dim=3) for r in range(min(2, len(videos) // 4))], dim=2)
@@ -317,8 +326,12 @@ def train(cfg: RecipeConfig):
     if is_main_process():
         model.sp_group = None
         load_trained(model, load_hf_state_dict(result.checkpoint_dir / "model"))
-        meta = make_meta(model.fcfg, model.transformer.config.out_channels, *sample_size(cfg), vae=vae)
+        meta = make_meta(model.fcfg, model.transformer.config.out_channels, *sample_size(cfg), vae=vae,
+                         sampler=cfg.eval.sampler)
         VideoPipeline(model, tokenizer, meta, vae).save_pretrained(cfg.final_path)
+        blockers = meta["wan_pipeline_blockers"]
+        log.info("the export is a diffusers WanPipeline" if not blockers else
+                 "the export needs this recipe's VideoPipeline (not WanPipeline): " + "; ".join(blockers))
         summary = {"space": space, "initial": initial, "final": result.last_eval,
                    "loss_drop": 1 - result.last_eval["loss"] / initial["loss"], "steps": result.final_step,
                    "wall_time_s": result.wall_time_s, "pipeline": str(cfg.final_path)}

@@ -191,6 +191,8 @@ def load_vae(directory, key: str = "vae.from_dir"):
     from .config import resolve
 
     path = resolve(directory)
+    if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
+        path = path / "vae"         # a diffusers pipeline directory
     if not (path / "config.json").is_file():
         raise ConfigError(f"config '{key}'={str(directory)!r}: {path} holds no config.json; point it at a local "
                           "diffusers AutoencoderKLWan directory (`python -m apps.video_gen.train_vae` writes "

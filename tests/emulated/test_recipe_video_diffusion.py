@@ -103,6 +103,35 @@ def test_video_autoencoder_then_latent_stage_on_one_emulated_gpu(tmp_path):
     assert (out / "pipeline" / "vae" / "config.json").is_file()
 
 
+def test_video_fine_tune_from_diffusers_wan_parts_on_one_emulated_gpu_exports_a_wan_pipeline(tmp_path):
+    """A pretrained start (model.transformer_dir / text_encoder_dir / vae.from_dir on a diffusers Wan
+    layout of tiny random parts), the motion check sampling on the scheduler's grid on the device, and
+    the export opened by diffusers' WanPipeline, which samples the recipe's clip."""
+    import torch
+    from diffusers import WanPipeline
+
+    from apps.video_gen.pipeline import VideoPipeline
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "apps" / "video_gen"))
+    from video_tiny import save_wan_parts
+
+    save_wan_parts(tmp_path / "wan")
+    wan, out = str(tmp_path / "wan"), tmp_path / "video"
+    emulated(run_module_emulated(
+        "apps.video_gen.train", "--config", "apps/video_gen/configs/tiny.yaml", *VIDEO, f"train.output_dir={out}",
+        "data.shapes_frames=9", "data.clip_frames=9", "data.clips_dir=null", "data.buckets=[[1,16,16,8],[9,16,16,4]]",
+        "model.position_channels=false", "model.motion_channels=false", "model.pooled_text=false",
+        "model.prompt_position=false", "flow.skip_data_std=0.0", "model.patch_size=[1,2,2]", "eval.sampler=scheduler",
+        f"model.transformer_dir={wan}", f"model.text_encoder_dir={wan}", f"vae.from_dir={wan}"))
+    check_video_run(out, space="latent space")
+    assert json.loads((out / "pipeline" / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    theirs = WanPipeline.from_pretrained(str(out / "pipeline"))(
+        prompt="a red square moving left", num_frames=9, height=16, width=16, num_inference_steps=2,
+        guidance_scale=2.0, generator=torch.Generator().manual_seed(0), max_sequence_length=12, output_type="pt")
+    ours = VideoPipeline.from_pretrained(out / "pipeline")(["a red square moving left"], seed=0, steps=2)
+    assert torch.allclose(ours, theirs.frames.permute(0, 2, 1, 3, 4) * 2 - 1, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_emoji_fsdp(tmp_path_factory):
     """Text-to-image on 2 emulated GPUs under FSDP2 (EMA, held-out fixed-noise validation loss, grid,
