@@ -49,7 +49,8 @@ def qwen_moe_fields(config, shared: bool) -> dict:
 def moe_policy(base, family: str, read) -> object:
     """A Llama-layout policy whose MLP (dense or expert block) is kept whole on every tensor-parallel
     rank: attention is split as for the dense family; the router, the experts and the shared
-    expert are replicated (expert parallelism is not built yet, docs/models.md). `mlp=None`: no
+    expert are replicated (expert parallelism, without tp so far: phalanx.shard.expert_parallel,
+    docs/moe.md). `mlp=None`: no
     input hook on the block (a dense MLP's hook all-reduces its input gradient over tp, which
     would count a whole block's gradient tp times); under split-gather sequence parallelism the
     block runs on this rank's tokens, its gradients summed over the group like the norms'."""

@@ -1,0 +1,312 @@
+"""Expert parallelism for the Hugging Face mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+`apply_expert_parallel(model, ep_size)` splits the routed experts of every expert block over an
+expert-parallel (EP) group of `ep_size` ranks: rank j of a group keeps experts
+[j·E/ep, (j+1)·E/ep) of the fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]
+(the same parameter names, fewer rows). Only the `experts` module of each block is replaced; the
+router (`mlp.gate`), the shared expert and the rest of the HF model run unmodified.
+
+The replacement's forward is dropless: every (token, expert) assignment the router makes is sent
+with an all-to-all of uneven splits to the rank owning the expert, computed there, and sent back
+by the reverse all-to-all, where the routing weight is applied and the top-k outputs summed (as
+transformers does). No capacity factor, no token dropped.
+
+Ranks are laid out dp-major: world = dp · ep, rank = d·ep + j; the EP groups are consecutive ranks
+and the data-parallel group of an expert holds the ranks with the same j. Every rank reads its own
+slice of the batch. Gradients (`ExpertParallelPlan.all_reduce_gradients`, after backward):
+
+- dense weights (attention, norms, router, shared expert, embeddings) are averaged over all ranks;
+- an expert's gradient on its owner already sums the contributions of the ep ranks whose tokens it
+  served (the backward all-to-all brings them), so it is summed over the dp replicas holding that
+  expert and divided by the world size (not by dp): the mean over all ranks' losses, as the dense
+  weights get.
+
+`load_balancing_loss` is transformers' Switch/Mixtral auxiliary loss computed over the global batch
+(token counts and row counts summed over the group) in a form whose mean over ranks equals the
+one-process value and whose averaged gradient is the one-process gradient;
+`ExpertParallelPlan.load_balancing_loss()` computes it from the router logits it recorded in the
+last forward (hooks on the routers, so the model runs without output_router_logits);
+`router_z_loss` / `ExpertParallelPlan.router_z_loss()` is ST-MoE's z-loss in the same form. See docs/moe.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's place in a dp × ep layout and the two process groups it needs (None: one rank)."""
+    ep_size: int
+    dp_size: int
+    ep_rank: int
+    ep_group: object
+    dp_group: object
+
+
+def expert_groups(ep_size: int) -> ExpertGroups:
+    """The EP groups (consecutive ranks) and the expert data-parallel groups (same EP index);
+    every rank calls this (each group is created on all ranks)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the world size {world}: choose ep_size in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    if world == 1:
+        return ExpertGroups(1, 1, 0, None, None)
+    rank, dp = dist.get_rank(), world // ep_size
+    ep_group = dp_group = None
+    for d in range(dp):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(d * ep_size, (d + 1) * ep_size)))
+        ep_group = group if rank // ep_size == d else ep_group
+    for j in range(ep_size):
+        group = dist.new_group(list(range(j, world, ep_size)))
+        dp_group = group if rank % ep_size == j else dp_group
+    return ExpertGroups(ep_size, dp, rank % ep_size, ep_group, dp_group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return x if group is None else _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallelExperts(nn.Module):
+    """The experts of one block with only this rank's E/ep of them; a drop-in for the HF
+    `experts` module: forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])."""
+
+    def __init__(self, experts: nn.Module, groups: ExpertGroups):
+        super().__init__()
+        total = experts.gate_up_proj.shape[0]
+        if total % groups.ep_size:
+            raise ValueError(f"ep_size={groups.ep_size} must divide the number of experts {total}: "
+                             f"choose an ep_size that divides {total}")
+        self.num_experts, self.groups = total, groups
+        self.local = total // groups.ep_size
+        first = groups.ep_rank * self.local
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        self.act_fn = experts.act_fn
+        self.routed = None  # this rank's assignments per expert in the last forward, [E]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        ep, group = self.groups.ep_size, self.groups.ep_group
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert (so by owner rank)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.routed = counts.detach()
+        received = counts.view(ep, self.local)
+        if group is not None:  # [source rank, local expert] counts of the assignments coming here
+            received = torch.empty_like(received)
+            dist.all_to_all_single(received, counts.view(ep, self.local).contiguous(), group=group)
+        send, recv = counts.view(ep, self.local).sum(1).tolist(), received.sum(1).tolist()
+        x = _exchange(hidden_states[token], recv, send, group)
+        y = self._compute(x, received)
+        y = _exchange(y, send, recv, group)
+        weights = top_k_weights.reshape(-1)[order]
+        out = torch.zeros_like(hidden_states)
+        return out.index_add_(0, token, (y * weights[:, None]).to(out.dtype))
+
+    def grouped(self) -> bool:
+        """Whether the experts run as two grouped matmuls (`torch.nn.functional.grouped_mm`, one call
+        each for gate_up and down over all local experts) rather than a loop over experts: where
+        torch has it, the weight rows are 16-byte aligned (its CPU and CUDA kernels require it) and,
+        on CUDA, the card is sm80 or newer."""
+        up = self.gate_up_proj
+        size = up.element_size()
+        aligned = (up.shape[-1] * size) % 16 == 0 and (self.down_proj.shape[-1] * size) % 16 == 0
+        card = up.device.type != "cuda" or torch.cuda.get_device_capability(up.device) >= (8, 0)
+        return hasattr(nn.functional, "grouped_mm") and aligned and card
+
+    def _compute(self, x: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """Rows arrive grouped by source rank, then local expert: regroup by expert, run each
+        expert's SwiGLU on its rows, and put the rows back in arrival order."""
+        local_ids = torch.arange(self.local, device=x.device).repeat(received.shape[0])
+        row_expert = torch.repeat_interleave(local_ids, received.reshape(-1))
+        by_expert = torch.argsort(row_expert, stable=True)
+        rows, per_expert = x[by_expert], received.sum(0)
+        if self.grouped() and rows.shape[0]:  # (grouped_mm's CPU backward refuses zero rows)
+            offs = torch.cumsum(per_expert, 0).to(torch.int32)
+            gate, up = nn.functional.grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            y = nn.functional.grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
+        else:
+            outs = []
+            for e, chunk in enumerate(rows.split(per_expert.tolist())):
+                gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            y = torch.cat(outs)
+        return torch.empty_like(y).index_copy_(0, by_expert, y)
+
+
+def _is_expert_block(module: nn.Module) -> bool:
+    params = dict(module.named_parameters(recurse=False))
+    up, down = params.get("gate_up_proj"), params.get("down_proj")
+    return up is not None and down is not None and up.dim() == 3 and down.dim() == 3
+
+
+class ExpertParallelPlan:
+    """What `apply_expert_parallel` did: the groups, the replaced modules by name, and the
+    gradient reduction / full state dict / token counts that go with them."""
+
+    def __init__(self, groups: ExpertGroups, experts: dict[str, ExpertParallelExperts], routers: dict[str, nn.Module]):
+        self.groups, self.experts, self.routers = groups, experts, routers
+        self._expert_params = {id(p) for m in experts.values() for p in m.parameters()}
+        self.router_logits: dict[str, torch.Tensor] = {}  # the last forward's, by expert block
+        for name, router in routers.items():
+            router.register_forward_hook(self._recorder(name))
+
+    def _recorder(self, name: str):
+        def hook(module, args, output):
+            self.router_logits[name] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def load_balancing_loss(self, attention_mask=None, group=None) -> torch.Tensor:
+        """The global-batch auxiliary loss (`load_balancing_loss`) of the last forward's routers;
+        add `model.config.router_aux_loss_coef` times it to the cross-entropy (HF's loss with
+        output_router_logits=True, over every rank's batch). No need for output_router_logits."""
+        if len(self.router_logits) != len(self.routers) or not self.routers:
+            raise RuntimeError("load_balancing_loss(): run a forward first (the routers record their logits)")
+        logits = [self.router_logits[name] for name in self.routers]
+        router = next(iter(self.routers.values()))
+        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group)
+
+    def router_z_loss(self, attention_mask=None, group=None) -> torch.Tensor:
+        """ST-MoE's router z-loss (`router_z_loss`) of the last forward's routers, over every rank's
+        batch; add a coefficient (ST-MoE: 1e-3) times it to the loss."""
+        if len(self.router_logits) != len(self.routers) or not self.routers:
+            raise RuntimeError("router_z_loss(): run a forward first (the routers record their logits)")
+        return router_z_loss([self.router_logits[name] for name in self.routers], attention_mask, group)
+
+    def is_expert(self, param: torch.Tensor) -> bool:
+        return id(param) in self._expert_params
+
+    def all_reduce_gradients(self, model: nn.Module) -> None:
+        """Dense gradients: mean over all ranks; expert gradients: summed over the dp replicas of the
+        expert, divided by the world size (module docstring). A missing gradient counts as zero."""
+        if self.groups.ep_group is None and self.groups.dp_group is None:
+            return
+        world = dist.get_world_size()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for expert, group in ((False, None), (True, self.groups.dp_group)):
+            chosen = [p for p in params if self.is_expert(p) == expert]
+            if not chosen:
+                continue
+            for p in chosen:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            flat = torch.cat([p.grad.reshape(-1) for p in chosen])
+            if group is not None or not expert:
+                dist.all_reduce(flat, group=group)
+            flat /= world
+            for p, g in zip(chosen, flat.split([p.numel() for p in chosen])):
+                p.grad.copy_(g.view_as(p.grad))
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's state dict in Hugging Face layout (every expert), on every rank."""
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        if self.groups.ep_group is None:
+            return state
+        for name, module in self.experts.items():
+            for field in ("gate_up_proj", "down_proj"):
+                local = getattr(module, field).detach().contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.groups.ep_size)]
+                dist.all_gather(parts, local, group=self.groups.ep_group)
+                state[f"{name}.{field}"] = torch.cat(parts)
+        return state
+
+    def token_counts(self) -> dict[str, torch.Tensor]:
+        """{expert block: assignments each expert received in the last forward, summed over all
+        ranks ([E], int64)}: the per-expert load to log."""
+        counts = {}
+        for name, module in self.experts.items():
+            if module.routed is None:
+                raise RuntimeError("token_counts(): run a forward first")
+            total = module.routed.clone()
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(total)
+            counts[name] = total
+        return counts
+
+
+def apply_expert_parallel(model: nn.Module, ep_size: int) -> ExpertParallelPlan:
+    """Replace every HF fused-experts module of `model` by an `ExpertParallelExperts` holding this
+    rank's experts; the rest of the model is untouched. Call on every rank, with the same
+    weights (same seed or checkpoint), before building the optimizer."""
+    groups = expert_groups(ep_size)
+    targets = [(name, m) for name, m in model.named_modules() if _is_expert_block(m)]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no fused expert module (experts.gate_up_proj [E, 2I, H]): "
+                         "expert parallelism needs a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE)")
+    replaced, routers = {}, {}
+    for name, module in targets:
+        if any(n.endswith("_bias") for n, _ in module.named_parameters()):
+            raise ValueError(f"{name}: experts with biases are not supported by expert parallelism yet")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        replaced[name] = ExpertParallelExperts(module, groups)
+        setattr(parent, child, replaced[name])
+        router = getattr(parent, "gate", None)
+        if router is not None and hasattr(router, "top_k") and hasattr(router, "num_experts"):
+            routers[name] = router
+    return ExpertParallelPlan(groups, replaced, routers if len(routers) == len(replaced) else {})
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,
+                        group=None) -> torch.Tensor:
+    """transformers' auxiliary load-balancing loss (`load_balancing_loss_func`) over the batch of
+    every rank in `group` (None: the world; one process: exactly HF's value). Returned per rank as
+    world · E · Σ_e f_e · P_e,local, with f_e (the global share of assignments, no gradient) and
+    P_e (routing probability summed over rows) divided by the global row count: its mean over
+    ranks is the global loss and its averaged gradient the global gradient."""
+    logits = torch.cat([layer.float() for layer in router_logits]) if isinstance(router_logits, (tuple, list)) \
+        else router_logits.float()
+    layers = len(router_logits) if isinstance(router_logits, (tuple, list)) else 1
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.topk(probs, top_k, dim=-1).indices
+    mask = torch.ones(logits.shape[0], device=logits.device) if attention_mask is None else \
+        attention_mask.reshape(-1).to(logits.device, torch.float32).repeat(layers)
+    counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
+        0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+    rows = mask.sum().reshape(1)
+    size = 1
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        size = dist.get_world_size(group)
+        totals = torch.cat([counts, rows])
+        dist.all_reduce(totals, group=group)
+        counts, rows = totals[:-1], totals[-1:]
+    prob_sum = (probs * mask[:, None]).sum(0)
+    return size * num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def router_z_loss(router_logits, attention_mask=None, group=None) -> torch.Tensor:
+    """The router z-loss of ST-MoE (Zoph et al. 2022): the mean over every (layer, token) row of
+    logsumexp(logits)², padding rows left out, over the batch of every rank in `group` (None: the
+    world). Returned per rank as world · Σ_local / N_global: the mean over ranks is the global value."""
+    layers = router_logits if isinstance(router_logits, (tuple, list)) else [router_logits]
+    logits = torch.cat([layer.float() for layer in layers])
+    mask = torch.ones(logits.shape[0], device=logits.device) if attention_mask is None else \
+        attention_mask.reshape(-1).to(logits.device, torch.float32).repeat(len(layers))
+    rows, size = mask.sum().reshape(1), 1
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        size = dist.get_world_size(group)
+        dist.all_reduce(rows, group=group)
+    return size * (torch.logsumexp(logits, dim=-1) ** 2 * mask).sum() / rows[0]
