@@ -41,12 +41,9 @@ share one rollout, and every global sum counts each group once (`DataReplicas`).
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,13 +54,21 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
-from .data import drop_long_prompts
 from .export import PolicyExport
-from .grpo import (DataReplicas, DataSettings, EngineSettings, GRPOLoss, GRPOSettings, PromptIndices, RLHook,
-                   build_engine, encode_prompts, global_sum, load_prompt_sets, plot_rl_curves, rollout_tp_size,
-                   seeded_rollouts, tis_weights)
+from .ppo_buffer import (HIDDEN_KEYS, PER_TOKEN_KEYS, TOKEN_KEYS, PPODataSettings, RolloutBuffer,  # noqa: F401
+                         column_window, load_ppo_prompts, trim_columns)
+from .ppo_hook import (ROLLOUT_SUMS, STEP_SUMS, ActorSync, PPOHook, synced_eval,  # noqa: F401
+                       trained_prompt_indices)
+from .ppo_model import (ActorCritic, TrunkCache, actor_critic_outputs, actor_critic_policy,  # noqa: F401
+                        actor_weights, critic_start)
 from .rewards import RewardSet
-from .rollout import RolloutEngine, completion_batch, completion_logprobs, padded, submodule_weights
+from .rl_eval import (HELDOUT_DIR, TRAINED_DIR, both_evals, describe, heldout_report, heldout_scores,  # noqa: F401
+                      paired_comparison, plot_ppo, plot_rl_curves)
+from .rl_losses import explained_variance, prompt_centred, standardize_over_ranks  # noqa: F401  (re-exported)
+from .rl_rollouts import (DataReplicas, EngineSettings, PromptIndices, build_engine, mini_batch_order,
+                          rollout_prompts, rollout_tp_size, seeded_rollouts)
+from .rl_step import RolloutLoss
+from .rollout import completion_batch, completion_logprobs, padded
 
 
 @dataclass
@@ -126,10 +131,6 @@ class PPOSettings:
                               f"{self.num_mini_batches} must be at least 1")
 
 
-@dataclass
-class PPODataSettings(DataSettings):
-    max_prompt_tokens: int = 0        # drop prompts longer than this many tokens at load time (0: keep all)
-
 
 @dataclass
 class PPOConfig:
@@ -171,268 +172,15 @@ def check_rollout_split(cfg: PPOConfig) -> None:
                           "the rollout; set grad_accum_steps=1 and size the step with ppo.num_mini_batches")
 
 
-class ActorCritic(nn.Module):
-    """The actor (a causal LM) and the critic (a backbone + scalar value head) as one trainable module."""
-
-    def __init__(self, actor: nn.Module, critic_backbone: nn.Module) -> None:
-        super().__init__()
-        self.actor, self.critic = actor, critic_backbone
-        self.value_head = nn.Linear(critic_backbone.config.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-        self.config = actor.config  # step-FLOP estimate and the engine read the actor's
-
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int, actor_hidden=None,
-                critic_hidden=None, use_cache: bool = False):
-        """actor_hidden / critic_hidden: the frozen trunk's cached output, fed as inputs_embeds (the
-        caller makes the lower blocks pass it through, `FrozenTrunk.skipping`). use_cache: accepted
-        (HybridParallelPlugin's wrapper passes it) and ignored: training keeps no KV cache."""
-        def inputs(hidden):
-            return {"input_ids": input_ids} if hidden is None else {"inputs_embeds": hidden}
-        logits = self.actor(**inputs(actor_hidden), attention_mask=attention_mask, position_ids=position_ids,
-                            logits_to_keep=logits_to_keep, use_cache=False).logits
-        hidden = self.critic(**inputs(critic_hidden), attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False).last_hidden_state[:, -logits_to_keep:]
-        return logits, self.value_head(hidden).squeeze(-1)
-
-    def split_actor_only(self) -> None:
-        """Make HybridParallelPlugin split this wrapper by `actor_critic_policy`: the policy is
-        registered for a model type of its own, which the wrapper's config (a copy of the actor's)
-        names. The plugin picks a policy by `config.model_type`; passing it as a plugin option
-        instead would put an object in train.plugin_options, which checkpoints save as JSON. The
-        copy's to_dict still names the actor's family (transformers writes the class's model_type)."""
-        from phalanx.shard.policy import register_policy
-        policy = register_policy(actor_critic_policy(self.actor))
-        self.config = copy.copy(self.actor.config)
-        self.config.model_type = policy.model_types[0]
-
-
-def actor_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The actor's tensors under HF names, from any wrapper (DDP `module.`, FSDP, compile)."""
-    return submodule_weights(model.state_dict(), "actor")
-
-
-def actor_critic_policy(actor: nn.Module):
-    """The shard policy of `ActorCritic` for HybridParallelPlugin: the actor's family policy with
-    its paths under `actor.`, so the actor's decoder layers, embedding and LM head are split over
-    the tp group; the critic backbone and the value head stay replicated (every tp rank computes
-    them whole, on the same batch, so their gradients agree without communication)."""
-    from dataclasses import replace as replace_fields
-
-    from phalanx.shard.policy import policy_for
-
-    base = policy_for(actor)
-
-    def under(path):
-        return f"actor.{path}" if path else path
-    return replace_fields(base, family=f"{base.family} actor-critic",
-                          model_types=(f"{actor.config.model_type}-actor-critic",), layers=under(base.layers),
-                          embedding=under(base.embedding), final_norm=under(base.final_norm), head=under(base.head),
-                          position_embeddings=tuple(map(under, base.position_embeddings)),
-                          input_extras=tuple(map(under, base.input_extras)),
-                          output_extras=tuple(map(under, base.output_extras)))
-
-
-# -- the rollout buffer ------------------------------------------------------------------------------
-TOKEN_KEYS = ("input_ids", "attention_mask", "position_ids", "completion_mask")
-PER_TOKEN_KEYS = ("old_logp", "old_values", "advantages", "returns")
-OPTIONAL_KEYS = ("tis",)  # [B, T] truncated importance weights trainer / engine (ppo.tis_cap; None: off)
-HIDDEN_KEYS = ("actor_hidden", "critic_hidden")  # [B, P+T, H] frozen-trunk outputs (cache_frozen_trunk only)
-WIDE_KEYS = ("input_ids", "attention_mask", "position_ids") + HIDDEN_KEYS  # prompt + completion columns
-
-
-@dataclass
-class RolloutBuffer:
-    """This rank's rollout, with everything PPO's mini-batch epochs reuse, computed once at rollout
-    time: the token batch ([B, P+T] prompts left-padded, completions right-padded, `completion_mask`
-    [B, T]) and per-token [B, T] old_logp (the trainer's, from the weights that sampled), old_values
-    (the critic's), advantages (GAE, whitened) and returns. `step`: the optimizer step that made it.
-
-    old_logp is the trainer's forward, not the engine's log-probs: the two agree to the guard's gap
-    in fp32, but under bf16 training the trainer rounds differently from the fp32 engine, and the
-    ratio of the first mini-batch must be 1 for the clip to measure the policy's change only."""
-
-    step: int
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    old_logp: torch.Tensor
-    old_values: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    actor_hidden: torch.Tensor | None = None
-    critic_hidden: torch.Tensor | None = None
-    tis: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def keys(self) -> tuple[str, ...]:
-        return TOKEN_KEYS + PER_TOKEN_KEYS + tuple(k for k in HIDDEN_KEYS + OPTIONAL_KEYS
-                                                   if getattr(self, k) is not None)
-
-    def rows(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The rows `index`, without the columns that are padding in all of them."""
-        return trim_columns({k: getattr(self, k)[index] for k in self.keys()})
-
-    def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-        save_file({k: getattr(self, k).contiguous().cpu() for k in self.keys()}, str(path),
-                  metadata={"step": str(self.step)})
-
-    @classmethod
-    def load(cls, path: Path, device: torch.device | str = "cpu") -> "RolloutBuffer":
-        from safetensors import safe_open
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            step = int(f.metadata()["step"])
-            tensors = {k: f.get_tensor(k) for k in TOKEN_KEYS + PER_TOKEN_KEYS + HIDDEN_KEYS + OPTIONAL_KEYS
-                       if k in f.keys()}
-        return cls(step=step, **tensors)
-
-
-def column_window(batch: dict[str, torch.Tensor]) -> tuple[int, int, int]:
-    """(start, stop, kept completion columns): the prompt + completion columns some row uses."""
-    T = batch["completion_mask"].shape[1]
-    P = batch["input_ids"].shape[1] - T
-    keep_t = max(int(batch["completion_mask"].sum(1).max()), 1)
-    return P - int(batch["attention_mask"][:, :P].sum(1).max()), P + keep_t, keep_t
-
-
-def trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the leading prompt columns and trailing completion columns that no row uses (a
-    mini-batch of short sequences should not pay for the rollout's longest one)."""
-    start, stop, keep_t = column_window(batch)
-    return {k: v[:, start:stop] if k in WIDE_KEYS else v[:, :keep_t] for k, v in batch.items()}
-
-
-def mini_batch_order(seed: int, rollout_step: int, epoch: int, size: int, num_mini_batches: int
-                     ) -> list[torch.Tensor]:
-    """Row indices of each mini-batch of one epoch: a permutation of the rollout's rows from a
-    generator seeded by (seed, rollout step, epoch), so every rank and a resumed run agree."""
-    digest = hashlib.sha256(f"ppo-mini-batches/{seed}/{rollout_step}/{epoch}".encode()).digest()
-    g = torch.Generator().manual_seed(int.from_bytes(digest[:7], "little"))
-    return list(torch.randperm(size, generator=g).chunk(num_mini_batches))
-
-
-def rollout_prompts(seed: int, rollout: int, num_prompts: int, per_rank: int, rank: int = 0, world: int = 1
-                    ) -> list[int]:
-    """Prompt indices of rollout number `rollout` (0-based) on `rank`: pass p over the prompts is a
-    permutation seeded by (seed, p); each rollout takes its next `per_rank * world` indices, rank r
-    every world-th of them from r (fit's sampler shards the same way). A pass holds
-    num_prompts // (per_rank * world) rollouts; the few prompts left over wait for a later pass."""
-    size = per_rank * world
-    per_pass = num_prompts // size
-    if per_pass < 1:
-        raise ConfigError(f"{num_prompts} training prompts cannot fill one rollout of {per_rank} prompts x {world} "
-                          "rank(s): lower train.micro_batch_size or raise data.num_train / data.max_prompt_tokens")
-    p, slot = divmod(rollout, per_pass)
-    digest = hashlib.sha256(f"ppo-prompts/{seed}/{p}".encode()).digest()
-    perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(int.from_bytes(digest[:7], "little")))
-    return perm[slot * size:(slot + 1) * size][rank::world].tolist()
-
-
-def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8, sums=global_sum) -> torch.Tensor:
-    """x minus the mean, over the (unbiased) std, both over every rank's values (`sums`: how per-rank
-    sums become global ones; `DataReplicas.sum` counts each tensor-parallel group once)."""
-    n, total, sq = sums([float(x.numel()), float(x.sum()), float((x.double() ** 2).sum())])
-    mean = total / max(n, 1.0)
-    var = max(sq - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
-    return (x - mean) * (var + eps) ** -0.5
-
-
-def prompt_centred(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """Each score minus the mean score of its prompt's n samples (rows are prompt-major: i*n + j).
-    A rank holds whole prompts, so no communication is needed. What is left is the signal the
-    policy can act on: which answer to this prompt the reward prefers; the spread between prompts
-    (most of an RM score's variance) is noise to the policy gradient until the critic learns it."""
-    g = scores.reshape(-1, n)
-    return (g - g.mean(dim=1, keepdim=True)).reshape(-1)
-
-
-def explained_variance(ret_sum: float, ret_sq: float, res_sum: float, res_sq: float, n: float) -> float:
-    """1 - Var(returns - values) / Var(returns) over a rollout's tokens, from global sums: 1 when the
-    critic predicts the returns, 0 when it does no better than their mean, negative when worse."""
-    n = max(n, 1.0)
-    var_ret = ret_sq / n - (ret_sum / n) ** 2
-    var_res = res_sq / n - (res_sum / n) ** 2
-    return 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0
-
-
-def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sums=global_sum) -> torch.Tensor:
-    """`rl_losses.whiten` with the mean and (unbiased) variance of the masked entries of every
-    rank's rollout, so the advantages are normalised over the whole rollout, not per shard
-    (`sums` as in `standardize_over_ranks`)."""
-    m = mask.to(x.dtype)
-    count, total = sums([float(m.sum()), float((x * m).sum())])
-    mean = total / max(count, 1.0)
-    (sq,) = sums([float((((x - mean) * m) ** 2).sum())])
-    var = sq / max(count - 1.0, 1.0)
-    return (x - mean) * (var + eps) ** -0.5 * m
-
-
-class TrunkCache:
-    """`ppo.cache_frozen_trunk`: the frozen lower blocks of actor and critic (`train_layers` N). The
-    rollout-time no-grad pass runs them anyway; their output there is kept in the buffer, and every
-    mini-batch step of the rollout feeds it back (`inputs_embeds`, lower blocks passing it through),
-    so a step runs the top N blocks of each model instead of all of them. Exact up to the rounding
-    of another batch shape: the lower blocks never change, and a row's valid positions do not
-    depend on its padding. Build it after the reference copy and the engine (it patches the lower
-    blocks' forward on this instance)."""
-
-    def __init__(self, actor: nn.Module, critic: nn.Module, train_layers: int) -> None:
-        from .frozen_trunk import FrozenTrunk
-        self.actor, self.critic = FrozenTrunk(actor, train_layers), FrozenTrunk(critic, train_layers)
-
-    @contextmanager
-    def capturing(self, actor_sink: list, critic_sink: list):
-        with self.actor.capturing(actor_sink), self.critic.capturing(critic_sink):
-            yield
-
-    @contextmanager
-    def skipping(self):
-        with self.actor.skipping(), self.critic.skipping():
-            yield
-
-
-def actor_critic_outputs(model: nn.Module, batch: dict[str, torch.Tensor], trunks: TrunkCache | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-probs, values, entropy) [B, T] of the completion tokens: values are the critic's
-    estimates at the state before each token; everything masked to the completion. A batch with
-    the frozen trunk's cached outputs (HIDDEN_KEYS) runs only the blocks above it (`trunks`)."""
-    mask = batch["completion_mask"].float()
-    T = mask.shape[1]
-    cached = {k: batch[k] for k in HIDDEN_KEYS if k in batch}
-    if cached and trunks is None:
-        raise ValueError("a batch with cached frozen-trunk outputs needs the TrunkCache that skips the lower blocks")
-    with trunks.skipping() if cached else nullcontext():
-        logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               position_ids=batch["position_ids"], logits_to_keep=T + 1, **cached)
-    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    logp = logp_all.gather(-1, batch["input_ids"][:, -T:].unsqueeze(-1)).squeeze(-1) * mask
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
-    return logp, values[:, :-1].float() * mask, entropy
-
 
 # -- the loss --------------------------------------------------------------------------------------
-ROLLOUT_SUMS = ("samples", "reward_sum", "reward_sq_sum", "within_sq_sum", "completion_tokens", "truncated",
-                "kl_sum", "rollout_tokens", "gap_sum", "generate_s", "score_s", "prepare_s",
-                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum", "tis_weight_sum", "tis_capped")
-STEP_SUMS = ("tokens", "clipped_low", "clipped_high", "value_clipped", "approx_kl_sum", "ratio_dev_sum",
-             "entropy_sum", "policy_loss_sum", "value_loss_sum")
-
-
-class PPOLoss(GRPOLoss):
+class PPOLoss(RolloutLoss):
     """fit's loss_fn for PPO: a rollout into the buffer when it is empty, then one mini-batch of it
-    per optimizer step (shares rollout, scoring and the stale-weight guard with GRPO)."""
+    per optimizer step (`RolloutLoss`: rollout, scoring, KL controller and guard, as GRPO's)."""
 
     def __init__(self, settings: PPOSettings, records, prompt_ids, rewards: RewardSet, rollout_fn, pad_id: int, *,
                  reference: nn.Module, seed: int = 0) -> None:
-        super().__init__(_as_grpo_view(settings), records, prompt_ids, rewards, rollout_fn, pad_id,
-                         reference=reference, seed=seed)
-        self.s = settings
-        self.kl = L.AdaptiveKLController(settings.kl_coef, settings.kl_target, settings.kl_horizon)
+        super().__init__(settings, records, prompt_ids, rewards, rollout_fn, pad_id, reference=reference, seed=seed)
         self.buffer: RolloutBuffer | None = None
         self.rollouts = 0                          # rollouts generated by this process (tests count them)
         self.rollout_indices: list[list[int]] = []  # the prompts of each rollout of this process
@@ -501,9 +249,9 @@ class PPOLoss(GRPOLoss):
 
         raw_scores = scores
         if s.score_baseline == "prompt":
-            scores = prompt_centred(scores, s.num_generations)
+            scores = L.prompt_centred(scores, s.num_generations)
         if s.normalize_scores:
-            scores = standardize_over_ranks(scores, sums=sums)
+            scores = L.standardize_over_ranks(scores, sums=sums)
         ref_lp, _ = completion_logprobs(self.reference, tb)
         kl = (logp - ref_lp) * mask  # per-token KL sample (k1) of the policy against the reference, in the reward
         self.kl_coef_used = self.kl.value
@@ -513,16 +261,16 @@ class PPOLoss(GRPOLoss):
         adv, returns = L.gae(rewards, values, mask, gamma=s.gamma, lam=s.lam)
         residual = (returns - values) * mask  # what the critic's rollout-time values missed (explained variance)
         if s.whiten_advantages:
-            adv = whiten_over_ranks(adv, mask, sums=sums)
+            adv = L.whiten_over_ranks(adv, mask, sums=sums)
         kl_total, samples = sums([float(kl.sum()), float(B)])
         self.kl.update(kl_total / max(tokens, 1.0), int(samples))  # per-token KL; the horizon counts samples
-        tis = tis_weights(logp, engine_lp, mask, s.tis_cap) if s.tis_cap is not None else None
+        tis = L.tis_weights(logp, engine_lp, mask, s.tis_cap) if s.tis_cap is not None else None
         lengths = torch.tensor([len(c) for c in rollout.completion_ids])
         self.rollouts += 1
         self.rollout_sums = {
             "samples": len(scores), "reward_sum": float(raw_scores.sum()),
             "reward_sq_sum": float((raw_scores ** 2).sum()),
-            "within_sq_sum": float((prompt_centred(raw_scores, s.num_generations) ** 2).sum()),
+            "within_sq_sum": float((L.prompt_centred(raw_scores, s.num_generations) ** 2).sum()),
             "return_sum": float((returns * mask).sum()), "return_sq_sum": float((returns ** 2 * mask).sum()),
             "residual_sum": float(residual.sum()), "residual_sq_sum": float((residual ** 2).sum()),
             "completion_tokens": float(lengths.sum()), "truncated": float(sum(rollout.truncated)),
@@ -563,310 +311,6 @@ class PPOLoss(GRPOLoss):
         return (pg * (1.0 if train_policy else 0.0) + s.vf_coef * vf) * world
 
 
-def _as_grpo_view(s: PPOSettings) -> GRPOSettings:
-    return GRPOSettings(num_generations=s.num_generations, max_new_tokens=s.max_new_tokens,
-                        max_logprob_gap=s.max_logprob_gap, gap_jump=s.gap_jump)
-
-
-# -- the hook: metrics, engine sync, checkpoint state -----------------------------------------------
-class ActorSync:
-    """Duck-types the part of RolloutEngine that RLHook calls, syncing only the actor's weights."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine = engine
-
-    def sync(self, model: nn.Module) -> float:
-        return self.engine.sync(model, submodule="actor")
-
-
-class PPOHook(RLHook):
-    """RLHook for PPO: per-step metrics (rollout metrics on the steps that made one), the engine
-    synced when the buffer is exhausted (and before evaluation), and the rollout buffer inside
-    every checkpoint taken in the middle of a cycle."""
-
-    loss: PPOLoss
-
-    def __init__(self, loss: PPOLoss, engine, output_dir) -> None:
-        super().__init__(loss, engine, output_dir)
-        self.engine_step = 0   # the step whose weights the engine holds
-        self.heldout_before: dict | None = None
-
-    def sync_engine(self) -> float:
-        if self.engine is None or self.engine_step == self.loss.step:
-            return 0.0
-        seconds = self.engine.sync(self.model)
-        self.engine_step = self.loss.step
-        return seconds
-
-    def after_step(self, step: int) -> None:
-        loss, s = self.loss, self.loss.s
-        world = loss.replicas.count
-        started = loss.stats.started
-        loss.step = step
-        epoch, slot = loss.position(step)
-        sync_s = self.sync_engine() if (step % s.steps_per_rollout == 0) else 0.0
-        v = dict(zip(STEP_SUMS, loss.replicas.sum([loss.step_sums[k] for k in STEP_SUMS])))
-        tokens = max(v["tokens"], 1.0)
-        record: dict[str, Any] = {
-            "step": step, "ppo_epoch": epoch, "mini_batch": slot, "new_rollout": bool(loss.rollout_sums),
-            "policy_loss": v["policy_loss_sum"] / tokens, "value_loss": v["value_loss_sum"] / tokens,
-            "clip_frac": (v["clipped_low"] + v["clipped_high"]) / tokens, "clip_frac_low": v["clipped_low"] / tokens,
-            "clip_frac_high": v["clipped_high"] / tokens, "value_clip_frac": v["value_clipped"] / tokens,
-            "approx_kl": v["approx_kl_sum"] / tokens, "ratio_dev": v["ratio_dev_sum"] / tokens,
-            "entropy": v["entropy_sum"] / tokens, "kl_coef": loss.kl.value, "time_sync_s": sync_s,
-            "policy_trained": not loss.critic_warmup(step - (step - 1) % s.steps_per_rollout)}
-        if loss.rollout_sums:
-            r = dict(zip(ROLLOUT_SUMS, loss.replicas.sum([loss.rollout_sums.get(k, 0.0) for k in ROLLOUT_SUMS])))
-            samples = max(r["samples"], 1.0)
-            mean = r["reward_sum"] / samples
-            record.update({
-                "reward_mean": mean, "reward_std": max(r["reward_sq_sum"] / samples - mean ** 2, 0.0) ** 0.5,
-                # pooled std of the scores around their prompt's mean: the part of the reward that tells
-                # one prompt's answers apart (the policy's learning signal), against reward_std's total
-                "reward_within_std": (r["within_sq_sum"] / samples) ** 0.5,
-                "critic_explained_var": explained_variance(r["return_sum"], r["return_sq_sum"], r["residual_sum"],
-                                                           r["residual_sq_sum"], r["rollout_tokens"]),
-                "completion_len": r["completion_tokens"] / samples, "clipped_len_frac": r["truncated"] / samples,
-                "kl": r["kl_sum"] / max(r["rollout_tokens"], 1.0), "rollout_kl_coef": loss.kl_coef_used,
-                "logprob_gap": r["gap_sum"] / max(r["rollout_tokens"], 1.0),
-                "tis_weight": r["tis_weight_sum"] / max(r["rollout_tokens"], 1.0) if s.tis_cap is not None else 1.0,
-                "tis_capped_frac": r["tis_capped"] / max(r["rollout_tokens"], 1.0),
-                "rollout_tokens_per_s": r["completion_tokens"] / max(r["generate_s"], 1e-9),
-                "time_generate_s": r["generate_s"] / world, "time_score_s": r["score_s"] / world,
-                "time_prepare_s": r["prepare_s"] / world})
-        record["time_step_s"] = time.perf_counter() - (started or time.perf_counter())  # loss call to here
-        loss.rollout_sums, loss.step_sums = {}, dict.fromkeys(STEP_SUMS, 0.0)
-        loss.stats.reset()
-        self.history.append(record)
-        self._writer().log(record)
-        line = (f"step {step} (epoch {epoch}, mini-batch {slot}) | clip {record['clip_frac']:.3f} | value clip "
-                f"{record['value_clip_frac']:.3f} | approx_kl {record['approx_kl']:.2e}")
-        if "reward_mean" in record:
-            line += (f" | rollout: reward {record['reward_mean']:.3f} (within-prompt std "
-                     f"{record['reward_within_std']:.3f}) | critic EV {record['critic_explained_var']:.2f} | kl "
-                     f"{record['kl']:.3f} | len "
-                     f"{record['completion_len']:.1f} | gap {record['logprob_gap']:.2e} | gen "
-                     f"{record['time_generate_s']:.1f}s")
-        self.log.info(line)
-
-    def save(self, directory: Path) -> None:
-        loss, s = self.loss, self.loss.s
-        directory.mkdir(parents=True, exist_ok=True)
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mid_cycle = loss.step % s.steps_per_rollout != 0
-        if mid_cycle:
-            loss.buffer.save(directory / f"buffer-rank{rank}.safetensors")
-        if rank == 0:
-            state = {"step": loss.step, "kl": loss.kl.state_dict(), "guard": loss.guard.state_dict(),
-                     "ppo_epochs": s.ppo_epochs, "num_mini_batches": s.num_mini_batches, "world_size": world,
-                     "buffer": mid_cycle}
-            (directory / "state.json").write_text(json.dumps(state))
-
-    def load(self, directory: Path) -> None:
-        loss, s = self.loss, self.loss.s
-        state = json.loads((directory / "state.json").read_text())
-        loss.step = int(state["step"])
-        loss.kl.load_state_dict(state["kl"])
-        loss.guard.load_state_dict(state["guard"])
-        loss.buffer = None
-        if state.get("buffer"):
-            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-            saved = (state["ppo_epochs"], state["num_mini_batches"], state["world_size"])
-            if saved != (s.ppo_epochs, s.num_mini_batches, world):
-                raise ConfigError(
-                    f"{directory.parent} was saved at step {loss.step}, in the middle of a rollout's mini-batches, with "
-                    f"ppo_epochs={saved[0]}, num_mini_batches={saved[1]} on {saved[2]} rank(s); this run has "
-                    f"{s.ppo_epochs}, {s.num_mini_batches} on {world}: resume with those settings, or from a "
-                    "checkpoint at a rollout boundary (a step that is a multiple of ppo_epochs x num_mini_batches)")
-            device = next(self.model.parameters()).device if self.model is not None else "cpu"
-            loss.buffer = RolloutBuffer.load(directory / f"buffer-rank{rank}.safetensors", device)
-            if loss.trunks is None:  # saved with cache_frozen_trunk, resumed without: the full forward it is
-                loss.buffer.actor_hidden = loss.buffer.critic_hidden = None
-        if self.engine is not None:
-            self.engine.sync(self.model)  # the checkpoint's weights, not the initial ones
-            self.engine_step = loss.step
-
-
-def synced_eval(hook: PPOHook, evaluate):
-    """eval_fn that first brings the engine up to the trained weights (it is synced lazily)."""
-    def run(model=None, step: int = 0) -> dict:
-        hook.sync_engine()
-        return evaluate(model, step)
-    return run
-
-
-# -- prompts, held-out scores, the report ---------------------------------------------------------
-def load_ppo_prompts(data: PPODataSettings, tokenizer, log=None
-                     ) -> tuple[list[dict], list[dict], list[list[int]], list[list[int]]]:
-    """(train records, held-out records, their token ids). With data.max_prompt_tokens the longer
-    prompts are dropped first and num_train / num_heldout then count the prompts that remain (a
-    one-file preference source still holds out the last num_heldout of the first num_train +
-    num_heldout)."""
-    from .tasks import TASKS
-    if not data.max_prompt_tokens:
-        train, held = load_prompt_sets(data)
-        return train, held, encode_prompts(tokenizer, train), encode_prompts(tokenizer, held)
-    one_file_split = data.source not in TASKS and not data.heldout and data.kind == "preference" and data.num_heldout
-    train, held = load_prompt_sets(data if data.source in TASKS else replace(data, num_train=0, num_heldout=0))
-    train, train_ids, dropped_train = drop_long_prompts(train, encode_prompts(tokenizer, train), data.max_prompt_tokens)
-    held, held_ids, dropped_held = drop_long_prompts(held, encode_prompts(tokenizer, held), data.max_prompt_tokens)
-    read = len(train) + dropped_train + len(held) + dropped_held
-    if one_file_split:
-        n = data.num_train + data.num_heldout if data.num_train else len(train)
-        train, train_ids = train[:n], train_ids[:n]
-        if len(train) <= data.num_heldout:
-            raise ConfigError(f"data.max_prompt_tokens={data.max_prompt_tokens} leaves {len(train)} prompts of "
-                              f"{data.source}, not more than data.num_heldout={data.num_heldout}: raise "
-                              "max_prompt_tokens or lower num_heldout")
-        train, held, train_ids, held_ids = (train[:-data.num_heldout], train[-data.num_heldout:],
-                                            train_ids[:-data.num_heldout], train_ids[-data.num_heldout:])
-    elif data.source not in TASKS:
-        if data.num_train:
-            train, train_ids = train[:data.num_train], train_ids[:data.num_train]
-        if data.num_heldout:
-            held, held_ids = held[:data.num_heldout], held_ids[:data.num_heldout]
-    if not train:
-        raise ConfigError(f"data.max_prompt_tokens={data.max_prompt_tokens} drops every training prompt of "
-                          f"{data.source}: raise it")
-    if log is not None:
-        log.info(f"data.max_prompt_tokens={data.max_prompt_tokens}: dropped {dropped_train + dropped_held} of {read} "
-                 f"prompts read; {len(train)} training and {len(held)} held-out prompts remain")
-    return train, held, train_ids, held_ids
-
-
-HELDOUT_DIR = "heldout"
-
-
-TRAINED_DIR = "trained"
-
-
-def heldout_scores(engine, records: list[dict], prompt_ids: list[list[int]], rewards: RewardSet, output_dir,
-                   subdir: str = HELDOUT_DIR, prefix: str = "heldout") -> Any:
-    """eval_fn: greedy answers from the engine (which holds the latest weights) scored by the
-    rewards, each rank its share; rank 0 writes every prompt's score, length and text to
-    `heldout/step_N.jsonl` (for the paired comparison) and the means come back."""
-    from .grpo import DataReplicas
-    replicas = DataReplicas(engine.tp_size)
-    directory = Path(output_dir) / subdir
-
-    def run(model=None, step: int = 0) -> dict:
-        mine = list(range(replicas.rank, len(records), replicas.count))
-        rows = []
-        if mine:
-            out = engine.generate([prompt_ids[i] for i in mine], 1, greedy=True)
-            scores, _ = rewards([records[i]["prompt"] for i in mine], out.texts,
-                                [records[i].get("ground_truth") for i in mine])
-            rows = [{"index": i, "score": float(sc), "length": len(c), "text": t}
-                    for i, sc, c, t in zip(mine, scores.tolist(), out.completion_ids, out.texts)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, rows)
-            rows = {r["index"]: r for part in gathered for r in part}.values()  # tp groups repeat theirs
-        rows = sorted(rows, key=lambda r: r["index"])
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / f"step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        n = max(len(rows), 1)
-        return {f"{prefix}_reward": sum(r["score"] for r in rows) / n, f"{prefix}_n": float(len(rows)),
-                f"{prefix}_len": sum(r["length"] for r in rows) / n}
-    return run
-
-
-def trained_prompt_indices(cfg: "PPOConfig", num_prompts: int) -> list[int]:
-    """The training prompts the rollouts of a `train.max_steps` run use, all ranks together, sorted."""
-    world = DataReplicas(rollout_tp_size(cfg.train)).count
-    rollouts = -(-cfg.train.max_steps // cfg.ppo.steps_per_rollout)
-    size = cfg.train.micro_batch_size * world
-    return sorted({i for r in range(rollouts) for i in rollout_prompts(cfg.train.seed, r, num_prompts, size)})
-
-
-def both_evals(heldout, trained):
-    """eval_fn scoring the held-out prompts, then (if given) the trained ones; one dict of metrics."""
-    def run(model=None, step: int = 0) -> dict:
-        out = heldout(model, step) if heldout is not None else {}
-        return {**out, **trained(model, step)} if trained is not None else out
-    return run
-
-
-def read_heldout(output_dir, subdir: str = HELDOUT_DIR) -> dict[int, list[dict]]:
-    """{step: rows} of every held-out evaluation that `heldout_scores` wrote."""
-    directory = Path(output_dir) / subdir
-    out = {}
-    for path in directory.glob("step_*.jsonl") if directory.is_dir() else []:
-        out[int(path.stem.removeprefix("step_"))] = [json.loads(x) for x in path.read_text().splitlines()]
-    return dict(sorted(out.items()))
-
-
-def paired_comparison(before: list[float], after: list[float], resamples: int = 10000, seed: int = 0) -> dict:
-    """Mean change of paired scores (after - before, prompt by prompt) with a 95% percentile
-    bootstrap interval over prompts, and a two-sided exact sign test (ties dropped)."""
-    import math
-    if len(before) != len(after) or not before:
-        raise ValueError(f"paired comparison needs equal, non-empty lists (got {len(before)} and {len(after)})")
-    d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)
-    wins, losses = int((d > 0).sum()), int((d < 0).sum())
-    k, n = min(wins, losses), wins + losses
-    p_sign = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
-    return {"n": len(d), "mean_before": sum(before) / len(d), "mean_after": sum(after) / len(d),
-            "mean_diff": float(d.mean()), "ci95": [float(means.quantile(0.025)), float(means.quantile(0.975))],
-            "wins": wins, "losses": losses, "ties": len(d) - n, "sign_test_p": p_sign}
-
-
-def heldout_report(output_dir, subdir: str = HELDOUT_DIR) -> dict | None:
-    """The paired comparison (score and completion length) of the first and the last held-out
-    evaluation of a run, written to `heldout_comparison.json` (`trained_comparison.json` for the
-    trained prompts' evaluations); None with fewer than two."""
-    evals = read_heldout(output_dir, subdir)
-    if len(evals) < 2:
-        return None
-    (first, a), (last, b) = next(iter(evals.items())), list(evals.items())[-1]
-    if [r["index"] for r in a] != [r["index"] for r in b]:
-        return None
-    report = {"from_step": first, "to_step": last,
-              "score": paired_comparison([r["score"] for r in a], [r["score"] for r in b]),
-              "length": paired_comparison([float(r["length"]) for r in a], [float(r["length"]) for r in b])}
-    (Path(output_dir) / f"{subdir}_comparison.json").write_text(json.dumps(report, indent=1))
-    return report
-
-
-def plot_ppo(output_dir) -> Path | None:
-    """`ppo_curves.png`: reward-model score (rollout samples; greedy answers to the held-out and,
-    with eval_trained_prompts, the trained-on prompts), KL to the reference per token, and
-    completion length, against the step."""
-    from phalanx.observe import read_metrics
-
-    from .grpo import ROLLOUT_METRICS
-    output_dir = Path(output_dir)
-    rl = read_metrics(output_dir / ROLLOUT_METRICS) if (output_dir / ROLLOUT_METRICS).exists() else []
-    rl = [r for r in rl if "reward_mean" in r]
-    evals = read_heldout(output_dir)
-    if not rl and not evals:
-        return None
-    import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), dpi=110)
-    trained = read_heldout(output_dir, TRAINED_DIR)
-    for ax, key, held_key, title in ((axes[0], "reward_mean", "score", "reward-model score"),
-                                     (axes[1], "kl", None, "KL to reference (per token)"),
-                                     (axes[2], "completion_len", "length", "completion length (tokens)")):
-        if rl:
-            ax.plot([r["step"] for r in rl], [r[key] for r in rl], linewidth=1, alpha=0.6, label="rollout samples")
-        for runs, label in ((evals, "held-out, greedy"), (trained, "trained-on prompts, greedy")):
-            if held_key and runs:
-                ax.plot(list(runs), [sum(r[held_key] for r in rows) / max(len(rows), 1) for rows in runs.values()],
-                        "o-", linewidth=1.5, label=label)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = output_dir / "ppo_curves.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 # -- wiring ----------------------------------------------------------------------------------------
@@ -917,25 +361,6 @@ def build_ppo(cfg: PPOConfig):
     return model, tokenizer, train_records, loss, hook, eval_fn, engine
 
 
-def critic_start(cfg: PPOConfig, actor: nn.Module, tokenizer) -> tuple[nn.Module, torch.Tensor | None]:
-    """(critic backbone, value-head weight or None) as `cfg.critic` says. From a reward model (the
-    default when `ppo.rewards` names one, as InstructGPT and ColossalChat start PPO): its backbone,
-    and its score head as the value head, so V(state) starts as the RM's estimate of the final
-    score rather than 0 everywhere. The critic reads the actor's token ids: the vocabularies must match."""
-    from transformers import AutoModel
-
-    from .models import from_pretrained, load_reward_model, resolve_model_dir
-    rms = [spec[3:] for spec in cfg.ppo.rewards if spec.startswith("rm:")]
-    if cfg.critic == "" and len(rms) == 1:
-        rm, rm_tokenizer = load_reward_model(rms[0])
-        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ConfigError(f"critic='' starts the critic from the reward model {rms[0]}, but its tokenizer differs "
-                              "from the policy's (the critic reads the policy's tokens): set critic=policy (the "
-                              "actor's backbone) or critic=<a model directory with the policy's tokenizer>")
-        return rm.base_model, rm.score.weight.detach().clone()
-    source = cfg.model if cfg.critic in ("", "policy") else cfg.critic
-    return from_pretrained(AutoModel, resolve_model_dir(source)), None
-
 
 def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
     from phalanx.checkpoint import latest_checkpoint
@@ -967,13 +392,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{what} prompts, step {report['from_step']} -> {report['to_step']}: " + describe(report))
 
 
-def describe(report: dict) -> str:
-    """One line for a paired comparison of `heldout_report`."""
-    sc, ln = report["score"], report["length"]
-    return (f"{sc['n']} prompts, paired: score {sc['mean_before']:.4f} -> {sc['mean_after']:.4f}, change "
-            f"{sc['mean_diff']:+.4f} (95% bootstrap {sc['ci95'][0]:+.4f} .. {sc['ci95'][1]:+.4f}), up {sc['wins']} / "
-            f"down {sc['losses']} / same {sc['ties']}, sign test p={sc['sign_test_p']:.3g}; length "
-            f"{ln['mean_before']:.1f} -> {ln['mean_after']:.1f} tokens")
 
 
 if __name__ == "__main__":

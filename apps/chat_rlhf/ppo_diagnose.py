@@ -63,9 +63,10 @@ def best_of_k(scores: torch.Tensor) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> dict:
     from phalanx.launch import context
 
-    from .grpo import sample_seed
+    from .rl_rollouts import sample_seed
     from .models import load_policy, load_tokenizer
-    from .ppo import load_ppo_config, load_ppo_prompts, paired_comparison
+    from .ppo import load_ppo_config, load_ppo_prompts
+    from .rl_eval import paired_comparison
     from .rewards import RewardSet
     from .rollout import RolloutEngine
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .rl_logprobs import shifted_logprobs
+
 PAIRED_LOSSES = ("sigmoid", "ipo", "simpo")
 LOSS_TYPES = PAIRED_LOSSES + ("kto",)
 REFERENCE_FREE = ("simpo",)
@@ -37,10 +39,10 @@ def completion_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_m
     if first > 0 and completion_mask[:, :first].any():
         raise ValueError("completion tokens lie before the scored positions; keep more logits")
     targets, mask = input_ids[:, first:], completion_mask[:, first:]
-    logits = logits if logits.dtype == torch.float64 else logits.float()  # bf16/fp16 logits: softmax in fp32
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # the fused float32 log-probs of online RL (rl_logprobs): no full-vocabulary log-softmax
+    logp, _ = shifted_logprobs(logits, targets, mask)
     mask = mask.to(logp.dtype)
-    return (logp * mask).sum(-1), mask.sum(-1)
+    return logp.sum(-1), mask.sum(-1)
 
 
 def sequence_logps(model, batch: dict, trunk=None) -> tuple[torch.Tensor, torch.Tensor]:

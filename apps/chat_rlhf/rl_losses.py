@@ -9,12 +9,15 @@ GRPO family are [P, n] (P prompts, n samples each). Every function here has a ha
   DAPO), aggregated per token over the batch (DAPO) or per sequence (GRPO paper).
 - `k3_kl`: Schulman's unbiased, always-positive KL estimator, exp(r) - r - 1 with r = ref - logp
   (what is logged); `kl_penalty`: the KL term to differentiate (k2, whose gradient is unbiased).
-- `gae`, `value_loss`, `whiten`, `AdaptiveKLController`: PPO's pieces (InstructGPT).
+- `gae`, `value_loss`, `AdaptiveKLController`: PPO's pieces (InstructGPT); `whiten`: the one
+  normaliser (advantages, scores; over every rank through `sums`).
+- `overlong_shaping` (DAPO), `tis_weights` (truncated importance sampling), `prompt_centred`,
+  `explained_variance`.
 """
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -30,15 +33,34 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, *, shift_mean: bool = True, eps: float = 1e-8
-           ) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (unbiased variance, as in InstructGPT/TRL)."""
-    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
-    out = (x - mean) * torch.rsqrt(var + eps)
+def local_sums(values: Sequence[float]) -> list[float]:
+    """The `sums` of one process: the values themselves."""
+    return [float(v) for v in values]
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, *, shift_mean: bool = True, eps: float = 1e-8,
+           sums: Callable[[Sequence[float]], list[float]] = local_sums) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance, as in InstructGPT/TRL): the one
+    normaliser of online RL. `sums` turns this process's sums into the run's (`global_sum`,
+    `DataReplicas.sum`), so the statistics cover every rank's rollout, not one shard; mean and
+    variance are two passes of float64 host sums."""
+    m = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    count, total = sums([float(m.sum()), float((x.double() * m).sum())])
+    mean = total / max(count, 1.0)
+    (sq,) = sums([float((((x.double() - mean) * m) ** 2).sum())])
+    var = sq / max(count - 1.0, 1.0)
+    out = (x - mean) * (var + eps) ** -0.5
     return out if shift_mean else out + mean
+
+
+def whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sums=local_sums) -> torch.Tensor:
+    """PPO's advantages: `whiten` over the masked entries of every rank's rollout, 0 off the mask."""
+    return whiten(x, mask, eps=eps, sums=sums) * mask.to(x.dtype)
+
+
+def standardize_over_ranks(x: torch.Tensor, eps: float = 1e-8, sums=local_sums) -> torch.Tensor:
+    """PPO's `normalize_scores`: `whiten` over every value of every rank."""
+    return whiten(x, eps=eps, sums=sums)
 
 
 def group_advantages(rewards: torch.Tensor, *, baseline: Baseline = "grpo", scale: Scale = "group",
@@ -195,3 +217,46 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value, self.target, self.horizon = float(state["value"]), state["target"], int(state["horizon"])
+
+
+# -- shaping, importance weights and PPO's score statistics -----------------------------------------
+def overlong_shaping(lengths: torch.Tensor, truncated: torch.Tensor, max_new: int, penalty: float, buffer: int
+                     ) -> torch.Tensor:
+    """DAPO's overlong penalty (<= 0): linear over the last `buffer` tokens, full when truncated."""
+    if penalty == 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    if buffer == 0:
+        return -penalty * truncated.float()
+    over = (lengths.float() - (max_new - buffer)).clamp(min=0) / buffer
+    return -penalty * torch.where(truncated, torch.ones_like(over), over.clamp(max=1.0))
+
+
+def tis_weights(trainer_lp: torch.Tensor, engine_lp: torch.Tensor, mask: torch.Tensor, cap: float | None
+                ) -> torch.Tensor:
+    """[B, T] truncated importance weights min(pi_trainer / pi_engine, cap) of the sampled tokens
+    (1 off the mask, and everywhere with cap None): the engine samples from its own rounding of
+    the policy (another kernel, another dtype, or weights a step behind), the gradient wants the
+    trainer's distribution; the cap bounds the variance (Yao et al., 2025, "truncated importance
+    sampling"). No gradient flows through them."""
+    if cap is None:
+        return torch.ones_like(trainer_lp)
+    w = torch.exp((trainer_lp - engine_lp) * mask).clamp(max=cap)
+    return torch.where(mask > 0, w, torch.ones_like(w)).detach()
+
+
+def prompt_centred(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """Each score minus the mean score of its prompt's n samples (rows are prompt-major: i*n + j).
+    A rank holds whole prompts, so no communication is needed. What is left is the signal the
+    policy can act on: which answer to this prompt the reward prefers; the spread between prompts
+    (most of an RM score's variance) is noise to the policy gradient until the critic learns it."""
+    g = scores.reshape(-1, n)
+    return (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+def explained_variance(ret_sum: float, ret_sq: float, res_sum: float, res_sq: float, n: float) -> float:
+    """1 - Var(returns - values) / Var(returns) over a rollout's tokens, from global sums: 1 when the
+    critic predicts the returns, 0 when it does no better than their mean, negative when worse."""
+    n = max(n, 1.0)
+    var_ret = ret_sq / n - (ret_sum / n) ** 2
+    var_res = res_sq / n - (res_sum / n) ** 2
+    return 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0

@@ -166,6 +166,18 @@ def test_grpo_with_kl_two_ranks(tiny, tmp_path):
     assert rollouts[1]["kl"] > rollouts[0]["kl"]  # the policy moved away from the frozen device reference
 
 
+def test_grpo_rollout_reused_for_mini_batches_one_rank(tiny, tmp_path):
+    """grpo.ppo_epochs x mini_batches > 1: the rollout buffer, its mini-batch rows and the ratio
+    against rollout-time log-probs all live on the device."""
+    out = tmp_path / "grpo_mb"
+    run_module_emulated("apps.chat_rlhf.grpo", *_grpo(tiny["model"], out, "grpo.ppo_epochs=1", "grpo.mini_batches=2",
+                                                      "data.num_heldout=0"), ranks=1)
+    records = _jsonl(out / "rollouts.jsonl")
+    assert [(r["step"], r["new_rollout"]) for r in records] == [(1, True), (2, False)]
+    assert records[0]["logprob_gap"] < 1e-2 and "reward_mean" not in records[1]
+    assert _finite(records[1]["clip_frac_low"], records[1]["clip_frac_high"])
+
+
 def test_ppo_one_rank(tiny, tmp_path):
     out = tmp_path / "ppo"
     run_module_emulated("apps.chat_rlhf.ppo", "--config", "apps/chat_rlhf/configs/ppo.yaml",

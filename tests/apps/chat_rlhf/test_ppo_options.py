@@ -104,7 +104,8 @@ def test_critic_warmup_leaves_the_actor_alone(tiny_chat_model, tmp_path):
 def test_eval_trained_prompts_scores_the_prompts_the_rollouts_use(tiny_chat_model, tmp_path):
     """eval_trained_prompts: every evaluation also scores greedy answers to exactly the training
     prompts this run's rollouts take (2 rollouts x 2 prompts here), compared first vs last."""
-    from apps.chat_rlhf.ppo import TRAINED_DIR, heldout_report, plot_ppo, read_heldout, trained_prompt_indices
+    from apps.chat_rlhf.ppo_hook import trained_prompt_indices
+    from apps.chat_rlhf.rl_eval import TRAINED_DIR, heldout_report, plot_ppo, read_heldout
     out = tmp_path / "run"
     cfg = _cfg(tiny_chat_model, out, "data.num_heldout=2", "train.max_steps=8", "train.eval_every=4",
                "eval_before=true", "eval_trained_prompts=true", "ppo.score_baseline=prompt")

@@ -107,8 +107,8 @@ def test_bad_groups_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_token_logprobs_equal_log_softmax(dtype, monkeypatch):
-    from apps.chat_rlhf import rollout
-    monkeypatch.setattr(rollout._TokenLogProbs, "CHUNK_ELEMENTS", 3 * 11)  # several chunks of 3 rows
+    from apps.chat_rlhf import rl_logprobs
+    monkeypatch.setattr(rl_logprobs._TokenLogProbs, "CHUNK_ELEMENTS", 3 * 11)  # several chunks of 3 rows
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(7, 11, generator=gen, dtype=torch.float64) * 3).to(dtype).requires_grad_()
     rows = torch.tensor([0, 0, 2, 3, 6, 6, 5])  # rows read twice, row 1 and 4 never
