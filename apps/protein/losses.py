@@ -1,6 +1,7 @@
 """AlphaFold's training losses (supplement section 1.9): FAPE on backbone frames and on all atoms
 (clamped), torsion angles, distogram, masked MSA, pLDDT, experimentally resolved and (with the
-pTM head) predicted aligned error.
+pTM head) predicted aligned error, and (for fine-tuning) the structural violations of
+`violations.py`.
 
 `alphafold_loss(out, batch, weights)` returns the weighted total and each term (for logging).
 """
@@ -16,6 +17,7 @@ from apps.protein.metrics import lddt
 from apps.protein.model.alphafold import DISTOGRAM_BINS, PAE_BINS, PLDDT_BINS, distance_bin_index
 from apps.protein.rigid import Rigid
 from apps.protein.sidechains import group_frames
+from apps.protein.violations import structural_violations
 
 
 @dataclass
@@ -27,6 +29,8 @@ class LossWeights:
     masked_msa: float = 2.0
     plddt: float = 0.01
     experimentally_resolved: float = 0.0  # AlphaFold: 0 in initial training, 0.01 when fine-tuning
+    violation: float = 0.0         # structural violations (bonds, angles, clashes); AlphaFold: 0 in initial
+                                   # training, 1.0 when fine-tuning (computed only when non-zero)
     pae: float = 0.0               # with model.pae_head; AlphaFold: 0 in initial training, 0.1 when fine-tuning
     fape_clamp: float | None = 10.0  # A; FAPE errors beyond it count as the clamp (null: unclamped;
                                    # AlphaFold leaves 10% of batches unclamped)
@@ -182,5 +186,7 @@ def alphafold_loss(out, batch, tables, w: LossWeights) -> tuple[torch.Tensor, di
              "experimentally_resolved": experimentally_resolved_loss(out, batch)}
     if "pae_logits" in out:
         terms["pae"] = pae_loss(out, batch)
+    if w.violation:
+        terms["violation"] = structural_violations(out["atom14"], batch, tables)[0].mean()
     total = sum(getattr(w, k) * v for k, v in terms.items())
     return total, terms

@@ -23,7 +23,7 @@ from apps.protein.dataset import CropDataset, fixed_crops, train_and_heldout
 from apps.protein.losses import alphafold_loss
 from apps.protein.model import AlphaFold
 from apps.protein.model.dap import DapAxial
-from apps.protein.scoring import score_crops, summarise
+from apps.protein.scoring import score_baselines, score_crops, summarise
 
 EVAL_FILE = "eval.json"
 
@@ -84,15 +84,21 @@ def make_loss_fn(cfg: RecipeConfig):
 
 
 def make_eval_fn(cfg: RecipeConfig, train_crops, heldout_crops, ema, output_dir: Path):
+    # The trivial baselines on the same held-out crops (fixed, so scored once): the held-out
+    # figures mean something only above them.
+    baselines = score_baselines(heldout_crops) if heldout_crops else {}
+    baseline_summary = {f"baseline_{kind}_heldout_{k}": value for kind, metrics in baselines.items()
+                        for k, value in metrics.items() if k in ("lddt_ca", "tm_score")}
+
     def eval_fn(model, step):
         with (ema.swapped() if ema is not None else _nothing()):
             train = score_crops(model, train_crops, cfg.eval_recycles)
             held = score_crops(model, heldout_crops, cfg.eval_recycles) if heldout_crops else {}
-        summary = summarise(train, "train") | (summarise(held, "heldout") if held else {})
+        summary = summarise(train, "train") | (summarise(held, "heldout") | baseline_summary if held else {})
         from phalanx.observe import is_main_process
         if is_main_process():
             (output_dir / EVAL_FILE).write_text(json.dumps({"step": step, "summary": summary, "train": train,
-                                                            "heldout": held}, indent=1))
+                                                            "heldout": held, "baselines": baselines}, indent=1))
         return summary
 
     return eval_fn
