@@ -39,7 +39,7 @@ def test_train_config_is_a_recipe_section(tmp_path):
     ("train.lrr=1", ["train.lrr", "Did you mean 'lr'"]),
     ("train.max_steps=ten", ["train.max_steps", "not an int"]),
     ("train.plugin=zero3", ["'plugin'='zero3'", "zero2"]),
-    ("train.precision=fp8", ["train.precision", "'bf16'"]),
+    ("train.precision=fp4", ["train.precision", "'bf16'"]),
     ("train.micro_batch_size=0", ["micro_batch_size", "at least 1"]),
     ("train.min_lr_ratio=2", ["min_lr_ratio", "between 0 and 1"]),
     ("train.decay_steps=1", ["decay_steps", "warmup_steps"]),
