@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 BASE_ALIASES = ("", "smollm2", "base")
-CHECKPOINT_MODEL_DIRS = ("policy", "model")  # inside a checkpoint: the exported policy first (PPO), else the model
 
 
 def base_model_dir() -> Path:
@@ -33,21 +32,12 @@ def resolve_model_dir(path: str | Path | None) -> Path:
     """A directory with config.json, from any of the forms in the module docstring."""
     if path is None or str(path) in BASE_ALIASES:
         return base_model_dir()
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        return p
-    for inner in CHECKPOINT_MODEL_DIRS:
-        if (p / inner / "config.json").is_file():
-            return p / inner
-    from phalanx.checkpoint import latest_checkpoint
+    from phalanx.checkpoint.find import model_dir
 
-    if p.is_dir() and (ckpt := latest_checkpoint(p)) is not None:
-        for inner in CHECKPOINT_MODEL_DIRS:
-            if (Path(ckpt) / inner / "config.json").is_file():
-                return Path(ckpt) / inner
-    raise FileNotFoundError(f"no model at {str(p)!r}: expected a Hugging Face model directory (with config.json), a "
-                            "checkpoint directory (with model/), or a training output_dir with checkpoints; "
-                            "train that stage first or fix the path")
+    try:
+        return model_dir(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc}; train that stage first or fix the path") from None
 
 
 def from_pretrained(model_class, directory: str | Path, **kwargs):
