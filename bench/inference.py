@@ -2,6 +2,9 @@
 
     python bench/inference.py                      # SmolLM2-135M if cached, else a tiny Llama
     python bench/inference.py --dtype bfloat16 --model path/to/hf_dir
+    (--dtype auto, the default, is the engine's own default: bfloat16 where this machine computes
+    bf16 faster than fp32, float32 elsewhere; it is resolved once and every side, HF included,
+    runs in that dtype)
     python bench/inference.py --smoke              # a tiny model, a few tokens: does it run (seconds)
 
 Workload (the issue's): 32 prompts of mixed length (token ids drawn with a fixed seed, 32–256
@@ -115,10 +118,41 @@ def our_single_stream(engine, prompt, new_tokens: int):
     return ttft, tpot
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512bw", "avx512vl", "avx512dq", "avx_ne_convert", "avx2")
+
+
+def cpu_report() -> dict:
+    """Which CPU measured: its model name (lscpu's), the flags that decide bf16 speed (native bf16:
+    AVX512-BF16 or AMX; oneDNN's packed bf16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT), torch's
+    kernel level and the 1-minute load average; printed and put in the JSON line."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": name, "cpu_flags": [f for f in BF16_FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
+
+
+def resolved_dtype(name: str) -> str:
+    """`name`, or for "auto" the dtype the engine's `dtype="auto"` picks on this machine, as a
+    torch name: HF and the engines are then built in the same dtype."""
+    from phalanx.inference.model_runner import resolve_dtype
+    from phalanx_kernels.accelerator import current_device
+
+    return str(resolve_dtype(name, None, current_device())).removeprefix("torch.")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="an HF Llama-family directory (default: see above)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="every side's dtype; auto: the engine's default for this machine")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-len", type=int, default=32)
@@ -154,6 +188,7 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="phalanx-bench-")
         path = tiny_llama_dir(Path(tmp.name))
         label = "tiny Llama, random init (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32000)"
+    args.dtype = resolved_dtype(args.dtype)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
     engines = {}
@@ -168,6 +203,10 @@ def main(argv=None) -> int:
     prompts = make_prompts(args.prompts, hf.config.vocab_size, args.min_len, args.max_len)
     single = make_prompts(1, hf.config.vocab_size, 128, 128, seed=1)[0]
     n_tokens = args.prompts * args.new_tokens
+    machine = cpu_report()
+    flags = " ".join(machine["cpu_flags"]) or "(none of " + ", ".join(BF16_FLAGS) + ")"
+    print(f"CPU: {machine['cpu']}; flags {flags}; "
+          f"torch kernels {machine['torch_cpu_capability']}; load average {machine['load_avg_1m']}")
     print(f"model: {label}\ndtype: {args.dtype}, torch threads: {torch.get_num_threads()}, "
           f"{args.prompts} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens "
           f"({sum(map(len, prompts))} in all, {args.prompts * max(map(len, prompts))} padded), "
@@ -210,7 +249,8 @@ def main(argv=None) -> int:
     result = {"bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "prompts": args.prompts, "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts)),
               "hf_tokens_per_s": round(hf_tps, 2), "hf_ttft_s": round(hf_ttft, 3) if hf_ttfts else None,
-              "hf_ms_per_token": round(hf_tpot * 1000, 2) if hf_ttfts else None}
+              "hf_ms_per_token": round(hf_tpot * 1000, 2) if hf_ttfts else None, **machine,
+              "load_avg_1m_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     ratios = []
     for name in engines:
         best = min(runs[name])  # the fastest run, with its own TTFT and per-token latency

@@ -4,6 +4,9 @@
     python bench/serve.py --model tiny --clients 1,8 --new-tokens 16
     python bench/serve.py --in-process --threads 1
 
+`--dtype auto` (the default) is the engine's default for this machine (bfloat16 where bf16
+computes faster than fp32, else float32), resolved here, printed, and passed on as that dtype.
+
 The server runs as a subprocess (`python -m phalanx.cli serve ...`, the real command) unless
 `--in-process`, which runs `OpenAIServer` in this process instead (its HTTP event loop and engine
 thread then share the interpreter with the clients). For each client count in `--clients`, that
@@ -81,6 +84,14 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def resolved_dtype(name: str) -> str:
+    """`name`, or for "auto" the dtype the engine's `dtype="auto"` picks on this machine."""
+    from phalanx.inference.model_runner import resolve_dtype
+    from phalanx_kernels.accelerator import current_device
+
+    return str(resolve_dtype(name, None, current_device())).removeprefix("torch.")
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -203,13 +214,16 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", default="1,8,32,64", help="comma-separated concurrent client counts")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the server's dtype; auto: the engine's default for this machine (resolved here, "
+                        "reported, and passed to the server as that concrete dtype)")
     parser.add_argument("--threads", type=int, default=None, help="the server's torch threads")
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
     parser.add_argument("--in-process", action="store_true", help="run the server in this process")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent before measuring")
     args = parser.parse_args(argv)
     args.clients = [int(c) for c in args.clients.split(",")]
+    args.dtype = resolved_dtype(args.dtype)
 
     tmp = tempfile.TemporaryDirectory()
     if args.model in ("auto", "smollm2"):

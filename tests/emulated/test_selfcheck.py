@@ -27,8 +27,8 @@ def test_selfcheck_runs_under_emulation_and_reports(tmp_path):
     report = json.loads(out_json.read_text())
     assert report["emulated"] is True
     by_name = {(r["group"], r["name"]): r for r in report["results"]}
-    assert by_name[("inference", "CUDA graphs")]["status"] == "skip"
-    assert "real CUDA" in by_name[("inference", "CUDA graphs")]["detail"]
+    assert by_name[("inference", "torch.compile on CUDA")]["status"] == "skip"
+    assert "real CUDA" in by_name[("inference", "torch.compile on CUDA")]["detail"]
     failed = [k for k, r in by_name.items() if r["status"] == "FAIL"]
     assert not failed, failed
     kernels = [r for r in report["results"] if r["group"] == "kernels"]

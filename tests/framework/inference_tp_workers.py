@@ -11,7 +11,7 @@ def tp_generate(cases: list[dict]) -> list[dict]:
     "tp"); every rank returns what it got (all should agree)."""
     results = []
     for case in cases:
-        eng = LLM(case["path"], tp_size=case.get("tp", 2), num_blocks=64, block_size=8, draft_model=case.get("draft"),
+        eng = LLM(case["path"], tp_size=case.get("tp", 2), num_blocks=64, block_size=8, dtype="float32", draft_model=case.get("draft"),
                   num_speculative_tokens=3)
         params = SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1)
         outs = eng.generate(case["prompts"], params)

@@ -1,7 +1,9 @@
 """The compiled model step (phalanx.inference.compiled) on tiny Llama / Qwen2 models: the same
 greedy tokens as the eager path and as `transformers`, log-probs within fp32 rounding of eager, a
-bounded number of compiled graphs however the batch size varies, and the eager fallback when the
-compiler probe fails. Compilation needs g++ (inductor's C++ backend); without it the tests that
+bounded number of compiled graphs however the batch size varies, packed bf16 weights with the
+compiled pieces, and the eager fallback when the compiler probe fails. The compiled engines here
+run their pieces at every step size (`min_rows = 1`; on CPU the default leaves steps under
+`compiled.CPU_MIN_ROWS` tokens eager). Compilation needs g++ (inductor's C++ backend); without it the tests that
 compile are skipped, the fallback tests still run."""
 from __future__ import annotations
 
@@ -50,9 +52,13 @@ def models(tmp_path_factory, tokenizer):
 
 
 def engine(path, **kw):
+    kw.setdefault("dtype", "float32")  # the HF references are fp32 (dtype="auto" is bf16 on AMX)
     kw.setdefault("num_blocks", 96)
     kw.setdefault("block_size", 8)
-    return LLM(str(path), **kw)
+    eng = LLM(str(path), **kw)
+    if eng.runner.compiled is not None:
+        eng.runner.compiled.min_rows = 1  # compiled pieces at every step size, decodes included
+    return eng
 
 
 def graphs_compiled() -> int:
@@ -117,8 +123,8 @@ def _count_step_sizes(runner) -> set[int]:
 def test_graph_count_stays_bounded_over_many_batch_sizes(models):
     """Requests arrive every other step with different prompt lengths and budgets, so the step's
     token count takes many values (prefills with decodes, 1 to 8 decodes). Dynamic rows: 4 piece
-    variants (first layer's input, other layers' input, MLP, final norm) x 2 shape classes (1 row,
-    2+ rows) = 8 graphs at most, whatever the number of distinct sizes."""
+    variants (the first layer's norm, add + norm, RoPE, SwiGLU) x 2 shape classes (1 row, 2+ rows)
+    = 8 graphs at most, whatever the number of distinct sizes."""
     path, _ = models["llama"]
     prompts = im.mixed_prompts(10, seed=7, low=3, high=30)
     budgets = [3 + 2 * i for i in range(len(prompts))]
@@ -132,25 +138,28 @@ def test_graph_count_stays_bounded_over_many_batch_sizes(models):
     assert fast.runner.compiled.seen == {1, 2}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # compiles 4 graphs: ~1 min with a cold inductor cache
 @pytest.mark.usefixtures("needs_compiler")
-def test_bucketed_rows_pad_and_give_the_same_tokens(models):
-    """shapes="buckets" (the CUDA path's shapes, here on CPU): a 5-token and a 7-token prompt
-    prefill as one 12-row step (bucket 12), then alone (5 rows, padded to bucket 8), and decode in
-    the 2- and 1-row buckets; tokens equal eager's, and 4 graphs per bucket were compiled."""
-    path, _ = models["llama"]
-    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27]]
-    params = SamplingParams(max_new_tokens=4, temperature=0)
-    want = [o.token_ids for o in engine(path, compile=False).generate(prompts, params)]
-    fast = engine(path, compile=True)
-    runner = fast.runner
-    runner.compiled = compiled.CompiledModelStep(runner.model, device=runner.device, max_tokens=64, shapes="buckets")
-    before = graphs_compiled()
-    assert [o.token_ids for o in fast.generate(prompts, params)] == want
-    assert [o.token_ids for o in fast.generate(prompts[:1], params)] == want[:1]
-    seen = runner.compiled.seen
-    assert {1, 8, 12} <= seen <= {1, 2, 8, 12}  # (2 unless an EOS ends one sequence at once)
-    assert graphs_compiled() - before == 4 * len(seen)
+def test_packed_bf16_weights_run_with_the_compiled_pieces(models):
+    """bf16 on a CPU with native bf16: the matmuls go through the oneDNN-packed weights and the
+    norm/RoPE/SwiGLU through the compiled pieces in the same step (the runner used to drop
+    compilation when weights were packed); greedy tokens equal the eager bf16 engine's, and
+    transformers' run in bf16 (the bf16 criterion of test_inference_engine's dtype tests)."""
+    from phalanx_kernels.capability import native_bf16
+    if not native_bf16("cpu"):
+        pytest.skip("this CPU has no native bf16: nothing is packed")
+    path, model = models["llama"]
+    prompts = im.mixed_prompts(3, seed=21, low=3, high=20)
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    fast = engine(path, compile=True, dtype="bfloat16")
+    layers = fast.runner.model.layers
+    assert fast.runner.compiled is not None and all(set(l.packed) == {"qkv", "o", "gate_up", "down"} for l in layers)
+    got = [o.token_ids for o in fast.generate(prompts, params)]
+    assert fast.runner.compiled is not None and 2 in fast.runner.compiled.seen  # it ran compiled
+    assert got == [o.token_ids for o in engine(path, compile=False, dtype="bfloat16").generate(prompts, params)]
+    import copy
+    hf = copy.deepcopy(model).to(torch.bfloat16)
+    assert got == [im.hf_greedy(hf, p, 8) for p in prompts]
 
 
 @pytest.mark.slow  # compiles 8 graphs per engine: ~1 min with a cold inductor cache
@@ -207,16 +216,6 @@ def test_auto_stays_eager_on_cpu_and_bad_settings_are_refused(models):
         EngineConfig(compile="yes")
 
 
-def test_buckets_cover_every_step_size():
-    sizes = compiled.bucket_sizes(4096)
-    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 4096 and sizes == sorted(set(sizes))
-    for n in range(1, 4097):
-        b = compiled.bucket_for(n, sizes)
-        assert n <= b and (b < 1.5 * n if n > 8 else b < 2 * n or n == 1)  # under 50% padding past 8 rows
-    with pytest.raises(ValueError, match="exceeds the largest compiled bucket"):
-        compiled.bucket_for(4097, sizes)
-
-
 @pytest.mark.usefixtures("needs_compiler")
 @pytest.mark.slow
 def test_second_process_reuses_the_inductor_cache(models, tmp_path):
@@ -229,7 +228,8 @@ def test_second_process_reuses_the_inductor_cache(models, tmp_path):
         torch.set_num_threads(1)
         from torch._dynamo.utils import counters
         from phalanx.inference import LLM, SamplingParams
-        eng = LLM({str(path)!r}, num_blocks=32, block_size=8, compile=True)
+        eng = LLM({str(path)!r}, num_blocks=32, block_size=8, compile=True, dtype="float32")
+        eng.runner.compiled.min_rows = 1
         eng.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_new_tokens=3, temperature=0))
         print(json.dumps({{"hit": counters["inductor"]["fxgraph_cache_hit"],
                           "miss": counters["inductor"]["fxgraph_cache_miss"],

@@ -32,6 +32,9 @@ def llama(models):
 
 
 def engine(path, **kw):
+    """An engine in float32 unless told (dtype="auto" would follow the CPU: bf16 on AMX), so the
+    tokens can be compared with the fp32 HF models."""
+    kw.setdefault("dtype", "float32")
     kw.setdefault("num_blocks", 96)
     kw.setdefault("block_size", 8)
     return LLM(str(path), **kw)
@@ -185,17 +188,18 @@ def test_logprobs_match_the_model_and_seeded_sampling_repeats(llama):
 def test_kv_blocks_are_sized_from_the_memory_budget(llama):
     path, _ = llama
     # kv_cache_memory_gib is the CPU budget (a GPU's is its free memory): on the CPU even under emulation
-    eng = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=64, device="cpu")
+    eng = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=64, device="cpu",
+              dtype="float32")
     per_block = 2 * 2 * 2 * 16 * 8 * 4  # K and V x layers x KV heads x head_dim x tokens x fp32
     assert eng.num_blocks == (2**20) // per_block
-    tight = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=2, device="cpu")
+    tight = LLM(str(path), kv_cache_memory_gib=1 / 1024, block_size=8, max_num_seqs=2, device="cpu", dtype="float32")
     assert tight.num_blocks == 2 * (256 // 8) + 1  # never more than max_num_seqs full-length sequences use
 
 
 def test_weights_from_a_live_module_and_reload(llama, tokenizer):
     path, model = llama
     prompt = im.mixed_prompts(1, seed=9)[0]
-    eng = LLM.from_model(model, tokenizer, num_blocks=64, block_size=8)
+    eng = LLM.from_model(model, tokenizer, num_blocks=64, block_size=8, dtype="float32")
     assert eng.generate(prompt, GREEDY)[0].token_ids == im.hf_greedy(model, prompt, 20)
     other = im.make_model("llama", seed=11)
     assert eng.load_weights(other.state_dict()) == len(other.state_dict())
@@ -484,3 +488,45 @@ def test_aborting_an_n_request_frees_the_blocks_of_every_sample(llama):
     assert len(eng.scheduler.running) == 3
     eng.abort(rid)
     assert not eng.has_unfinished_requests() and eng.block_manager.all_free()
+
+
+def _bf16_fastest(monkeypatch, answer: bool) -> list:
+    """Make the hardware answer `answer` to "is bf16 the fastest dtype here?" (the question
+    `precision: auto` asks); returns the devices it was asked about."""
+    from phalanx.amp import precision
+
+    asked = []
+    monkeypatch.setattr(precision, "bf16_is_fastest", lambda device=None: asked.append(device) or answer)
+    return asked
+
+
+def test_dtype_auto_serves_an_fp32_checkpoint_in_bf16_where_bf16_is_fastest(llama, monkeypatch):
+    """An AMX CPU (or CUDA with bf16): dtype="auto" picks bf16 for an fp32 checkpoint, and greedy
+    tokens equal transformers' run in bf16 too."""
+    path, model = llama
+    asked = _bf16_fastest(monkeypatch, True)
+    eng = engine(path, dtype="auto")
+    assert eng.dtype == eng.runner.dtype == torch.bfloat16 and eng.runner.model.lm_head.dtype == torch.bfloat16
+    assert asked and torch.device(asked[-1]) == eng.device  # the rule was asked about the engine's device
+    prompts = im.mixed_prompts(3, seed=21, low=3, high=20)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0))
+    hf = im.make_model("llama").to(torch.bfloat16)  # the same weights as the saved fixture
+    assert [o.token_ids for o in outs] == [im.hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_dtype_auto_serves_a_bf16_checkpoint_in_fp32_where_bf16_is_slow(llama, tokenizer, tmp_path, monkeypatch):
+    """A CPU without fast bf16: dtype="auto" picks fp32 even for a bf16 checkpoint (tokens equal
+    transformers' on that checkpoint in fp32); an explicit dtype is never overridden."""
+    from phalanx.inference.model_runner import resolve_dtype
+
+    im.make_model("llama").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    _bf16_fastest(monkeypatch, False)
+    eng = LLM(str(tmp_path / "bf16"), tokenizer=tokenizer, num_blocks=96, block_size=8)  # dtype: auto
+    assert eng.dtype == torch.float32 and eng.runner.model.lm_head.dtype == torch.float32
+    prompts = im.mixed_prompts(3, seed=22, low=3, high=20)
+    outs = eng.generate(prompts, GREEDY)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32).eval()
+    assert [o.token_ids for o in outs] == [im.hf_greedy(hf, p, 20) for p in prompts]
+    assert resolve_dtype("float16", eng.hf_config, torch.device("cuda")) == torch.float16
+    assert resolve_dtype("auto", eng.hf_config, torch.device("cuda")) == torch.float32  # CUDA without bf16

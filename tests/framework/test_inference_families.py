@@ -35,7 +35,7 @@ def _check_against_transformers(eng: LLM, model, prompts: list[list[int]]) -> No
 def test_greedy_tokens_and_logprobs_match_transformers(models, family):
     path, model = models[family]
     prompts = im.mixed_prompts(5, seed=2, low=3, high=60)  # one engine batch, prompts over several blocks
-    _check_against_transformers(LLM(str(path), num_blocks=96, block_size=8), model, prompts)
+    _check_against_transformers(LLM(str(path), num_blocks=96, block_size=8, dtype="float32"), model, prompts)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
@@ -43,7 +43,7 @@ def test_engine_from_a_live_module(models, family):
     """RLHF builds the engine from the policy module: its state dict (tied head included, GPT-2's
     attention buffers if present) loads without a directory."""
     _, model = models[family]
-    eng = LLM.from_model(model, num_blocks=64, block_size=8)
+    eng = LLM.from_model(model, num_blocks=64, block_size=8, dtype="float32")
     _check_against_transformers(eng, model, im.mixed_prompts(2, seed=4, low=5, high=30))
 
 
@@ -52,7 +52,7 @@ def test_opt_with_project_in_and_out(tmp_path):
     project_in after the embedding, project_out before the tied head."""
     path, model = im.save_model(tmp_path / "opt-proj", "opt", word_embed_proj_dim=32)
     assert model.model.decoder.project_in is not None
-    _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8), model,
+    _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8, dtype="float32"), model,
                                 im.mixed_prompts(3, seed=5, low=3, high=40))
 
 
@@ -61,7 +61,7 @@ def test_opt_without_a_final_norm(tmp_path):
     engine expects none and skips the norm."""
     path, model = im.save_model(tmp_path / "opt-no-norm", "opt", _remove_final_layer_norm=True)
     assert model.model.decoder.final_layer_norm is None
-    _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8), model,
+    _check_against_transformers(LLM(str(path), num_blocks=64, block_size=8, dtype="float32"), model,
                                 im.mixed_prompts(2, seed=7, low=3, high=30))
 
 
@@ -77,7 +77,7 @@ def test_learned_positions_are_read_at_the_right_offset(models):
     tokens: the check above would catch a wrong offset."""
     path, model = models["opt"]
     prompt = im.mixed_prompts(1, seed=6, low=20, high=21)[0]
-    eng = LLM(str(path), num_blocks=64, block_size=8)
+    eng = LLM(str(path), num_blocks=64, block_size=8, dtype="float32")
     good = eng.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["model.decoder.embed_positions.weight"] = torch.roll(state["model.decoder.embed_positions.weight"], 1, 0)
@@ -106,6 +106,6 @@ def test_a_checkpoint_of_another_family_is_refused(models, tmp_path):
     """GPT-2 weights in an OPT-config directory: names that belong to no OPT weight are an error."""
     path, _ = models["opt"]
     _, gpt2 = models["gpt2"]
-    eng = LLM(str(path), num_blocks=16, block_size=8)
+    eng = LLM(str(path), num_blocks=16, block_size=8, dtype="float32")
     with pytest.raises(ValueError, match="do not belong to a opt model"):
         eng.load_weights(gpt2.state_dict())

@@ -47,6 +47,7 @@ def model_path(tmp_path_factory):
 
 
 def engine(path, **kw):
+    kw.setdefault("dtype", "float32")  # the HF references are fp32 (dtype="auto" is bf16 on AMX)
     kw.setdefault("num_blocks", 128)
     kw.setdefault("block_size", 8)
     return LLM(str(path), **kw)
@@ -175,7 +176,8 @@ def test_the_engine_loop_survives_a_step_that_raises(model_path):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    eng = LLM(str(model_path), num_blocks=512, block_size=8, max_model_len=128, max_num_seqs=64)
+    eng = LLM(str(model_path), num_blocks=512, block_size=8, max_model_len=128, max_num_seqs=64,
+              dtype="float32")
     with OpenAIServer(eng, port=0, max_queue=16) as srv:
         yield srv
 

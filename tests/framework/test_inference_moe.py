@@ -47,9 +47,9 @@ def _check(eng: LLM, model, prompts: list[list[int]]) -> None:
 @pytest.mark.parametrize("family", moe_models.MOE_FAMILIES)
 def test_moe_greedy_tokens_and_logprobs_match_transformers(models, family):
     path, model = models[family]
-    layers = LLM(path, num_blocks=96, block_size=8).runner.model.layers
+    layers = LLM(path, num_blocks=96, block_size=8, dtype="float32").runner.model.layers
     assert [layer.sparse for layer in layers] == ([False, True] if family == "qwen3_moe" else [True, True])
-    _check(LLM(path, num_blocks=96, block_size=8), model, im.mixed_prompts(5, seed=2, low=3, high=60))
+    _check(LLM(path, num_blocks=96, block_size=8, dtype="float32"), model, im.mixed_prompts(5, seed=2, low=3, high=60))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -57,7 +57,7 @@ def test_moe_engine_from_a_live_module(models, family):
     """A live transformers module holds the experts fused ([experts, 2·width, hidden]): they load,
     and the strict check counts them as the per-expert tensors of a checkpoint."""
     _, model = models[family]
-    _check(LLM.from_model(model, num_blocks=64, block_size=8), model, im.mixed_prompts(2, seed=4, low=5, high=30))
+    _check(LLM.from_model(model, num_blocks=64, block_size=8, dtype="float32"), model, im.mixed_prompts(2, seed=4, low=5, high=30))
 
 
 def test_moe_routing_matters(models):
@@ -65,7 +65,7 @@ def test_moe_routing_matters(models):
     expert order or a router read from the wrong tensor."""
     path, model = models["mixtral"]
     prompt = im.mixed_prompts(1, seed=6, low=20, high=21)[0]
-    eng = LLM(path, num_blocks=64, block_size=8)
+    eng = LLM(path, num_blocks=64, block_size=8, dtype="float32")
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
     good = eng.generate(prompt, params)[0].token_ids
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -87,7 +87,7 @@ def test_moe_checks_name_the_problem(models, tmp_path):
     check_tp(spec, 2)
     path, model = models["qwen3_moe"]
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("layers.1.mlp.experts.down_proj")}
-    eng = LLM(path, num_blocks=16, block_size=8)
+    eng = LLM(path, num_blocks=16, block_size=8, dtype="float32")
     with pytest.raises(ValueError, match="missing from the checkpoint.*layers.1.mlp.experts.0.down_proj"):
         eng.load_weights(state, strict=True)
 

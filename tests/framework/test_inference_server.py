@@ -37,7 +37,7 @@ def model_path(tmp_path_factory):
 
 
 def make_engine(path, **kwargs) -> LLM:
-    kwargs = {"num_blocks": 128, "block_size": 8, "max_model_len": 128, **kwargs}
+    kwargs = {"num_blocks": 128, "block_size": 8, "max_model_len": 128, "dtype": "float32", **kwargs}
     return LLM(str(path), **kwargs)
 
 
@@ -594,7 +594,7 @@ def test_phalanx_serve_an_output_dir_serves_its_latest_policy(tmp_path):
     latest = _checkpoint(out / "checkpoints" / "step-00000004", {"model": 1, "policy": 2})
     prompt = "Serve the trained policy"
     want = make_engine(latest / "policy").generate([prompt], SamplingParams(max_new_tokens=6, temperature=0))[0]
-    server = ServeCommand(str(out), "--port", "0", "--kv-cache-gib", "0.01", "--max-queue", "8")
+    server = ServeCommand(str(out), "--port", "0", "--kv-cache-gib", "0.01", "--max-queue", "8", "--dtype", "float32")
     try:
         url = server.start()
         models = httpx.get(url + "/v1/models", timeout=TIMEOUT).json()
@@ -616,11 +616,11 @@ def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_pat
 
     path, _ = im.save_model(tmp_path / "m", "llama")
     prompts = ["Tensor parallel inference splits", im.mixed_prompts(1, seed=5, low=20, high=21)[0]]
-    engine = LLM(str(path), num_blocks=64, block_size=8, max_model_len=128)
+    engine = LLM(str(path), num_blocks=64, block_size=8, max_model_len=128, dtype="float32")
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     want = engine.generate(prompts, params)
     server = ServeCommand(str(path), "--tp-size", "2", "--port", "0", "--kv-cache-gib", "0.01",
-                          "--max-model-len", "128", "--block-size", "8")
+                          "--max-model-len", "128", "--block-size", "8", "--dtype", "float32")
     try:
         url = server.start()
         assert url.startswith("http://127.0.0.1:")

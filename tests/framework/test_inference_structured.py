@@ -47,6 +47,7 @@ def model_path(tmp_path_factory):
 
 
 def engine(path, **kw):
+    kw.setdefault("dtype", "float32")  # the HF references are fp32 (dtype="auto" is bf16 on AMX)
     kw.setdefault("num_blocks", 256)
     kw.setdefault("block_size", 8)
     kw.setdefault("max_model_len", 160)

@@ -40,7 +40,7 @@ def test_tp2_matches_tp1(tmp_path):
     got = ranks[0]
     params = SamplingParams(max_new_tokens=16, temperature=0, logprobs=1)
     for case, result in zip(cases, got, strict=True):
-        one = LLM(case["path"], num_blocks=64, block_size=8)
+        one = LLM(case["path"], num_blocks=64, block_size=8, dtype="float32")
         want = one.generate(case["prompts"], SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1))
         assert result["tokens"] == [o.token_ids for o in want]
         what = f"{case['path'].rsplit('/', 1)[-1]}{' with a draft' if case.get('draft') else ''}"
@@ -69,7 +69,7 @@ def test_tp2_matches_tp1_for_qwen3_gpt2_and_opt(tmp_path):
     ranks = spawn(tp_generate, 2, cases, timeout=300)
     assert ranks[0] == ranks[1], "TP ranks returned different outputs"
     for (family, (path, model)), result in zip(made.items(), ranks[0], strict=True):
-        want = LLM(str(path), num_blocks=64, block_size=8).generate(
+        want = LLM(str(path), num_blocks=64, block_size=8, dtype="float32").generate(
             prompts, SamplingParams(max_new_tokens=12, temperature=0, logprobs=1))
         assert result["tokens"] == [o.token_ids for o in want], family
         scale = _logit_scale(model, prompts)

@@ -27,7 +27,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    engine = LLM(str(model_path), num_blocks=512, block_size=8, max_model_len=128, max_num_seqs=64)
+    engine = LLM(str(model_path), num_blocks=512, block_size=8, max_model_len=128, max_num_seqs=64,
+                 dtype="float32")
     with OpenAIServer(engine, port=0, api_key="sk-local", max_queue=16) as srv:
         yield srv
 

@@ -93,26 +93,33 @@ class AttentionBatch:
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE on x [N, H, D] in place (cos/sin [N, D], HF's tables, whose halves repeat):
+    x * cos + rotate_half(x) * sin, operation for operation. The compiled model step compiles this
+    same function (`compiled.CompiledModelStep`)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., :half], x[..., half:]
+    r1 = x1 * c - x2 * s
+    r2 = x2 * c + x1 * s
+    x1.copy_(r1)
+    x2.copy_(r2)
+
+
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   qk: torch.Tensor | None = None, skips_slots: bool = False) -> None:
+                   qk: torch.Tensor | None = None, skips_slots: bool = False, rotate=rotate_) -> None:
     """Rotate q and k in place and store k and v at their slots.
 
     `qk` may be a [N, Hq + Hkv, D] view covering q and k (adjacent in the fused projection) so both
-    rotate in one pass. Off CUDA this is our lean torch path; on CUDA phalanx_kernels' fused
-    Triton kernel.
+    rotate in one pass. Off CUDA `rotate` (`rotate_`, or its compiled form) then `store_kv`; on
+    CUDA phalanx_kernels' fused Triton kernel.
     """
     if cuda_kernels(q):
         rope_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         return
-    half = cos.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]  # HF's cos/sin repeat their first half
     for x in ((qk,) if qk is not None else (q, k)):
-        x1, x2 = x[..., :half], x[..., half:]
-        r1 = x1 * c - x2 * s  # == x * cos + rotate_half(x) * sin, operation for operation
-        r2 = x2 * c + x1 * s
-        x1.copy_(r1)
-        x2.copy_(r2)
+        rotate(x, cos, sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping, skips_slots)
 
 

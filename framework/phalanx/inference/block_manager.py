@@ -63,7 +63,7 @@ class BlockManager:
         bs = self.block_size
         while len(keys) < num_full_blocks:
             i = len(keys)
-            parent = keys[-1] if keys else b""
+            parent = keys[-1] if keys else getattr(seq, "cache_salt", b"")  # LoRA: keyed by adapter
             tokens = array("q", seq.token_ids[i * bs:(i + 1) * bs]).tobytes()
             keys.append(hashlib.sha256(parent + tokens).digest())
         return keys

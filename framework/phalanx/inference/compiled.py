@@ -1,21 +1,22 @@
-"""The engine's compiled fast path: the model step with its elementwise work fused by inductor.
+"""The engine's compiled fast path: a decoder layer's elementwise work fused by inductor.
 
-What is compiled: everything of a decoder layer that is not attention or a collective — the bias
-and residual adds, RMSNorm, the q/k/v and gate/up matmuls, RoPE and SwiGLU — as two pieces per
-layer (`attention_input`: residual add, norm, q/k/v, RoPE; `mlp`: o-bias and residual add, norm,
-gate/up, SwiGLU, down), plus the final norm. What stays eager between the pieces: the KV-cache
-write, the loop over attention groups and prefill segments (they change every step), the
-o-projection and, with tensor parallelism, the all-reduces. The pieces take the weights as
-arguments, so the 30 layers of a model share one compiled graph per piece.
+The decoder is written once, in `llama.DecoderModel.forward`. It takes its elementwise pieces —
+residual add + norm, RoPE, SwiGLU (`llama.Pieces`) — as arguments; this module compiles those same
+functions (`llama.norm` with the RMSNorm reference, `attention.rotate_`, SwiGLU's reference) and
+hands the compiled forms to that forward. Everything else stays eager and is shared with the eager
+path: the matmuls (through `DecoderLayer.linear`, so oneDNN-packed bf16 weights and LoRA wrappers
+apply to both paths), the KV-cache write, the attention over the block tables, the collectives.
+The pieces take the weights as arguments, so every layer shares one graph per piece.
 
-Shapes: every step has a different number of tokens N. On CPU the row dimension is marked
-dynamic (one graph per piece for N >= 2, one for N = 1, which dynamo always specialises), so
-nothing is padded. With `shapes="buckets"` (the CUDA default) N is padded up to one of a few
-bucket sizes (1, 2, 4, 8, 12, 16, 24, 32, 48, ...) and each bucket is compiled statically; on CUDA
-these pieces then run as CUDA graphs (`mode="reduce-overhead"`), which needs static shapes.
+Shapes: the row dimension (tokens in the step) is marked dynamic when a piece first compiles (one
+graph for N >= 2, one for N = 1, which dynamo always specialises), so nothing is padded. On CPU the
+compiled pieces run only for steps of at least `CPU_MIN_ROWS` tokens (prefills): at decode's few
+dozen rows a compiled call costs as much as the eager ops it replaces (RMSNorm of [32, 576] bf16:
+45 µs compiled, 40 µs eager; [4096, 576]: 3.0 ms against 12–22 ms, one thread, load 20).
 
-The numerics are the eager path's, op for op (RMSNorm's statistics in fp32, RoPE as in HF); the
-fused kernels reduce in a different order, so results agree to rounding, not bit for bit.
+Numerics: inductor is told to round where eager rounds (`emulate_precision_casts`), so a bf16 norm
+matches eager's bits (RMSNorm [32, 576]: identical; [4096, 576]: 1 element in 2.4M differs, by one
+bf16 step, from the fused mean's summation order).
 
 Compilation needs a working C++ compiler on CPU: `probe_compiler()` compiles a tiny function
 once per process and says why not when it fails; the runner then stays eager. Inductor's FX graph
@@ -33,12 +34,18 @@ import types
 import torch
 import torch.nn.functional as F
 
+from phalanx.inference.attention import rotate_
+from phalanx.inference.llama import EAGER, Pieces, norm
 from phalanx.observe.log import get_logger
+from phalanx_kernels.glu import swiglu_reference
+from phalanx_kernels.rmsnorm import rms_norm_reference
 
 log = get_logger("phalanx.inference")
 
 # Below this many parameters compile="auto" stays eager: the seconds of compilation never pay back.
 AUTO_MIN_PARAMS = 10_000_000
+# On CPU, steps with fewer tokens run the eager pieces (a compiled call's overhead is their cost).
+CPU_MIN_ROWS = 64
 
 _probe_lock = threading.Lock()
 _probe_reason: dict[str, str | None] = {}  # device type -> None (works) or why not
@@ -60,6 +67,7 @@ def _configure_inductor() -> None:
     import torch._inductor.config as inductor_config
     inductor_cache_dir()
     inductor_config.fx_graph_cache = True
+    inductor_config.emulate_precision_casts = True  # round a bf16 intermediate where eager does
     # Compile in this process: no pool of compile workers (forked from a server thread or a TP rank,
     # on a machine with a few cores, they cost more than they save).
     inductor_config.compile_threads = 1
@@ -113,83 +121,9 @@ def _fresh_copy(fn):
 
 
 # -- the compiled pieces ------------------------------------------------------------------------------
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The eager reference's RMSNorm, op for op: statistics in fp32, cast back, then the weight."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] rotated like the eager path: x * cos + rotate_half(x) * sin on the halves."""
-    half = x.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-def attention_input(h, h_bias, residual, norm_weight, eps: float, qkv_weight, qkv_bias, cos, sin,
-                    heads: int, kv_heads: int, head_dim: int):
-    """The previous block's output h (+ its bias, added after the TP reduce) + residual -> RMSNorm
-    -> q/k/v -> RoPE. Returns q [N, Hq, D], k and v [N, Hkv, D], and the new residual."""
-    if h_bias is not None:
-        h = h + h_bias
-    if residual is not None:
-        h = h + residual
-    x = _rms_norm(h, norm_weight, eps)
-    qkv = F.linear(x, qkv_weight, qkv_bias)
-    n = h.shape[0]
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    q = _rope(qkv[:, :q_size].view(n, heads, head_dim), cos, sin)
-    k = _rope(qkv[:, q_size:q_size + kv_size].view(n, kv_heads, head_dim), cos, sin)
-    v = qkv[:, q_size + kv_size:].reshape(n, kv_heads, head_dim)
-    return q, k, v, h
-
-
-def mlp(o, o_bias, residual, norm_weight, eps: float, gate_up_weight, gate_up_bias, down_weight, inter: int):
-    """The attention block's output o (+ bias) + residual -> RMSNorm -> gate/up -> SwiGLU -> down
-    (without its bias, which is added after the TP reduce). Returns (down output, new residual)."""
-    if o_bias is not None:
-        o = o + o_bias
-    h = o + residual
-    x = _rms_norm(h, norm_weight, eps)
-    gate_up = F.linear(x, gate_up_weight, gate_up_bias)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    return F.linear(act, down_weight), h
-
-
-def final_norm(h, h_bias, residual, norm_weight, eps: float):
-    if h_bias is not None:
-        h = h + h_bias
-    if residual is not None:
-        h = h + residual
-    return _rms_norm(h, norm_weight, eps)
-
-
-# -- shapes ---------------------------------------------------------------------------------------------
-def bucket_sizes(limit: int) -> list[int]:
-    """1, 2, 4, 8, then each power of two p >= 8 and 1.5 p, up to the first size >= limit: at most
-    ~2 log2(limit) graphs per piece, padding a step by less than 50%."""
-    sizes = [1, 2, 4]
-    p = 8
-    while sizes[-1] < limit:
-        sizes += [p, p + p // 2]
-        p *= 2
-    return [s for s in sizes if s < limit] + [next(s for s in sizes if s >= limit)]
-
-
-def bucket_for(n: int, sizes: list[int]) -> int:
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"a step of {n} tokens exceeds the largest compiled bucket ({sizes[-1]}); "
-                     f"raise max_num_batched_tokens")
-
-
 def is_supported(model) -> bool:
-    """The pieces implement the Llama-style decoder (Llama, Mistral, Qwen2: RMSNorm, RoPE, gated
-    SwiGLU MLP, no q/k norm, no learned positions or embedding projections); anything else runs
-    eager."""
+    """The compiled pieces cover the RMSNorm / RoPE / SwiGLU decoders (Llama, Mistral, Qwen2);
+    the other families run eager."""
     if model.spec.family not in ("llama", "mistral", "qwen2"):
         return False
     plain_layers = all(getattr(layer, "q_norm", None) is None and getattr(layer, "gated", True)
@@ -198,103 +132,68 @@ def is_supported(model) -> bool:
     return plain_layers and all(getattr(model, name, None) is None for name in extras)
 
 
+class _Piece:
+    """A compiled function whose `rows` arguments (by position) have the step's token count as
+    their first dimension: marked dynamic while a new shape class compiles."""
+
+    def __init__(self, fn, rows: tuple[int, ...], owner: "CompiledModelStep") -> None:
+        self.fn = torch.compile(_fresh_copy(fn), backend="inductor", dynamic=None, fullgraph=True)
+        self.rows, self.owner = rows, owner
+
+    def __call__(self, *args, **kwargs):
+        if self.owner._marking:
+            for i in self.rows:
+                if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].shape[0] > 1:
+                    torch._dynamo.mark_dynamic(args[i], 0)
+            if isinstance(kwargs.get("residual"), torch.Tensor) and kwargs["residual"].shape[0] > 1:
+                torch._dynamo.mark_dynamic(kwargs["residual"], 0)
+        return self.fn(*args, **kwargs)
+
+
+def _rms_norm_piece(x, weight, bias, eps: float, residual=None):
+    """`llama.norm` through the RMSNorm's torch reference (the dispatching eager RMSNorm asks
+    the device layer first, which dynamo need not trace)."""
+    return norm(x, weight, bias, eps, residual, rms=rms_norm_reference)
+
+
 class CompiledModelStep:
-    """Runs `LlamaModel.forward`'s computation through compiled pieces, attention eager between.
+    """Runs `DecoderModel.forward` (the one decoder definition) with its elementwise pieces
+    compiled: `llama.Pieces` of compiled functions, for steps of at least `min_rows` tokens (default:
+    `CPU_MIN_ROWS` on CPU, every step elsewhere); smaller steps run the eager pieces."""
 
-    shapes: "dynamic" (rows marked dynamic, nothing padded; the CPU default) or "buckets" (rows
-    padded to `bucket_sizes`, one static graph per bucket; CUDA, where the graphs are captured).
-    """
-
-    def __init__(self, model, *, device: torch.device, max_tokens: int, shapes: str | None = None) -> None:
-        if shapes is None:
-            shapes = "buckets" if device.type == "cuda" else "dynamic"
-        if shapes not in ("dynamic", "buckets"):
-            raise ValueError(f"shapes={shapes!r}: choose 'dynamic' or 'buckets'")
+    def __init__(self, model, *, device: torch.device, min_rows: int | None = None) -> None:
         _configure_inductor()
-        self.model, self.device, self.shapes = model, device, shapes
-        self.buckets = bucket_sizes(max_tokens)
-        self.cuda_graphs = device.type == "cuda" and shapes == "buckets"
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        dynamic = False if shapes == "buckets" else None
-        if shapes == "buckets":
-            import torch._dynamo.config as dynamo_config
-            # one static graph per bucket and piece variant (first layer, other layers)
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.buckets) + 2)
-
-        def compile_(fn):
-            return torch.compile(_fresh_copy(fn), backend="inductor", mode=mode, dynamic=dynamic, fullgraph=True)
-
-        self._attention_input = compile_(attention_input)
-        self._mlp = compile_(mlp)
-        self._final_norm = compile_(final_norm)
-        self.seen: set = set()  # shape classes of the model step already compiled
+        self.model, self.device = model, device
+        self.min_rows = (CPU_MIN_ROWS if device.type == "cpu" else 1) if min_rows is None else min_rows
+        self.pieces = Pieces(norm=_Piece(_rms_norm_piece, (0,), self), rotate=_Piece(rotate_, (0, 1, 2), self),
+                             swiglu=_Piece(swiglu_reference, (0, 1), self))
+        self.seen: set = set()  # shape classes of the model step already compiled (1: one row, 2: more)
         self.compile_seconds = 0.0  # total time of first calls (compilation) so far
         self._printed = False
         self._marking = False
 
-    def shape_class(self, n: int) -> int:
-        """What a step of n rows compiles as: its bucket, or with dynamic rows 1 (specialised) or 2+."""
-        if self.shapes == "buckets":
-            return bucket_for(n, self.buckets)
+    @staticmethod
+    def shape_class(n: int) -> int:
+        """What a step of n rows compiles as: 1 (dynamo specialises a single row) or 2 (2+ rows)."""
         return 1 if n == 1 else 2
 
-    def _rows(self, *tensors: torch.Tensor) -> None:
-        """Mark the row dimension dynamic while a new shape class compiles (later calls match the
-        compiled graphs' guards without marks)."""
-        if self._marking:
-            for t in tensors:
-                torch._dynamo.mark_dynamic(t, 0)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, kv_caches, cos_table, sin_table):
-        """Tokens [N] at positions [N] -> final hidden states [N, hidden], like LlamaModel.forward."""
-        from phalanx.inference.attention import paged_attention, store_kv
-
-        model = self.model
+        """Tokens [N] at positions [N] -> final hidden states [N, hidden], like DecoderModel.forward."""
         n = input_ids.shape[0]
+        if n < self.min_rows:
+            return self.model(input_ids, positions, batch, kv_caches, cos_table, sin_table, EAGER)
         key = self.shape_class(n)
         first_time = key not in self.seen
-        self._marking = first_time and self.shapes == "dynamic" and n > 1
+        self._marking = first_time and n > 1
         start = time.perf_counter()
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        rows = n if self.shapes == "dynamic" else key
-        if rows != n:  # pad: the extra rows are computed and ignored (attention and the cache see n)
-            input_ids = F.pad(input_ids, (0, rows - n))
-            positions = F.pad(positions, (0, rows - n))
-        h = F.embedding(input_ids, model.embed)
-        cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
-        self._rows(h, cos, sin)
-        residual = h_bias = None
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-            if residual is not None:
-                self._rows(h, residual)
-            q, k, v, residual = self._attention_input(
-                h, h_bias, residual, layer.input_norm, layer.eps, layer.qkv_weight, layer.qkv_bias, cos, sin,
-                layer.heads, layer.kv_heads, layer.head_dim)
-            if rows != n:
-                q, k, v = q[:n], k[:n], v[:n]
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.skips_slots)
-            attn = paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
-            if rows != n:
-                attn = torch.cat((attn, attn.new_zeros(rows - n, *attn.shape[1:])))
-            o = model._reduce(layer.linear("o", attn.view(rows, layer.q_size), bias=False))
-            self._rows(o, residual)
-            h, residual = self._mlp(o, layer.o_bias, residual, layer.post_norm, layer.eps, layer.gate_up_weight,
-                                    layer.gate_up_bias, layer.down_weight, layer.inter)
-            h = model._reduce(h)
-            h_bias = layer.down_bias
-        if residual is not None:
-            self._rows(h, residual)
-        out = self._final_norm(h, h_bias, residual, model.norm, model.spec.norm_eps)
-        if rows != n:
-            out = out[:n]
+        out = self.model(input_ids, positions, batch, kv_caches, cos_table, sin_table, self.pieces)
+        self._marking = False
         if first_time:
             self.seen.add(key)
             elapsed = time.perf_counter() - start
             self.compile_seconds += elapsed
             if not self._printed:
                 self._printed = True
-                log.info("compiled the model step for %s in %.1f s (inductor cache: %s)",
-                            "1 token" if key == 1 else f"{key} tokens" if self.shapes == "buckets" else "N tokens",
-                            elapsed, inductor_cache_dir())
+                log.info("compiled the model step's norm/RoPE/SwiGLU pieces in %.1f s (inductor cache: %s)",
+                         elapsed, inductor_cache_dir())
         return out

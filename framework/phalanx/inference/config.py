@@ -23,7 +23,9 @@ class EngineConfig:
     kv_cache_memory_gib: KV-cache budget on CPU (per rank).
     gpu_memory_utilization: share of the GPU the engine may fill (weights + activations + cache).
     num_blocks: force the number of KV blocks (tests use it to provoke preemption).
-    dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
+    dtype: "auto" (the hardware's fastest: bfloat16 on CUDA with bf16 and on CPUs whose bf16 matmul
+        beats fp32 (AMX), float32 elsewhere, whatever the checkpoint's dtype; the rule of
+        `precision: auto`), "float32", "bfloat16" or "float16".
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
     num_speculative_tokens: tokens the draft model proposes per step (with a draft model).
     seed: seeds requests that bring no seed of their own (request i gets seed + i).

@@ -21,6 +21,7 @@ constrained sequences (lookahead 0: their verification is a plain, masked decode
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -35,6 +36,7 @@ from phalanx_kernels.accelerator import current_device, new_generator
 from phalanx.inference.block_manager import BlockManager
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import check_tp, spec_for_inference
+from phalanx.inference.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraAdapters, LoraError
 from phalanx.inference.model_runner import Chunk, ModelRunner, resolve_dtype
 from phalanx.inference.outputs import CompletionOutput, RequestOutput
 from phalanx.inference.sampler import RowContext, Sampler
@@ -73,6 +75,21 @@ def _eos_ids(config, generation_config, tokenizer) -> set[int]:
     return set()
 
 
+_LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank")
+
+
+def _check_lora_layout(tp_size: int, draft_model) -> None:
+    """LoRA adapters run on one rank without a draft model (refused here, before any work)."""
+    if tp_size > 1:
+        raise ValueError(f"LoRA adapters with tp_size={tp_size} are not supported yet (the adapters are not sharded "
+                         "over the tensor-parallel ranks): serve them with tp_size=1, or merge the adapter into the "
+                         "base (booster.save_lora_as_pretrained(..., merge=True), peft's merge_and_unload) and serve "
+                         "the merged model with tensor parallelism")
+    if draft_model is not None:
+        raise ValueError("LoRA adapters with a draft model (speculative decoding) are not supported yet: drop "
+                         "draft_model (--draft-model), or serve a merged model with it")
+
+
 def _default_device(tp: TPGroup) -> torch.device:
     if tp.size > 1:
         from phalanx.launch import context
@@ -93,7 +110,8 @@ def sample_seed(seed: int, index: int) -> int:
 class LLM:
     """A decoder-only model (see `phalanx.models.SUPPORTED`) served with a paged KV cache and continuous
     batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
-    module) enables speculative decoding."""
+    module) enables speculative decoding; `enable_lora=True` (with `max_loras`, `max_lora_rank`)
+    serves LoRA adapters (`load_lora_adapter`, `SamplingParams.lora_name`; `phalanx.inference.lora`)."""
 
     def __init__(self, model: str | Path, *, tokenizer=None, draft_model: str | Path | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, **engine_kwargs) -> None:
@@ -124,7 +142,11 @@ class LLM:
 
     # -- construction ----------------------------------------------------------------------------
     def _setup(self, config, generation_config, tokenizer, weights, draft_model, device, engine_kwargs, name):
+        lora_options = {k: engine_kwargs.pop(k) for k in _LORA_OPTIONS if k in engine_kwargs}
         self.config = EngineConfig(**engine_kwargs)
+        enable_lora = lora_options.pop("enable_lora", False)
+        if enable_lora:
+            _check_lora_layout(self.config.tp_size, draft_model)
         self.model_name = name or "model"
         self.hf_config = config
         self.spec = spec_for_inference(config)
@@ -142,6 +164,7 @@ class LLM:
                                   dtype=self.dtype, max_model_len=self.max_model_len)
         load_weights(self.runner.model, weights, strict=True)
         self.runner.model.pack_weights()
+        self.lora = self._setup_lora(**lora_options) if enable_lora else None
         self.draft_runner = None
         self.speculator = None
         if draft_model is not None and self.tp.is_driver:
@@ -164,6 +187,39 @@ class LLM:
         self._ids = itertools.count()
         self._seqs: dict[str, list[Sequence]] = {}  # request id -> its samples (index 0 first)
         self._seeds: dict[str, int] = {}  # request id -> its seed (forked samples derive theirs)
+        self._adapters: dict = {}  # request id -> the LoRA adapter it holds (released when it is forgotten)
+
+    def _setup_lora(self, max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK):
+        """The adapter registry; the runner tells it each step's token slots. The compiled model
+        step is bypassed (it calls the matmuls directly, past the adapters' wrappers)."""
+        lora = LoraAdapters(self.runner.model, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        self.runner.lora = lora
+        if self.runner.compiled is not None:
+            self.runner.compiled, self.runner.compile_reason = None, "LoRA adapters run eagerly"
+            log.warning("running the model eagerly (LoRA adapters are applied by the eager layers)")
+        return lora
+
+    def load_lora_adapter(self, name: str, path: str | Path) -> dict:
+        """Load the PEFT adapter saved in `path` (adapter_config.json + adapter_model.safetensors)
+        under `name`; requests choose it with `SamplingParams(lora_name=name)`. Safe to call from
+        another thread while the engine steps. `LoraError` (a ValueError) names what is wrong."""
+        adapter = self._lora_registry().load(name, path)
+        return {"name": adapter.name, "path": adapter.path, "rank": adapter.rank, "slot": adapter.slot}
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget adapter `name` (refused while requests in flight use it)."""
+        self._lora_registry().unload(name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> the directory each was loaded from."""
+        # a snapshot (list() is one step under the GIL): the HTTP thread reads it while a load may run
+        return {a.name: a.path for a in list(self.lora.adapters.values())} if self.lora is not None else {}
+
+    def _lora_registry(self) -> LoraAdapters:
+        if self.lora is None:
+            raise LoraError("this engine serves no LoRA adapters: build it with LLM(..., enable_lora=True) "
+                            "(phalanx serve --enable-lora)")
+        return self.lora
 
     def _build_draft(self, draft_model) -> ModelRunner:
         if isinstance(draft_model, torch.nn.Module):
@@ -245,7 +301,15 @@ class LLM:
         seq = Sequence(request_id, ids, params, prompt=text, generator=self._generator(params, seed, 0))
         seq.grammar = grammar
         seq.num_pending_forks = params.num_samples - 1
-        self.scheduler.add(seq)
+        if params.lora_name is not None:
+            adapter = self._lora_registry().acquire(params.lora_name)
+            seq.lora_slot, seq.cache_salt = adapter.slot, adapter.salt
+            self._adapters[request_id] = adapter
+        try:
+            self.scheduler.add(seq)
+        except BaseException:  # refused (too long for the cache): it holds no adapter
+            self._release_adapter(request_id)
+            raise
         self._seqs[request_id] = [seq]
         self._seeds[request_id] = seed
         return request_id
@@ -271,6 +335,7 @@ class LLM:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self._seeds.pop(request_id, None)
+        self._release_adapter(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -317,6 +382,7 @@ class LLM:
                     for index in range(1, parent.num_pending_forks + 1)]
         for child in children:  # the parent has no output yet: its grammar is at the start
             child.grammar = parent.grammar.fork() if parent.grammar is not None else None
+            child.lora_slot, child.cache_salt = parent.lora_slot, parent.cache_salt
         return children
 
     def _attach(self, parent: Sequence, children: list[Sequence]) -> None:
@@ -407,8 +473,10 @@ class LLM:
         chunks = []
         for s in plan.scheduled:  # rows of logits: every position while prompt log-probs are collected
             rows = s.num_tokens if s.seq.needs_prompt_logits else (1 if s.samples else 0)
-            chunks.append(Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table, rows))
-        logits = self.runner.execute(chunks)
+            chunks.append(Chunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table, rows,
+                                s.seq.lora_slot))
+        with self.lora.lock if self.lora is not None else contextlib.nullcontext():
+            logits = self.runner.execute(chunks)
         if self.draft_runner is not None:  # keep the draft's cache in step with the target's
             self.draft_runner.execute([Chunk(c.token_ids, c.start, c.block_table, 0) for c in chunks])
         sampling: list[Sequence] = []
@@ -549,6 +617,12 @@ class LLM:
     def _forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
         self._seeds.pop(request_id, None)
+        self._release_adapter(request_id)
+
+    def _release_adapter(self, request_id: str) -> None:
+        adapter = self._adapters.pop(request_id, None)
+        if adapter is not None:
+            self.lora.release(adapter)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; outputs (cumulative, `finished` when done) of every request it advanced.

@@ -24,13 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from phalanx.inference import packed_linear
-from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, store_kv
+from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, rotate_, store_kv
 from phalanx.inference.kernels import rms_norm, swiglu
 from phalanx.models import SUPPORTED, ModelSpec, family_of, rope_parameters, spec_from_config
 from phalanx.models.heads import first_kv_head, head_problem, local_heads
 
-__all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "check_tp", "kv_bytes_per_block", "rope_tables",
-           "spec_for_inference"]
+__all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "Pieces", "EAGER", "check_tp", "kv_bytes_per_block",
+           "rope_tables", "spec_for_inference"]
 
 
 def spec_for_inference(config) -> ModelSpec:
@@ -90,15 +90,33 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-          residual: torch.Tensor | None = None):
-    """RMSNorm (bias None) or LayerNorm of x (+ residual first, returned too, like `rms_norm`)."""
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+         residual: torch.Tensor | None = None, rms: Callable | None = None):
+    """RMSNorm (bias None) or LayerNorm of x (+ residual first, returned too, like `rms_norm`).
+    `rms`: the RMSNorm to call (default: this module's dispatching `rms_norm`, looked up at call
+    time; the compiled pieces pass the torch reference, which inductor fuses)."""
+    rms = rms_norm if rms is None else rms
     if bias is None:
-        return rms_norm(x, weight, eps) if residual is None else rms_norm(x, weight, eps, residual=residual)
+        return rms(x, weight, eps) if residual is None else rms(x, weight, eps, residual=residual)
     if residual is not None:
         x = x + residual
     y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return y if residual is None else (y, x)
+
+
+class Pieces(NamedTuple):
+    """The elementwise work of a decoder layer, between its matmuls: `norm` (residual add + norm),
+    `rotate` (RoPE in place) and `swiglu`. The decoder is written once (`DecoderModel.forward`)
+    and runs either these eager functions (`EAGER`) or their compiled forms
+    (`compiled.CompiledModelStep`); the matmuls always go through `DecoderLayer.linear` (packed bf16
+    weights, LoRA wrappers), the attention and the collectives always run eager."""
+
+    norm: Callable
+    rotate: Callable
+    swiglu: Callable
+
+
+EAGER = Pieces(norm, rotate_, swiglu)
 
 
 class DecoderLayer(nn.Module):
@@ -198,11 +216,12 @@ class DecoderLayer(nn.Module):
         weight, b = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias") if bias else None
         return packed_linear.linear(x, weight, b, self.packed.get(name))
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP up to (not including) the row-parallel down projection."""
+    def mlp(self, x: torch.Tensor, act: Callable = swiglu) -> torch.Tensor:
+        """The MLP up to (not including) the row-parallel down projection; `act`: the SwiGLU to
+        call (gated MLPs)."""
         up = self.linear("gate_up", x)
         if self.gated:
-            return swiglu(up[:, :self.inter], up[:, self.inter:])
+            return act(up[:, :self.inter], up[:, self.inter:])
         return self.act(up)
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
@@ -274,9 +293,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos_table: torch.Tensor,
-                sin_table: torch.Tensor) -> torch.Tensor:
+                sin_table: torch.Tensor, pieces: Pieces = EAGER) -> torch.Tensor:
         """Tokens [N] at positions [N] -> final hidden states [N, hidden] (after the last norm and,
-        for OPT with project_out, projected to the embedding width)."""
+        for OPT with project_out, projected to the embedding width). `pieces`: the elementwise
+        functions to run between the matmuls (eager, or compiled by `compiled.CompiledModelStep`)."""
+        norm_ = pieces.norm
         h = self.embed_tokens(input_ids, positions)
         rope = self.spec.rope
         if rope:
@@ -285,9 +306,9 @@ class DecoderModel(nn.Module):
         n = input_ids.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if residual is None:
-                residual, x = h, _norm(h, layer.input_norm, layer.input_norm_bias, layer.eps)
+                residual, x = h, norm_(h, layer.input_norm, layer.input_norm_bias, layer.eps)
             else:
-                x, residual = _norm(h, layer.input_norm, layer.input_norm_bias, layer.eps, residual=residual)
+                x, residual = norm_(h, layer.input_norm, layer.input_norm_bias, layer.eps, residual=residual)
             qkv = layer.linear("qkv", x)
             qk = qkv[:, :layer.q_size + layer.kv_size].view(n, layer.heads + layer.kv_heads, layer.head_dim)
             if layer.q_norm is not None:
@@ -296,24 +317,24 @@ class DecoderModel(nn.Module):
             v = qkv[:, layer.q_size + layer.kv_size:].view(n, layer.kv_heads, layer.head_dim)
             if rope:
                 rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
-                               skips_slots=batch.skips_slots)
+                               skips_slots=batch.skips_slots, rotate=pieces.rotate)
             else:
                 store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.skips_slots)
             attn = paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
             h = self._reduce(layer.linear("o", attn.reshape(n, layer.q_size), bias=False))  # bias after the reduce
             if layer.o_bias is not None:
                 h = h + layer.o_bias
-            x, residual = _norm(h, layer.post_norm, layer.post_norm_bias, layer.eps, residual=residual)
+            x, residual = norm_(h, layer.post_norm, layer.post_norm_bias, layer.eps, residual=residual)
             if layer.sparse:  # an expert block: its partial sums meet in the same one all-reduce
                 h = self._reduce(layer.moe(x))
             else:
-                h = self._reduce(layer.linear("down", layer.mlp(x), bias=False))
+                h = self._reduce(layer.linear("down", layer.mlp(x, pieces.swiglu), bias=False))
                 if layer.down_bias is not None:
                     h = h + layer.down_bias
         if residual is not None:
             h = h + residual
         if self.spec.final_norm:
-            h = _norm(h, self.norm, self.norm_bias, self.spec.norm_eps)
+            h = norm_(h, self.norm, self.norm_bias, self.spec.norm_eps)
         if self.project_out is not None:
             h = F.linear(h, self.project_out)
         return h

@@ -16,8 +16,7 @@ import torch
 
 from phalanx_kernels.accelerator import device_module, is_accelerator
 
-from phalanx.amp.precision import warn_if_emulated_bf16
-from phalanx_kernels.capability import fast_compute_dtype
+from phalanx.amp.precision import resolve_precision, warn_if_emulated_bf16
 from phalanx.inference import compiled
 from phalanx.inference.attention import AttentionBatch, BatchedGroup, PrefillSegment
 from phalanx.inference.config import EngineConfig
@@ -68,25 +67,32 @@ class Chunk:
     start: int  # position of token_ids[0]
     block_table: list[int]
     num_logits: int = 1
+    lora_slot: int = 0  # the sequence's LoRA adapter slot (0: the base model)
 
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """The engine's compute dtype. `auto`: the checkpoint's dtype where the device computes it
-    fast, else fp32 (CPU fp16 kernels are slow and incomplete; bf16 is emulated on CPUs without
-    AVX512-BF16/AMX). An explicit bfloat16 is honoured, with a warning where it will crawl."""
+    """The engine's compute dtype. `auto` follows the hardware by `precision: auto`'s one rule
+    (`phalanx.amp.precision.resolve_precision`): bf16 where `device` computes bf16 faster than fp32
+    (CUDA with bf16; a CPU with AMX whose bf16 matmul measures faster), fp32 elsewhere, whatever
+    the checkpoint's dtype (an fp32 checkpoint serves in bf16 on an AMX CPU; a bf16 checkpoint
+    serves in fp32 on an AVX2-only CPU, where bf16 is emulated). An explicit bfloat16 is honoured,
+    with a warning where it will crawl."""
     if name != "auto":
         if name == "bfloat16":
             warn_if_emulated_bf16(device, what="dtype=bfloat16", fix="dtype=auto (or float32)")
         return getattr(torch, name)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if device.type == "cpu" and dtype == torch.float16:
-        return torch.float32
-    return fast_compute_dtype(dtype, device)
+    dtype = resolve_precision("auto", device).compute_dtype
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    if stored is not None and stored != dtype:
+        _log_once(f"dtype=auto: the checkpoint is {stored}, serving in {dtype} (fastest on {device.type}); "
+                  f"pass dtype=... to choose")
+    return dtype
 
 
 class ModelRunner:
+    lora = None  # the engine's `lora.LoraAdapters` when it serves adapters: told each step's token slots
+
     def __init__(self, spec: ModelSpec, *, engine_config: EngineConfig, tp: TPGroup, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.spec, self.config, self.tp = spec, engine_config, tp
@@ -119,9 +125,7 @@ class ModelRunner:
         if why is not None:
             _log_once(f"running the model eagerly ({why})")
             return why
-        max_tokens = max(self.config.max_num_batched_tokens,
-                         self.config.max_num_seqs * (self.config.num_speculative_tokens + 1))
-        self.compiled = compiled.CompiledModelStep(self.model, device=self.device, max_tokens=max_tokens)
+        self.compiled = compiled.CompiledModelStep(self.model, device=self.device)
         return "a working compiler was found"
 
     # -- KV cache --------------------------------------------------------------------------------
@@ -183,10 +187,12 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         row_start = [0] * len(chunks)
+        lora_slots: list[int] = []
         for i in [i for g in groups for i in g] + prefill:
             c = chunks[i]
             row_start[i] = len(ids)
             ids.extend(c.token_ids)
+            lora_slots.extend([c.lora_slot] * len(c.token_ids))
             table = c.block_table
             for p in range(c.start, c.start + len(c.token_ids)):
                 positions.append(p)
@@ -212,6 +218,8 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             end = row_start[i] + lens[i]
             logits_rows.extend(range(end - c.num_logits, end))
+        if self.lora is not None:
+            self.lora.set_step(lora_slots)
         header = [_CMD_STEP, len(ids), len(groups), q_len, len(tables), len(ctx_lens), len(prefill),
                   len(prefill_tables), len(logits_rows)]
         return torch.tensor(header + ids + positions + slots + group_info + tables + ctx_lens + segments
@@ -249,11 +257,6 @@ class ModelRunner:
     # -- running ---------------------------------------------------------------------------------
     def _forward(self, packed: torch.Tensor) -> torch.Tensor:
         ids, positions, batch, logits_rows = self._unpack(packed)
-        if self.compiled is not None and any(layer.packed for layer in self.model.layers):
-            # bf16 weights packed for oneDNN (native-bf16 CPUs): the compiled pieces would multiply
-            # through plain F.linear and lose the packing, so this runner stays eager.
-            self.compiled, self.compile_reason = None, "weights packed for oneDNN run eager"
-            _log_once(f"running the model eagerly ({self.compile_reason})")
         with torch.inference_mode():
             if self.compiled is not None:
                 hidden = self.compiled.forward(ids, positions, batch, self.kv_caches, self.cos, self.sin)

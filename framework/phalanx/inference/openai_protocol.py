@@ -18,6 +18,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from phalanx.inference.outputs import RequestOutput
@@ -452,11 +453,31 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None) if calls else text, calls
 
 
-def check_model(body: dict, served: str) -> None:
+def check_model(body: dict, served: str, adapters: Collection[str] = ()) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model, or no `model`); 404
+    naming it when it is neither the served model nor a loaded adapter."""
     model = body.get("model")
-    if model is not None and model != served:
-        raise RequestError(404, f"the model '{model}' does not exist; this server serves '{served}'",
-                           param="model", code="model_not_found")
+    if model is None or model == served:
+        return None
+    if isinstance(model, str) and model in adapters:
+        return model
+    others = f" and the LoRA adapters {', '.join(repr(a) for a in sorted(adapters))}" if adapters else ""
+    raise RequestError(404, f"the model '{model}' does not exist; this server serves '{served}'{others}",
+                       param="model", code="model_not_found")
+
+
+def parse_lora_request(body: dict, *, load: bool) -> tuple[str, str | None]:
+    """(lora_name, lora_path) of vLLM's /v1/load_lora_adapter (both required) or
+    /v1/unload_lora_adapter (lora_name; lora_int_id accepted and ignored) body."""
+    fields = ("lora_name", "lora_path") if load else ("lora_name",)
+    unknown = sorted(set(body) - set(fields) - ({"lora_int_id"} if not load else set()))
+    if unknown:
+        raise RequestError(400, f"unknown parameter '{unknown[0]}' (this route takes {', '.join(fields)})",
+                           param=unknown[0], code="unsupported_parameter")
+    for name in fields:
+        if not isinstance(body.get(name), str) or not body[name]:
+            raise RequestError(400, f"'{name}' is required (a non-empty string)", param=name)
+    return body["lora_name"], body.get("lora_path")
 
 
 def check_prompt_length(num_prompt_tokens: int, max_prompt_tokens: int, param: str = "prompt") -> None:
@@ -577,6 +598,12 @@ def usage_chunk(rid: str, model: str, chat: bool, usage_: dict) -> dict:
             "model": model, "choices": [], "usage": usage_}
 
 
-def models_response(model: str, max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
-                                        "owned_by": "phalanx", "max_model_len": max_model_len}]}
+def models_response(model: str, max_model_len: int, adapters: dict[str, str] | None = None) -> dict:
+    """The served model, then each loaded LoRA adapter (its `parent` the model, its `root` the
+    directory it was loaded from, as vLLM lists them)."""
+    now = int(time.time())
+    data = [{"id": model, "object": "model", "created": now, "owned_by": "phalanx", "root": model, "parent": None,
+             "max_model_len": max_model_len}]
+    data += [{"id": name, "object": "model", "created": now, "owned_by": "phalanx", "root": path, "parent": model,
+              "max_model_len": max_model_len} for name, path in (adapters or {}).items()]
+    return {"object": "list", "data": data}

@@ -106,6 +106,8 @@ class SamplingParams:
     tokens that would break it are masked out after the penalties and before temperature (so
     greedy, sampling, top-k/top-p all pick among allowed tokens only). Not with min_new_tokens
     (the constraint decides where the output ends).
+    lora_name: run the request through this loaded LoRA adapter (`LLM.load_lora_adapter`); None: the
+    base model. Requests with different adapters share one batch (`phalanx.inference.lora`).
     """
 
     max_new_tokens: int = 16
@@ -128,6 +130,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -173,6 +176,8 @@ class SamplingParams:
                              "(OpenAI chat's logprobs=true, top_logprobs=N is logprobs=N)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise ValueError(f"lora_name={self.lora_name!r} must be None or a loaded adapter's name")
         if self.structured_output is not None and self.min_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens} cannot be combined with structured output "
                              "(the constraint decides where the output ends); drop one of them")

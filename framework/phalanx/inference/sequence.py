@@ -69,6 +69,10 @@ class Sequence:
         # Structured output: a `structured.Grammar` (set by the engine) that masks this sequence's
         # sampling and advances with each appended token.
         self.grammar = None
+        # LoRA: the slot of the request's adapter in the stacked factors (0: the base model), and
+        # the prefix-cache key seed of that adapter (b"": the base), set by the engine.
+        self.lora_slot = 0
+        self.cache_salt = b""
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@
     phalanx serve runs/ppo/checkpoints/step-00000200    # one checkpoint
     phalanx serve path/to/model --port 9000 --api-key sk-local --max-num-seqs 32 --max-queue 64
     phalanx serve path/to/model --tp-size 2             # restarts itself under torchrun, 2 ranks
+    phalanx serve base/ --lora sql=runs/sft/adapter --lora chat=runs/chat   # LoRA adapters, `model` picks one
 
 The server (FastAPI + uvicorn, `pip install 'phalanx[serve]'`) holds at most --max-num-seqs
 running plus --max-queue waiting requests and answers 429 beyond that; docs/serving.md has the
@@ -32,6 +33,7 @@ import threading
 from pathlib import Path
 
 from phalanx.checkpoint.find import CHECKPOINT_MODEL_DIRS, model_dir  # noqa: F401 - re-exported
+from phalanx.inference.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,12 +60,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV-cache budget on CPU, GiB per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of the GPU the engine may use")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto: bfloat16 on CUDA with bf16 and on CPUs with fast bf16 "
+                   "(AMX), float32 elsewhere, whatever the checkpoint's dtype")
     p.add_argument("--draft-model", default=None, help="a small HF model directory (or checkpoint, output_dir) "
                    "for speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
+    lora = p.add_argument_group("LoRA adapters (docs/serving.md: requests choose one by its name as `model`)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules "
+                      "and --lora); adapters can also be loaded later with POST /v1/load_lora_adapter")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT adapters to load at start: a directory with adapter_config.json, or a LoRA training "
+                      "run's output_dir (its adapter/)")
+    lora.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="one more adapter, as in "
+                      "--lora-modules (repeatable)")
+    lora.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS, help="adapters loaded at once (each holds "
+                      f"a slot of the stacked low-rank factors; default {DEFAULT_MAX_LORAS})")
+    lora.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK, help="the largest adapter rank "
+                      f"accepted (default {DEFAULT_MAX_LORA_RANK}); a larger one is refused")
     return p
+
+
+def lora_modules(args) -> dict[str, str]:
+    """NAME=PATH of --lora-modules and --lora as {name: path}; ValueError naming a malformed one."""
+    modules: dict[str, str] = {}
+    for entry in [*args.lora_modules, *args.lora]:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules/--lora takes NAME=PATH, got {entry!r}")
+        if name in modules or name == args.served_model_name:
+            raise ValueError(f"the LoRA adapter name {name!r} is given twice (or is the served model's name)")
+        modules[name] = path
+    return modules
 
 
 _STOP = threading.Event()
@@ -83,6 +112,15 @@ def _interrupt(signum, frame):
 def serve_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        adapters = lora_modules(args)
+    except ValueError as exc:
+        print(f"phalanx serve: {exc}", file=sys.stderr)
+        return 2
+    if (adapters or args.enable_lora) and (args.tp_size > 1 or args.draft_model):
+        print("phalanx serve: LoRA adapters are served with --tp-size 1 and no --draft-model (not supported yet); "
+              "or merge the adapter into the model and serve that", file=sys.stderr)
+        return 2
     if args.tp_size > 1 and "WORLD_SIZE" not in os.environ:
         from phalanx.torchrun import run_here
         return run_here(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])
@@ -98,10 +136,10 @@ def serve_main(argv: list[str]) -> int:
     if model != Path(args.model).expanduser() and os.environ.get("RANK", "0") == "0":
         print(f"phalanx serve: serving the model in {model}", flush=True)
     served_name = args.served_model_name or Path(args.model).expanduser().resolve().name
-    return _serve(args, model, draft, served_name)
+    return _serve(args, model, draft, served_name, adapters)
 
 
-def _serve(args, model: Path, draft: Path | None, served_name: str) -> int:
+def _serve(args, model: Path, draft: Path | None, served_name: str, adapters: dict[str, str]) -> int:
     """Build the engine over `model` (every rank) and serve it (rank 0) until a signal."""
     from phalanx.inference.engine import LLM
     from phalanx.inference.server import OpenAIServer
@@ -111,7 +149,15 @@ def _serve(args, model: Path, draft: Path | None, served_name: str) -> int:
                  max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib,
                  gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
                  draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
-                 enable_prefix_caching=not args.no_prefix_caching)
+                 enable_prefix_caching=not args.no_prefix_caching,
+                 **({"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+                    if adapters or args.enable_lora else {}))
+    for name, path in adapters.items():
+        try:
+            engine.load_lora_adapter(name, path)
+        except ValueError as exc:
+            print(f"phalanx serve: {exc}", file=sys.stderr)
+            return 2
     if not engine.tp.is_driver:
         # A worker that left on the signal would break the driver's last broadcast ("stop").
         signal.signal(signal.SIGINT, signal.SIG_IGN)

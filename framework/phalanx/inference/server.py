@@ -2,9 +2,11 @@
 
     GET  /health                  200 {"status": "ok"}; 503 once the engine loop stopped (no API key needed)
     GET  /metrics                 Prometheus text format (no API key needed)
-    GET  /v1/models               the served model
+    GET  /v1/models               the served model and its loaded LoRA adapters
     POST /v1/completions          prompt(s) -> text; "stream": true for server-sent events
     POST /v1/chat/completions     messages -> the model's chat template -> text; streaming too
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}: load a PEFT adapter (engine built with enable_lora)
+    POST /v1/unload_lora_adapter  {"lora_name"}: forget it; requests choose an adapter by `model`
 
 All requests meet in the same engine batches: one engine thread (`EngineLoop`) steps the engine,
 the handlers run on uvicorn's event loop and never wait for a step. The server is split by
@@ -67,6 +69,8 @@ def build_app(server: OpenAIServer):
     app.add_api_route("/v1/models", routes.models, methods=["GET"], dependencies=keyed)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], dependencies=keyed)
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"], dependencies=keyed)
+    app.add_api_route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"], dependencies=keyed)
     return app
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from phalanx.inference import openai_protocol as api
 from phalanx.inference.engine_loop import Aborted, QueueFull, RequestStream
+from phalanx.inference.lora import LoraError
 from phalanx.inference.server_http import ClientGone, engine_error, run_watching
 from phalanx.inference.server_streaming import ChoiceEvents, EventStream, chat_chunker, completion_chunker
 
@@ -71,7 +72,40 @@ class Routes:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self):
-        return api.models_response(self.server.model_name, self.engine.max_model_len)
+        return api.models_response(self.server.model_name, self.engine.max_model_len, self.engine.lora_adapters())
+
+    # -- LoRA adapters (vLLM's routes)
+    async def load_lora_adapter(self, request: Request):
+        name, path = api.parse_lora_request(await self.read_json(request), load=True)
+        if name == self.server.model_name:
+            raise api.RequestError(400, f"'{name}' is the served model's name: give the adapter another lora_name",
+                                   param="lora_name")
+        await self.lora_call(self.engine.load_lora_adapter, name, path, param="lora_path")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request):
+        name, _ = api.parse_lora_request(await self.read_json(request), load=False)
+        await self.lora_call(self.engine.unload_lora_adapter, name, param="lora_name")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def lora_call(self, call, *args, param: str) -> None:
+        """`call` off the event loop (it reads files and waits for the engine's step to end);
+        its `LoraError` answered with its status (404: no such adapter)."""
+        try:
+            await asyncio.to_thread(call, *args)
+        except LoraError as exc:
+            raise api.RequestError(exc.status, str(exc), param="lora_name" if exc.status == 404 else param,
+                                   code="lora_adapter_not_found" if exc.status == 404 else None) from None
+
+    def model_of(self, body: dict) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for an unknown model."""
+        return api.check_model(body, self.server.model_name, self.engine.lora_adapters())
+
+    def with_adapter(self, adapter: str | None, params):
+        """(the model name to answer with, params that run through `adapter`)."""
+        if adapter is None:
+            return self.server.model_name, params
+        return adapter, dataclasses.replace(params, lora_name=adapter)
 
     # -- requests in the engine
     def submit(self, jobs: list[tuple]) -> list[RequestStream]:
@@ -141,9 +175,9 @@ class Routes:
         usage = api.usage(sum(prompt_lens), sum(api.generated_tokens(o, req.echo) for o in outs))
         return JSONResponse(make_body(outs, usage))
 
-    def stream_events(self, req, streams, make_chunk, rid) -> EventStream:
+    def stream_events(self, req, streams, make_chunk, rid, model: str) -> EventStream:
         """Streaming: server-sent events of every choice as they come (`server_streaming`)."""
-        return ChoiceEvents(req, streams, make_chunk, rid, model_name=self.server.model_name,
+        return ChoiceEvents(req, streams, make_chunk, rid, model_name=model,
                             tokenizer=self.engine.tokenizer, abort=lambda: self.abort_all(streams)).response()
 
     # -- POST routes
@@ -162,10 +196,11 @@ class Routes:
     async def completions(self, request: Request):
         server = self.server
         body = await self.read_json(request)
-        api.check_model(body, server.model_name)
+        adapter = self.model_of(body)
         req = api.parse_completion(body, max_tokens_limit=server.max_tokens_limit)
+        model, params = self.with_adapter(adapter, req.params)
         prepare = self.limits("prompt")
-        streams = self.submit([(prompt, req.params, prepare) for prompt in req.prompts])
+        streams = self.submit([(prompt, params, prepare) for prompt in req.prompts])
         try:
             prompt_lens = await self.admit(request, streams, "prompt")
         except ClientGone:
@@ -173,23 +208,24 @@ class Routes:
         rid = api.new_id(chat=False)
         tok = self.engine.tokenizer
         if req.stream:
-            return self.stream_events(req, streams, completion_chunker(rid, server.model_name), rid)
+            return self.stream_events(req, streams, completion_chunker(rid, model), rid, model)
 
         def make(outs, usage):
             choices = [api.completion_choice(p * req.n + getattr(c, "index", 0), c, tok)
                        for p, out in enumerate(outs) for c in api.completions_of(out)]
-            return api.completion_response(rid, server.model_name, choices, usage)
+            return api.completion_response(rid, model, choices, usage)
         return await self.respond(request, req, streams, prompt_lens, make)
 
     async def chat(self, request: Request):
         server = self.server
         body = await self.read_json(request)
-        api.check_model(body, server.model_name)
+        adapter = self.model_of(body)
         req = api.parse_chat(body, max_tokens_limit=server.max_tokens_limit,
                              default_max_tokens=server.max_tokens_limit)
+        model, params = self.with_adapter(adapter, req.params)
         tok = self.chat_tokenizer(tools=req.tools is not None)
         fit = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
-        streams = self.submit([(_chat_encoder(tok, req.prompts[0], req.tools), req.params,
+        streams = self.submit([(_chat_encoder(tok, req.prompts[0], req.tools), params,
                                 self.limits("messages", fit_max_tokens=fit))])
         try:
             prompt_lens = await self.admit(request, streams, "messages")
@@ -197,11 +233,11 @@ class Routes:
             return Response(status_code=499)
         rid = api.new_id(chat=True)
         if req.stream:
-            chunker = chat_chunker(rid, server.model_name, req.tools is not None, req.parallel_tool_calls)
-            return self.stream_events(req, streams, chunker, rid)
+            chunker = chat_chunker(rid, model, req.tools is not None, req.parallel_tool_calls)
+            return self.stream_events(req, streams, chunker, rid, model)
 
         def make(outs, usage):
-            return api.chat_response(rid, server.model_name, outs[0], tok, usage, tools=req.tools is not None,
+            return api.chat_response(rid, model, outs[0], tok, usage, tools=req.tools is not None,
                                      parallel_tool_calls=req.parallel_tool_calls)
         return await self.respond(request, req, streams, prompt_lens, make)
 

@@ -1,0 +1,362 @@
+"""LoRA adapters at serve time: PEFT-format adapters loaded beside the base model, chosen per
+request, several of them in one batch.
+
+    engine = LLM(base_dir, enable_lora=True, max_loras=4, max_lora_rank=16)
+    engine.load_lora_adapter("sql", "runs/sft/adapter")      # adapter_config.json + adapter_model.safetensors
+    engine.generate(prompts, [SamplingParams(lora_name="sql"), SamplingParams()])   # adapter and base, one batch
+
+How a batch runs every adapter at once. Each adapted matmul of a decoder layer (the fused q/k/v,
+o, the fused gate/up, down) keeps the adapters' low-rank factors stacked by *slot*: A as
+[slots, pieces, r_max, in] and, per output piece (q, k, v of the fused q/k/v), B·scaling as
+[slots, r_max, width]. A step gives every token the slot of its request (0: the base model), and
+the layer's call `base(x) + delta(x)` computes the delta of every token with two dense matmuls
+over the slots the step uses: x @ A[:hi]ᵀ gives each token every adapter's r_max lanes, a one-hot
+mask of the token's slot keeps its own adapter's lanes (the others become exact zeros), and the
+masked lanes @ B add `scaling · B_s A_s x` to the token's output columns. One forward per batch,
+no Python loop over adapters, the same shapes whichever adapters the tokens use; the cost over the
+base matmul is (slots used · r_max) / width, a few percent for a handful of rank-16 adapters. A
+rank below r_max is zero-padded (the padding adds exact zeros).
+
+The wrapper replaces the layer's `linear` (the call every matmul of the decoder goes through,
+whatever computes it: F.linear, a packed oneDNN weight) after the weights are loaded, so the base
+path is untouched and the adapters add to whatever it returns.
+
+Limits, each refused by name: tensor parallelism (the adapters are not sharded yet), a draft model,
+DoRA, adapters on embeddings or the LM head, `modules_to_save`, trained LoRA biases, adapters on
+expert layers. Prefix caching keeps working: a request's cached blocks are keyed by its adapter
+(`Sequence.cache_salt`), so base and adapter requests never share keys and values.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class LoraError(ValueError):
+    """A refused adapter operation or request; `status` is what the HTTP server answers
+    (404: no such adapter, 400: anything else)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Adapter:
+    """A loaded adapter: its slot in the stacked factors (1..max_loras) and the requests using it."""
+
+    name: str
+    path: str
+    slot: int
+    rank: int
+    salt: bytes  # prefix-cache key seed: unique per load, so a reloaded name never reuses old blocks
+    refs: int = 0
+
+
+@dataclass
+class Piece:
+    """One adapted projection of an adapter, placed in a fused matmul of layer `layer`."""
+
+    layer: int
+    linear: str  # "qkv", "o", "gate_up", "down"
+    piece: int  # which output piece of that matmul (q=0, k=1, v=2; gate=0, up=1)
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [width, r], scaling folded in
+
+
+# -- reading a PEFT adapter ------------------------------------------------------------------------
+def _placement(layer, role: str) -> tuple[str, int] | None:
+    """(fused matmul, output piece) of an HF projection role in our decoder layer, or None."""
+    if role in ("gate", "up", "down") and layer.gate_up_weight is None:
+        return None  # an expert layer
+    return {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "o": ("o", 0), "gate": ("gate_up", 0),
+            "up": ("gate_up", 1 if layer.gated else 0), "down": ("down", 0)}.get(role)
+
+
+def output_pieces(layer, linear: str) -> list[tuple[int, int]]:
+    """(first output column, width) of each piece of a fused matmul's output."""
+    q, kv, inter = layer.q_size, layer.kv_size, layer.inter
+    if linear == "qkv":
+        return [(0, q), (q, kv), (q + kv, kv)]
+    if linear == "gate_up":
+        return [(0, inter), (inter, inter)] if layer.gated else [(0, inter)]
+    return [(0, getattr(layer, f"{linear}_weight").shape[0])]
+
+
+def _check_config(config, path: Path) -> None:
+    problems = []
+    if str(getattr(config, "peft_type", "")).split(".")[-1] != "LORA":
+        problems.append(f"its peft_type is {getattr(config, 'peft_type', None)}, not LORA")
+    if getattr(config, "use_dora", False):
+        problems.append("it is a DoRA adapter (use_dora)")
+    if getattr(config, "modules_to_save", None):
+        problems.append(f"it trains whole modules (modules_to_save={config.modules_to_save})")
+    if getattr(config, "lora_bias", False):
+        problems.append("it trains LoRA biases (lora_bias)")
+    if problems:
+        raise LoraError(f"the adapter in {path} cannot be served: {'; '.join(problems)}. Serve a merged model instead "
+                        "(peft's merge_and_unload, or booster.save_lora_as_pretrained(..., merge=True))")
+
+
+def _scaling(config, module: str, rank: int) -> float:
+    from peft.utils.other import get_pattern_key
+
+    alpha = config.lora_alpha
+    if getattr(config, "alpha_pattern", None):
+        key = get_pattern_key(config.alpha_pattern.keys(), module)
+        alpha = config.alpha_pattern.get(key, alpha)
+    return alpha / (math.sqrt(rank) if getattr(config, "use_rslora", False) else rank)
+
+
+def adapter_dir(path: str | Path) -> Path:
+    """The PEFT adapter directory `path` names: `path` itself; its `adapter/` (the LLaMA recipe's
+    output_dir, an RLHF checkpoint); or the `adapter/` of its latest complete checkpoint (an RLHF
+    LoRA run's output_dir)."""
+    from phalanx.checkpoint.train_state import latest_checkpoint
+
+    path = Path(path).expanduser()
+    candidates = [path, path / "adapter"]
+    if path.is_dir() and (checkpoint := latest_checkpoint(path)) is not None:
+        candidates.append(Path(checkpoint) / "adapter")
+    for candidate in candidates:
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise LoraError(f"no adapter_config.json in {str(path)!r}, its adapter/ or its latest checkpoint's adapter/: give "
+                    "the directory a PEFT adapter was saved to (adapter_config.json + adapter_model.safetensors, from "
+                    "save_pretrained) or a LoRA training run's output_dir")
+
+
+def read_adapter(path: str | Path, model, *, max_rank: int, name: str) -> tuple[list[Piece], int]:
+    """The pieces of the PEFT adapter in `path` placed in `model` (a `DecoderModel`), and its rank;
+    LoraError naming what does not fit (rank above `max_rank`, another base model, a target this
+    engine cannot adapt)."""
+    from phalanx.booster.lora import import_peft
+
+    path = adapter_dir(path)
+    peft = import_peft()
+    config = peft.PeftConfig.from_pretrained(str(path))
+    _check_config(config, path)
+    from peft.utils import load_peft_weights
+    tensors = load_peft_weights(str(path), device="cpu")
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        found = _KEY.match(key)
+        if found is None:
+            raise LoraError(f"adapter {name!r} holds {key!r}, which is not a LoRA matrix of a linear layer "
+                            "(embedding adapters and extra trained tensors are not served): serve a merged model")
+        factors.setdefault(found["module"], {})[found["which"]] = tensor
+    pieces, rank = [], 0
+    for module, ab in sorted(factors.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"adapter {name!r} has lora_A without lora_B (or the reverse) for {module}")
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]
+        rank = max(rank, r)
+        if r > max_rank:
+            raise LoraError(f"adapter {name!r} has rank {r} (at {module}), above max_lora_rank={max_rank}: "
+                            f"restart with --max-lora-rank {r} (LLM(..., max_lora_rank={r}))")
+        pieces += _place(model, module, a.float(), b.float() * _scaling(config, module, r), name)
+    if not pieces:
+        raise LoraError(f"adapter {name!r} in {path} holds no LoRA matrices")
+    return pieces, rank
+
+
+def _place(model, module: str, a: torch.Tensor, b: torch.Tensor, name: str) -> list[Piece]:
+    """Where `module`'s factors go: one Piece per role its weight fills (GPT-2's c_attn: q, k, v)."""
+    try:
+        index, roles, _ = model.names.pieces(f"{module}.weight")
+    except KeyError:
+        index, roles = None, ()
+    if index is None or index >= len(model.layers):
+        raise LoraError(f"adapter {name!r} adapts {module!r}, which is not a projection of this model's decoder "
+                        "layers (embeddings and the LM head take no served adapter; was it made for another model?)")
+    layer, out = model.layers[index], []
+    for role in roles:
+        where = _placement(layer, role.role)
+        if where is None:
+            raise LoraError(f"adapter {name!r} adapts {module!r} (role {role.role}), which this engine cannot adapt "
+                            "(expert layers and shared experts take no adapter): serve a merged model")
+        linear, piece = where
+        first, width = output_pieces(layer, linear)[piece]
+        offset = role.offset(model.spec) if linear == "qkv" or linear == "gate_up" else 0
+        fan_in = getattr(layer, f"{linear}_weight").shape[1]
+        if a.shape[1] != fan_in or b.shape[0] < offset + width or (len(roles) == 1 and b.shape[0] != width):
+            raise LoraError(f"adapter {name!r} does not fit this base model at {module!r}: lora_A {list(a.shape)} and "
+                            f"lora_B {list(b.shape)}, the layer maps {fan_in} inputs to {width} outputs; "
+                            "was it trained on another base model?")
+        out.append(Piece(index, linear, piece, a, b[offset:offset + width]))
+    return out
+
+
+# -- the batched low-rank matmul -------------------------------------------------------------------
+class StepSlots:
+    """The current step's adapter slots, shared by every wrapper: `hi` (the highest slot used) and
+    the one-hot mask [tokens, hi] of each token's slot (the base model's tokens: all zero)."""
+
+    def __init__(self) -> None:
+        self.hi = 0
+        self.mask: torch.Tensor | None = None
+
+    def set(self, token_slots: list[int], dtype: torch.dtype, device: torch.device) -> None:
+        self.hi = max(token_slots, default=0)
+        if self.hi == 0:
+            self.mask = None
+            return
+        one_hot = F.one_hot(torch.tensor(token_slots, dtype=torch.long), self.hi + 1)[:, 1:]
+        self.mask = one_hot.to(dtype).to(device)
+
+
+class LowRankStack:
+    """The stacked factors of every slot for one fused matmul: A [slots, pieces, r_max, in] and,
+    per output piece, B·scaling as [slots, r_max, width]."""
+
+    def __init__(self, pieces: list[tuple[int, int]], fan_in: int, slots: int, rank: int, dtype, device) -> None:
+        self.pieces = pieces
+        self.a = torch.zeros(slots, len(pieces), rank, fan_in, dtype=dtype, device=device)
+        self.b = [torch.zeros(slots, rank, width, dtype=dtype, device=device) for _, width in pieces]
+        self.calls = 0  # batched deltas computed (one per layer call of a step with adapter tokens)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot - 1].zero_()
+        for b in self.b:
+            b[slot - 1].zero_()
+
+    def put(self, slot: int, piece: Piece) -> None:
+        r = piece.a.shape[0]
+        self.a[slot - 1, piece.piece, :r].copy_(piece.a)
+        self.b[piece.piece][slot - 1, :r].copy_(piece.b.t())
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: StepSlots) -> torch.Tensor:
+        """y (= base(x), [N, out]) plus every token's own adapter delta, in place."""
+        self.calls += 1
+        hi, n = step.hi, x.shape[0]
+        _, num_pieces, rank, fan_in = self.a.shape
+        lanes = F.linear(x, self.a[:hi].reshape(hi * num_pieces * rank, fan_in))
+        lanes = lanes.view(n, hi, num_pieces, rank) * step.mask[:, :, None, None]
+        for p, (first, width) in enumerate(self.pieces):
+            y[:, first:first + width] += lanes[:, :, p].reshape(n, hi * rank) @ self.b[p][:hi].reshape(hi * rank, width)
+        return y
+
+
+class LoraLayer:
+    """Replaces a decoder layer's `linear(name, x, bias)`: the base call, plus the adapters' deltas
+    on the matmuls some loaded adapter adapts."""
+
+    def __init__(self, base, step: StepSlots) -> None:
+        self.base, self.step = base, step
+        self.stacks: dict[str, LowRankStack] = {}
+
+    def __call__(self, name: str, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        y = self.base(name, x, bias)
+        stack = self.stacks.get(name)
+        if stack is None or self.step.mask is None:
+            return y
+        return stack.add_delta(x, y, self.step)
+
+
+@dataclass
+class LoraAdapters:
+    """The adapter registry of one engine: names -> slots, the layers' wrappers, the step's slots.
+    `lock` is held by the engine's model step and by load/unload (which may come from another
+    thread: the HTTP server's)."""
+
+    model: object
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self) -> None:
+        for what, value in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what}={value!r} must be a positive integer")
+        self.step = StepSlots()
+        self.layers: dict[int, LoraLayer] = {}
+        self._loads = itertools.count(1)
+        param = self.model.embed
+        self.dtype, self.device = param.dtype, param.device
+
+    # -- registry
+    def load(self, name: str, path: str | Path) -> Adapter:
+        """Read the adapter (outside the lock) and place it in a free slot."""
+        if not isinstance(name, str) or not name:
+            raise LoraError(f"an adapter needs a non-empty name, got {name!r}")
+        if name in self.adapters:
+            raise LoraError(f"an adapter named {name!r} is already loaded (from {self.adapters[name].path}); "
+                            "unload it first or choose another name")
+        pieces, rank = read_adapter(path, self.model, max_rank=self.max_lora_rank, name=name)
+        with self.lock:
+            if name in self.adapters:
+                raise LoraError(f"an adapter named {name!r} is already loaded")
+            used = {a.slot for a in self.adapters.values()}
+            free = [s for s in range(1, self.max_loras + 1) if s not in used]
+            if not free:
+                raise LoraError(f"all max_loras={self.max_loras} adapter slots are in use "
+                                f"({', '.join(sorted(self.adapters))}): unload one, or restart with a larger --max-loras")
+            slot = free[0]
+            for layer in self.layers.values():
+                for stack in layer.stacks.values():
+                    stack.clear(slot)
+            for piece in pieces:
+                self._stack(piece.layer, piece.linear).put(slot, piece)
+            adapter = Adapter(name, str(path), slot, rank, f"lora:{next(self._loads)}".encode())
+            self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self.lock:
+            adapter = self.get(name)
+            if adapter.refs:
+                raise LoraError(f"adapter {name!r} is used by {adapter.refs} request(s) in flight: "
+                                "unload it when they have finished")
+            for layer in self.layers.values():
+                for stack in layer.stacks.values():
+                    stack.clear(adapter.slot)
+            del self.adapters[name]
+
+    def get(self, name: str) -> Adapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise LoraError(f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", status=404)
+        return adapter
+
+    def acquire(self, name: str) -> Adapter:
+        with self.lock:
+            adapter = self.get(name)
+            adapter.refs += 1
+            return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        with self.lock:
+            adapter.refs -= 1
+
+    # -- wrappers and steps
+    def _stack(self, index: int, linear: str) -> LowRankStack:
+        """The stacked factors of layer `index`'s matmul `linear`, wrapping the layer on first use."""
+        layer = self.model.layers[index]
+        wrapper = self.layers.get(index)
+        if wrapper is None:
+            wrapper = self.layers[index] = LoraLayer(layer.linear, self.step)
+            layer.linear = wrapper  # module replacement: every matmul of the layer goes through it
+        stack = wrapper.stacks.get(linear)
+        if stack is None:
+            fan_in = getattr(layer, f"{linear}_weight").shape[1]
+            stack = wrapper.stacks[linear] = LowRankStack(output_pieces(layer, linear), fan_in, self.max_loras,
+                                                          self.max_lora_rank, self.dtype, self.device)
+        return stack
+
+    def set_step(self, token_slots: list[int]) -> None:
+        """The adapter slot of every token of the next forward, in the order of its rows."""
+        self.step.set(token_slots, self.dtype, self.device)
