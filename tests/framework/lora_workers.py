@@ -16,30 +16,51 @@ LORA_R, LORA_ALPHA = 4, 8
 PROBE = torch.arange(2 * cases.SEQ).remainder(128).view(2, cases.SEQ)  # the batch saved models are scored on
 
 
-def lora_config():
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # Mixtral's fused expert tensors
+
+
+def lora_config(family: str = "llama"):
+    """LoRA on q/v/down_proj; for the mixture-of-experts model on q/v_proj and on every expert's
+    weights (peft's target_parameters: per-expert A and B in one tensor each)."""
     import peft
+    if family == "mixtral":
+        return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                               target_parameters=EXPERT_TARGETS)
     return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS)
 
 
-def lora_model(enable=None):
-    """The tiny LLaMA with adapters, the same on every rank; `enable`: Booster.enable_lora or
+def base_model(family: str = "llama"):
+    """The tiny LLaMA, or a tiny Mixtral of the same widths (4 experts, top-2), seed 0."""
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                num_local_experts=4, num_experts_per_tok=2,
+                                                max_position_embeddings=64, tie_word_embeddings=False))
+    return tiny_llama(seed=0)
+
+
+def lora_model(enable=None, family: str = "llama"):
+    """The tiny model with adapters, the same on every rank; `enable`: Booster.enable_lora or
     (default) peft.get_peft_model."""
     import peft
 
-    model = tiny_llama(seed=0)
+    model = base_model(family)
     torch.manual_seed(1)  # the adapters' A matrices
-    return (enable or peft.get_peft_model)(model, lora_config())
+    return (enable or peft.get_peft_model)(model, lora_config(family))
 
 
-def initial_adapter_state() -> dict[str, torch.Tensor]:
-    model = lora_model()
+def initial_adapter_state(family: str = "llama") -> dict[str, torch.Tensor]:
+    model = lora_model(family=family)
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def single_process_reference(steps: int = cases.STEPS):
+def single_process_reference(steps: int = cases.STEPS, family: str = "llama"):
     """Plain peft + torch on one process over whole batches: (losses, adapter state, the trained
     model)."""
-    model = lora_model()
+    model = lora_model(family=family)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cases.LR, weight_decay=0.01)
     losses = []
     for batch in cases.make_batches(steps):
@@ -72,28 +93,33 @@ def _train_batches(booster, model, opt, batches) -> list[float]:
     """Each rank its share of each global batch; returns the global mean losses."""
     from phalanx.device import run_device, to_device
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group = getattr(booster.plugin, "dp_sp_group", None)  # hybrid: tensor-parallel peers share a batch
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     losses = []
     for batch in batches:
         local = to_device(batch.chunk(world)[rank], run_device())
-        loss = model(input_ids=local, labels=local).loss
-        booster.backward(loss, opt)
+        if getattr(booster.plugin, "pp_size", 1) > 1:  # forward and backward through the pipeline schedule
+            loss = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), model, optimizer=opt)["loss"]
+        else:
+            loss = model(input_ids=local, labels=local).loss
+            booster.backward(loss, opt)
         opt.step()
         opt.zero_grad()
         reduced = loss.detach().clone().float()
-        dist.all_reduce(reduced)
+        dist.all_reduce(reduced, group=group)
         losses.append(reduced.item() / world)
     return losses
 
 
-def run_lora(name: str, directory: str, steps: int = cases.STEPS, **plugin_kwargs) -> dict:
+def run_lora(name: str, directory: str, steps: int = cases.STEPS, family: str = "llama", **plugin_kwargs) -> dict:
     """Train the LoRA model with plugin `name` (the optimizer is built on *all* parameters: boost
-    must drop the frozen ones), then save the adapter and the merged model under `directory`."""
+    must drop the frozen ones), then save the adapter and the merged model under `directory`
+    (expert adapters do not merge: the refusal's message is returned instead)."""
     from phalanx.booster import Booster
     from phalanx.booster.plugins import make_plugin
 
     booster = Booster(plugin=make_plugin(name, **plugin_kwargs))
-    model = lora_model(booster.enable_lora)
+    model = lora_model(booster.enable_lora, family)
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
@@ -109,25 +135,49 @@ def run_lora(name: str, directory: str, steps: int = cases.STEPS, **plugin_kwarg
     losses = _train(booster, model, opt, steps)
     full = {k: v.cpu() for k, v in booster.plugin.full_model_state_dict(model).items()}
     booster.save_lora_as_pretrained(model, f"{directory}/adapter")
-    booster.save_lora_as_pretrained(model, f"{directory}/merged", merge=True)
+    merge_refused = None
+    try:
+        booster.save_lora_as_pretrained(model, f"{directory}/merged", merge=True)
+    except ValueError as exc:
+        merge_refused = str(exc)
+    if any(n not in full for n in frozen_before):  # pipeline stages: the full model is gathered on the writer only
+        return {"losses": losses, "complete": False}
     frozen_moved = max((full[n].float() - v.float()).abs().max().item() for n, v in frozen_before.items())
     return {"losses": losses, "adapters": {n: full[n] for n in adapters}, "frozen_moved": frozen_moved,
             "state_numel": _state_numel(opt), "in_optimizer": in_optimizer, "zero_params": zero_params, "chunked": chunked,
-            "adapter_names": sorted(adapters)}
+            "adapter_names": sorted(adapters), "merge_refused": merge_refused}
 
 
-def hybrid_tp_refusal() -> str:
-    """HybridParallelPlugin(tp_size=2) with a LoRA model: the error boost raises."""
+def lora_under_expert_parallelism() -> str:
+    """HybridParallelPlugin(ep_size=2) with a LoRA Mixtral: the error boost raises."""
     from phalanx.booster import Booster
     from phalanx.booster.plugins import HybridParallelPlugin
 
-    booster = Booster(plugin=HybridParallelPlugin(tp_size=2))
-    model = lora_model(booster.enable_lora)
+    booster = Booster(plugin=HybridParallelPlugin(ep_size=2))
+    model = lora_model(booster.enable_lora, "mixtral")
     try:
         booster.boost(model, torch.optim.AdamW(model.parameters(), lr=cases.LR))
     except NotImplementedError as exc:
         return str(exc)
     return "no error"
+
+
+def lora_split_pieces(name: str, **plugin_kwargs) -> dict:
+    """Boost the LoRA model under HybridParallelPlugin (`plugin_kwargs`: tp_size, ...): the local
+    shapes of one column-parallel and one row-parallel adapter pair, and which adapters have
+    partial gradients in the plan."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+    from phalanx.booster.plugins.hybrid.boost import hybrid_state
+
+    booster = Booster(plugin=make_plugin(name, **plugin_kwargs))
+    model = lora_model(booster.enable_lora)
+    model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=cases.LR))
+    hf = booster.unwrap(model)
+    plan = hybrid_state(model).plan
+    shapes = {n: tuple(p.shape) for n, p in hf.named_parameters() if ".layers.0." in n and "lora_" in n}
+    partial = sorted(n for n, p in hf.named_parameters() if "lora_" in n and plan.spec(n).partial_grad)
+    return {"shapes": shapes, "partial": partial}
 
 
 def resume_lora(name: str, directory: str, first: int = 3, steps: int = cases.STEPS) -> dict:

@@ -23,6 +23,13 @@ PLUGINS = ("ddp", "zero1", "zero2", "fsdp", "gemini", "hybrid")
 PLUGIN_KWARGS = {"hybrid": {"zero_stage": 2}}  # data parallel + ZeRO-2 inside HybridParallelPlugin
 SUITE, RESUME = "test_lora_plugin_matches_single_process", "test_lora_checkpoint_resumes_exactly"
 RESUMED = ("zero2", "fsdp", "gemini")
+# Tensor parallelism splits the adapters with their base layers (phalanx.shard.lora_tp): on 2 ranks
+# tp2 (key/value heads split: 2 over 2 ranks) and tp2 with split-gather sequence parallelism; on 4
+# ranks tp4 (2 key/value heads replicated over 4 ranks) and tp2 x dp2 under ZeRO-2.
+TP_LAYOUTS = {"tp2": {"tp_size": 2}, "tp2_split_gather": {"tp_size": 2, "sequence_parallelism": "split_gather"},
+              "pp2": {"pp_size": 2, "num_microbatches": 2}}
+TP_LAYOUTS_4 = {"tp4": {"tp_size": 4}, "tp2_dp2_zero2": {"tp_size": 2, "zero_stage": 2}}
+TP_SUITE = "test_lora_tensor_parallel_matches_single_process"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,9 @@ def reference():
 def spawned(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     suites = {f"{SUITE}[{name}]": (lw.run_lora, (name, str(root / name)), PLUGIN_KWARGS.get(name, {})) for name in PLUGINS}
-    suites["test_lora_refused_under_tensor_parallelism"] = (lw.hybrid_tp_refusal, (), {})
+    for layout, kwargs in TP_LAYOUTS.items():
+        suites[f"{TP_SUITE}[{layout}]"] = (lw.run_lora, ("hybrid", str(root / layout)), kwargs)
+    suites["test_lora_adapters_split_with_their_base_layers"] = (lw.lora_split_pieces, ("hybrid",), {"tp_size": 2})
     suites["test_every_rank_starts_from_rank_0s_adapters"] = (lw.adapters_after_unequal_seeds, (), {})
     for name in RESUMED:
         suites[f"{RESUME}[{name}]"] = (lw.resume_lora, (name, str(root / f"resume-{name}")), {})
@@ -46,18 +55,44 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=lw.PROBE).logits
 
 
-@pytest.mark.parametrize("name", PLUGINS)
-def test_lora_plugin_matches_single_process(name, reference, spawned):
+@pytest.fixture(scope="module")
+def spawned_4(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora4")
+    suites = {f"{TP_SUITE}_on_4_ranks[{layout}]": (lw.run_lora, ("hybrid", str(root / layout)), kwargs)
+              for layout, kwargs in TP_LAYOUTS_4.items()}
+    return root, spawn_suites(request, 4, suites, timeout=600)
+
+
+def _check_trained(what: str, got: dict, reference) -> None:
+    """Losses, trained adapters and the untouched base against plain peft on one process."""
+    ref_losses, ref_state, _ = reference
+    check(rel_diff(got["losses"], ref_losses), FP32_LOSS_RTOL, f"{what} + LoRA: losses")
+    check(update_diff(got["adapters"], ref_state, lw.initial_adapter_state()), ADAMW_UPDATE_RTOL,
+          f"{what} + LoRA: adapter weights")
+    assert got["frozen_moved"] == 0.0, f"{what}: the frozen base changed by {got['frozen_moved']}"
+
+
+def _check_saved(directory, reference) -> None:
+    """The adapter in PEFT's format (opened by peft on a fresh base) and the merged model (opened by
+    transformers) give the trained reference's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    want = _logits(reference[2])
+    assert (directory / "adapter" / "adapter_config.json").is_file()
+    loaded = PeftModel.from_pretrained(tiny_llama(seed=0), str(directory / "adapter"))
+    torch.testing.assert_close(_logits(loaded), want, rtol=1e-4, atol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(str(directory / "merged"), dtype=torch.float32)
+    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
+    torch.testing.assert_close(_logits(merged), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_lora_plugin_matches_single_process(name, reference, spawned):
     root, results = spawned
     got = results.get(f"{SUITE}[{name}]")[0]
-    ref_losses, ref_state, ref_model = reference
-    check(rel_diff(got["losses"], ref_losses), FP32_LOSS_RTOL, f"{name} + LoRA: losses")
-    check(update_diff(got["adapters"], ref_state, lw.initial_adapter_state()), ADAMW_UPDATE_RTOL,
-          f"{name} + LoRA: adapter weights")
-    assert got["frozen_moved"] == 0.0, f"{name}: the frozen base changed by {got['frozen_moved']}"
+    ref_state = reference[1]
+    _check_trained(name, got, reference)
     adapter_numel = sum(v.numel() for v in ref_state.values())
     # Only the adapters have optimizer state: whole on each DDP rank, split over the ranks otherwise.
     states = [r["state_numel"] for r in results.get(f"{SUITE}[{name}]")]
@@ -72,15 +107,47 @@ def test_lora_plugin_matches_single_process(name, reference, spawned):
     if name.startswith("zero") or name == "hybrid":
         assert got["zero_params"] == got["adapter_names"]
 
-    # The adapter in PEFT's format, opened by peft on a fresh base model; and the merged model.
-    adapter_dir, merged_dir = root / name / "adapter", root / name / "merged"
-    assert (adapter_dir / "adapter_config.json").is_file()
-    want = _logits(ref_model)
-    loaded = PeftModel.from_pretrained(tiny_llama(seed=0), str(adapter_dir))
-    torch.testing.assert_close(_logits(loaded), want, rtol=1e-4, atol=1e-4)
-    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
-    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
-    torch.testing.assert_close(_logits(merged), want, rtol=1e-4, atol=1e-4)
+    _check_saved(root / name, reference)
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_lora_tensor_parallel_matches_single_process(layout, reference, spawned):
+    """Adapters split with their base layers over tp ranks train as one process does, and save
+    whole (PEFT format and merged)."""
+    root, results = spawned
+    ranks = results.get(f"{TP_SUITE}[{layout}]")
+    assert ranks[0].get("complete", True)
+    for got in ranks:  # every rank that gathered the full model holds the same result
+        if got.get("complete", True):
+            _check_trained(layout, got, reference)
+        else:  # a later pipeline stage: its losses only
+            check(rel_diff(got["losses"], reference[0]), FP32_LOSS_RTOL, f"{layout} + LoRA: losses on a later stage")
+    _check_saved(root / layout, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", TP_LAYOUTS_4)
+def test_lora_tensor_parallel_matches_single_process_on_4_ranks(layout, reference, spawned_4):
+    root, results = spawned_4
+    for got in results.get(f"{TP_SUITE}_on_4_ranks[{layout}]"):
+        _check_trained(layout, got, reference)
+    _check_saved(root / layout, reference)
+
+
+def test_lora_adapters_split_with_their_base_layers(spawned):
+    """tp2: q_proj's B [out, r] is split by output features and its A [r, in] kept whole with a
+    partial gradient; down_proj's A is split by input features and its B kept whole."""
+    rank0 = spawned[1].get("test_lora_adapters_split_with_their_base_layers")[0]
+    shapes = {n.split("layers.0.", 1)[1]: s for n, s in rank0["shapes"].items()}
+    cfg = tiny_llama(seed=0).config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert shapes["self_attn.q_proj.lora_A.default.weight"] == (lw.LORA_R, cfg.hidden_size)
+    assert shapes["self_attn.q_proj.lora_B.default.weight"] == (cfg.num_attention_heads * head_dim // 2, lw.LORA_R)
+    assert shapes["mlp.down_proj.lora_A.default.weight"] == (lw.LORA_R, cfg.intermediate_size // 2)
+    assert shapes["mlp.down_proj.lora_B.default.weight"] == (cfg.hidden_size, lw.LORA_R)
+    partial = {n.split("layers.", 1)[1] for n in rank0["partial"]}
+    assert partial == {f"{i}.self_attn.{p}.lora_A.default.weight" for i in range(cfg.num_hidden_layers)
+                       for p in ("q_proj", "v_proj")}
 
 
 @pytest.mark.parametrize("name", RESUMED)
@@ -99,12 +166,6 @@ def test_every_rank_starts_from_rank_0s_adapters(spawned):
     assert set(rank0) == set(rank1) == set(single)
     for name in single:
         assert torch.equal(rank1[name], rank0[name]) and torch.equal(rank0[name], single[name]), name
-
-
-def test_lora_refused_under_tensor_parallelism(spawned):
-    """tp/pp/sp > 1 do not split adapter layers yet: one clear error, not a crash inside the policy."""
-    message = spawned[1].get("test_lora_refused_under_tensor_parallelism")[0]
-    assert "tp_size=1, pp_size=1" in message and "tp_size=2" in message
 
 
 def test_optimizer_built_before_enable_lora_is_refused():

@@ -126,8 +126,20 @@ def write_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], directo
     """Write the adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) from
     `state` (full tensors under the PeftModel's own keys; rank 0 only): peft's `save_pretrained`
     picks and renames the adapter's keys."""
+    from safetensors.torch import load_file, save_file
+
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     peft_model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    # peft names the tensors of the LoRA layers it finds in this rank's model; under pipeline
+    # parallelism the other stages' layers are not here, so their matrices are added from `state`
+    # under peft's file naming (the adapter name dropped from the key).
+    adapter = peft_model.active_adapter
+    marker = f".{adapter}."
+    lora = {k.replace(marker, ".", 1): v for k, v in state.items() if "lora_" in k and marker in k}
+    path = Path(directory) / ("" if adapter == "default" else adapter) / "adapter_model.safetensors"
+    written = load_file(str(path))
+    if set(lora) - set(written):
+        save_file({**lora, **written}, str(path), metadata={"format": "pt"})
 
 
 def _lora_layers(peft_model: nn.Module, adapter: str) -> dict[str, nn.Module]:
@@ -141,20 +153,49 @@ def _lora_layers(peft_model: nn.Module, adapter: str) -> dict[str, nn.Module]:
     layers = {}
     for name, module in peft_model.get_base_model().named_modules():
         if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            if not isinstance(module.get_base_layer(), nn.Linear) or getattr(module, "lora_bias", {}).get(adapter):
+            if not _is_linear(module.get_base_layer()) or getattr(module, "lora_bias", {}).get(adapter):
                 raise ValueError(f"merge=True merges LoRA on nn.Linear layers; {name} is "
                                  f"{type(module.get_base_layer()).__name__}: save the adapter (merge=False) instead")
             layers[name] = module
     return layers
 
 
-def _split(name: str, layers: dict[str, nn.Module]) -> tuple[str, str, str] | None:
-    """(layer name, piece, rest) when `name` is part of a LoRA layer: piece is base/A/B."""
+def _is_linear(layer: nn.Module) -> bool:
+    """nn.Linear, or its tensor-parallel piece (the merge works on the gathered full weight)."""
+    from phalanx.shard.layers import ColumnParallelLinear, RowParallelLinear
+
+    return isinstance(layer, nn.Linear) or (isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+                                            and not layer.transposed)
+
+
+def _split(name: str, layers: dict[str, nn.Module], elsewhere=None) -> tuple[str, str, str] | None:
+    """(layer name, piece, rest) when `name` is part of a LoRA layer: piece is base/A/B. A layer
+    that is not in `layers` (another pipeline stage's) is added as `elsewhere(layer name)`."""
     for marker, piece in ((BASE_LAYER, "base"), (LORA_A, "A"), (LORA_B, "B")):
         head, sep, rest = name.partition(marker)
+        if sep and head not in layers and elsewhere is not None and (stand_in := elsewhere(head)) is not None:
+            layers[head] = stand_in
         if sep and head in layers:
             return head, piece, rest
     return None
+
+
+class _LayerElsewhere:
+    """What merging needs of a LoRA layer this rank does not hold (under pipeline parallelism,
+    another stage's): its scaling and weight layout, from the adapter's config. Refused when the
+    config gives layers different ranks or alphas (only the layer itself knows its own then)."""
+
+    def __init__(self, peft_model: nn.Module, adapter: str, name: str):
+        import math
+
+        config = peft_model.peft_config[adapter]
+        if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+            raise ValueError(f"merge=True: {name} is on another pipeline stage and the adapter has per-layer "
+                             "rank_pattern / alpha_pattern: save the adapter (merge=False) and merge it with peft's "
+                             "merge_and_unload on one process")
+        root = math.sqrt(config.r) if getattr(config, "use_rslora", False) else config.r
+        self.scaling = {adapter: config.lora_alpha / root}
+        self.fan_in_fan_out = bool(getattr(config, "fan_in_fan_out", False))
 
 
 def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -163,10 +204,15 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
     PeftModel pairs a plugin streams. A weight waits only for its own layer's A and B."""
     adapter = peft_model.active_adapter
     layers = _lora_layers(peft_model, adapter)
+    here = {n for n, _ in peft_model.get_base_model().named_modules()}
+
+    def elsewhere(layer: str):  # a layer this rank does not hold (another pipeline stage's)
+        return None if layer in here else _LayerElsewhere(peft_model, adapter, layer)
+
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in pairs:
         name = name.removeprefix(PEFT_PREFIX)
-        where = _split(name, layers)
+        where = _split(name, layers, elsewhere)
         if where is None:
             if "lora_" not in name:  # another adapter's tensors are not part of the merged model
                 yield name, tensor
@@ -215,8 +261,8 @@ def save_lora(plugin: Plugin, model: nn.Module, directory: Path, *, writer: bool
                 save_hf_model(peft_model.get_base_model(), merged_pairs(peft_model, stream), directory,
                               tokenizer=tokenizer, **kwargs)
         else:
-            keep = adapter_state_names(peft_model)
-            state = {name: tensor for name, tensor in stream if name in keep}
+            keep = adapter_state_names(peft_model)  # this rank's; with pipeline stages other layers' adapters
+            state = {name: tensor for name, tensor in stream if name in keep or "lora_" in name}  # come by name
             if writer:
                 write_adapter(peft_model, state, directory)
                 if tokenizer is not None:

@@ -65,3 +65,40 @@ def check_moe_inference(config) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r}: the {config.model_type} experts run SwiGLU (silu) only")
+
+
+def fuse_checkpoint_experts(state: dict, names: ExpertNames, model_keys) -> dict:
+    """A checkpoint's state dict with one tensor per expert (as `save_pretrained` writes it:
+    `<layer>.<block>experts.<e>.<proj>.weight`) turned into the fused tensors of transformers 5's
+    modules (`<layer>.mlp.experts.gate_up_proj` [E, 2·width, hidden] = gate rows then up rows,
+    `<layer>.mlp.experts.down_proj` [E, hidden, width]) and a router saved under another block
+    name (Mixtral's `block_sparse_moe.gate.weight`) renamed to the module's; a state dict that is
+    already fused comes back unchanged. `model_keys`: the model's own state-dict names."""
+    import torch
+
+    model_keys, module = set(model_keys), names.blocks[-1]
+    out, experts = {}, {}
+    for key, value in state.items():
+        placed = False
+        for block in names.blocks:
+            layer, marker, rest = key.partition(f".{block}")
+            if not marker:
+                continue
+            parts = rest.split(".")
+            if len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[2] in names.per_expert \
+                    and parts[3] == "weight":
+                experts.setdefault(layer, {})[(names.per_expert[parts[2]], int(parts[1]))] = value
+                placed = True
+            elif rest == "gate.weight" and key not in model_keys and f"{layer}.{module}gate.weight" in model_keys:
+                out[f"{layer}.{module}gate.weight"] = value
+                placed = True
+            if placed:
+                break
+        if not placed:
+            out[key] = value
+    for layer, parts in experts.items():
+        count = 1 + max(e for _, e in parts)
+        out[f"{layer}.{module}experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[("gate", e)], parts[("up", e)]]) for e in range(count)])
+        out[f"{layer}.{module}experts.down_proj"] = torch.stack([parts[("down", e)] for e in range(count)])
+    return out

@@ -31,6 +31,7 @@ last forward (hooks on the routers, so the model runs without output_router_logi
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,45 @@ def expert_groups(ep_size: int) -> ExpertGroups:
     return ExpertGroups(ep_size, dp, rank % ep_size, ep_group, dp_group)
 
 
+def expert_groups_over(blocks: list[list[int]], ep_size: int) -> ExpertGroups:
+    """The EP and expert data-parallel groups carved out of data-parallel groups (`blocks`: the
+    global ranks of every data-parallel group, the same list on every rank; HybridParallelPlugin
+    passes one per pipeline × tensor coordinate): EP groups are runs of `ep_size` consecutive
+    members, an expert's replicas the members with the same index mod `ep_size`. Every rank
+    creates every group, in the same order."""
+    dp = len(blocks[0])
+    if ep_size < 1 or dp % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the data-parallel size {dp}: choose ep_size in "
+                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    rank = dist.get_rank()
+    ep_group = dp_group = None
+    ep_rank = 0
+    for block in blocks:
+        for d in range(0, dp, ep_size):
+            members = block[d:d + ep_size]
+            group = dist.new_group(members)
+            if rank in members:
+                ep_group, ep_rank = group, members.index(rank)
+        for j in range(ep_size):
+            members = block[j::ep_size]
+            group = dist.new_group(members)
+            dp_group = group if rank in members else dp_group
+    return ExpertGroups(ep_size, dp // ep_size, ep_rank, ep_group, dp_group)
+
+
+@dataclasses.dataclass
+class ExchangeTimer:
+    """Wall seconds and calls of the token all-to-alls (dispatch, combine and their backward), when
+    `enabled` (bench/moe_ep.py). Each is timed to its return: on gloo a blocking exchange, so the
+    time includes waiting for the slowest peer; on NCCL only the launch (synchronise to time it)."""
+    enabled: bool = False
+    seconds: float = 0.0
+    calls: int = 0
+
+
+EXCHANGE_TIMER = ExchangeTimer()
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; its backward is the reverse exchange."""
 
@@ -74,8 +114,12 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        start = time.perf_counter()
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=group)
+        if EXCHANGE_TIMER.enabled:
+            EXCHANGE_TIMER.seconds += time.perf_counter() - start
+            EXCHANGE_TIMER.calls += 1
         return out
 
     @staticmethod
@@ -172,6 +216,9 @@ class ExpertParallelPlan:
         self.groups, self.experts, self.routers = groups, experts, routers
         self._expert_params = {id(p) for m in experts.values() for p in m.parameters()}
         self.router_logits: dict[str, torch.Tensor] = {}  # the last forward's, by expert block
+        # the ranks whose batches make up the global batch (None: the world); HybridParallelPlugin
+        # sets its data-parallel group (tensor-parallel peers see the same tokens)
+        self.batch_group = None
         for name, router in routers.items():
             router.register_forward_hook(self._recorder(name))
 
@@ -188,14 +235,15 @@ class ExpertParallelPlan:
             raise RuntimeError("load_balancing_loss(): run a forward first (the routers record their logits)")
         logits = [self.router_logits[name] for name in self.routers]
         router = next(iter(self.routers.values()))
-        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group)
+        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group or self.batch_group)
 
     def router_z_loss(self, attention_mask=None, group=None) -> torch.Tensor:
         """ST-MoE's router z-loss (`router_z_loss`) of the last forward's routers, over every rank's
         batch; add a coefficient (ST-MoE: 1e-3) times it to the loss."""
         if len(self.router_logits) != len(self.routers) or not self.routers:
             raise RuntimeError("router_z_loss(): run a forward first (the routers record their logits)")
-        return router_z_loss([self.router_logits[name] for name in self.routers], attention_mask, group)
+        return router_z_loss([self.router_logits[name] for name in self.routers], attention_mask,
+                             group or self.batch_group)
 
     def is_expert(self, param: torch.Tensor) -> bool:
         return id(param) in self._expert_params
@@ -233,6 +281,39 @@ class ExpertParallelPlan:
                 state[f"{name}.{field}"] = torch.cat(parts)
         return state
 
+    # ------------------------------------------------------------------ by parameter name
+    # (names relative to the model passed to `apply_expert_parallel`, as in its state dict)
+    def expert_param_names(self) -> set[str]:
+        return {f"{name}.{field}" for name in self.experts for field in ("gate_up_proj", "down_proj")}
+
+    def full_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face shape of `name` (every expert's rows) from this rank's shape."""
+        if name not in self.expert_param_names():
+            return tuple(shape)
+        return (shape[0] * self.groups.ep_size, *shape[1:])
+
+    def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """An expert tensor's rows of every EP rank, in expert order (a collective over the EP
+        group); any other tensor as it is."""
+        if name not in self.expert_param_names() or self.groups.ep_group is None:
+            return local
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.groups.ep_size)]
+        dist.all_gather(parts, local, group=self.groups.ep_group)
+        return torch.cat(parts)
+
+    def local_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a Hugging Face-layout tensor (every expert)."""
+        if name not in self.expert_param_names():
+            return full
+        local = full.shape[0] // self.groups.ep_size
+        return full[self.groups.ep_rank * local:(self.groups.ep_rank + 1) * local]
+
+    def row_offset(self, name: str) -> int:
+        """Where this rank's rows of expert tensor `name` start in the flattened full tensor."""
+        module, _, field = name.rpartition(".")
+        return self.groups.ep_rank * getattr(self.experts[module], field).numel()
+
     def token_counts(self) -> dict[str, torch.Tensor]:
         """{expert block: assignments each expert received in the last forward, summed over all
         ranks ([E], int64)}: the per-expert load to log."""
@@ -241,17 +322,18 @@ class ExpertParallelPlan:
             if module.routed is None:
                 raise RuntimeError("token_counts(): run a forward first")
             total = module.routed.clone()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(total)
+            if dist.is_initialized() and dist.get_world_size(self.batch_group) > 1:
+                dist.all_reduce(total, group=self.batch_group)
             counts[name] = total
         return counts
 
 
-def apply_expert_parallel(model: nn.Module, ep_size: int) -> ExpertParallelPlan:
+def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups | None = None) -> ExpertParallelPlan:
     """Replace every HF fused-experts module of `model` by an `ExpertParallelExperts` holding this
     rank's experts; the rest of the model is untouched. Call on every rank, with the same
-    weights (same seed or checkpoint), before building the optimizer."""
-    groups = expert_groups(ep_size)
+    weights (same seed or checkpoint), before building the optimizer. `groups`: the EP layout
+    (default: `expert_groups(ep_size)` over the world; HybridParallelPlugin passes its own)."""
+    groups = groups or expert_groups(ep_size)
     targets = [(name, m) for name, m in model.named_modules() if _is_expert_block(m)]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no fused expert module (experts.gate_up_proj [E, 2I, H]): "

@@ -37,6 +37,10 @@ class HybridZeroOptimizer(ZeroOptimizer):
         self.norm_weights = weights
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        return weighted_norm(self.norm_pieces(), self.device)
+
+    def norm_pieces(self) -> list[tuple[torch.Tensor, float]]:
+        """(owned gradient piece, weight) pairs of this rank, for `weighted_norm`."""
         pieces = []
         for g in self.flat_groups:
             if g is None or g.master.grad is None:
@@ -44,7 +48,7 @@ class HybridZeroOptimizer(ZeroOptimizer):
             for slot, a, b in g.layout.owned_slots(self.rank):
                 start = g.layout.to_shard(self.rank, slot.offset + a)
                 pieces.append((g.master.grad[start:start + (b - a)], self.norm_weights[id(g.params[slot.index])]))
-        return weighted_norm(pieces, self.device)
+        return pieces
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -78,7 +82,7 @@ class HybridOptimizer(MixedPrecisionOptimizer):
                 target.grad = torch.zeros_like(target)
             pairs.append((p, target.grad))
         flat_all_reduce([g for p, g in pairs if id(p) in self.partial_ids], self.tp_group, name="tp.partial_grad")
-        flat_all_reduce([g for _, g in pairs], self.dp_group, average=True, name="dp.all_reduce_grads")
+        self.reduce_over_replicas(pairs)
         grads = [g for _, g in pairs]
         if not self.scaler.unscale_or_skip(grads):
             self.last_grad_norm = float("inf")
@@ -86,3 +90,7 @@ class HybridOptimizer(MixedPrecisionOptimizer):
         dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
         self.last_grad_norm = weighted_norm(((g, self.weights[id(p)] / dp) for p, g in pairs), self.device)
         return self._clip_or_defer(grads, self.last_grad_norm, defer_clip)
+
+    def reduce_over_replicas(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Average the (parameter, gradient) pairs' gradients over the data(×sequence) replicas."""
+        flat_all_reduce([g for _, g in pairs], self.dp_group, average=True, name="dp.all_reduce_grads")

@@ -45,3 +45,20 @@ def policy_for(model: nn.Module) -> Policy:
         f"{', '.join(supported_families())}. To add one, describe the family in phalanx/models/<family>.py "
         "(docs/models.md), or register_policy(Policy(family=..., model_types=(...), layers=..., embedding=..., "
         "attention=..., q/k/v or fused_qkv=..., out_proj=..., mlp_column=..., mlp_row=..., heads=...)) before boosting")
+
+
+def rooted_policy(policy: Policy, prefix: str) -> Policy:
+    """`policy` with its model-level paths (layers, embedding, norm, head, position tables, extras)
+    under `prefix`: for a model that keeps the Hugging Face model one level down (a PEFT model's
+    "base_model.model."). Paths inside a decoder layer stay as they are."""
+    if not prefix:
+        return policy
+    import dataclasses
+
+    def under(path: str) -> str:
+        return prefix + path
+
+    return dataclasses.replace(
+        policy, layers=under(policy.layers), embedding=under(policy.embedding), final_norm=under(policy.final_norm),
+        head=under(policy.head), position_embeddings=tuple(map(under, policy.position_embeddings)),
+        input_extras=tuple(map(under, policy.input_extras)), output_extras=tuple(map(under, policy.output_extras)))

@@ -29,6 +29,7 @@ from torch import nn
 from phalanx.mesh import LayoutError
 from phalanx.shard.layers import (ColumnParallelLinear, InputComm, ReplicatedHeadsLinear, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, VocabRange)
+from phalanx.shard.lora_tp import check_adapters, is_lora_layer, split_adapters
 from phalanx.models.heads import HeadCounts, first_kv_head, head_problem, kv_replicated, local_heads
 from phalanx.models.policy import Policy
 from phalanx.shard.spec import REPLICATED, ShardSpec
@@ -93,7 +94,13 @@ class _Replace:
 
 
 def _is_conv1d(module: nn.Module) -> bool:
+    module = _base(module)
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """The layer a PEFT LoRA layer adapts (phalanx.shard.lora_tp), or the module itself."""
+    return module.base_layer if is_lora_layer(module) else module
 
 
 def _out_dim(module: nn.Module) -> int:
@@ -165,6 +172,9 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
 def _check_shapes(model: nn.Module, plan: list[_Replace], tp: int) -> None:
     for item in plan:
         module = model.get_submodule(item.path)
+        if is_lora_layer(module):
+            check_adapters(module, item.path, item.kind)
+            module = module.base_layer
         for pname, spec in (("weight", item.weight), ("bias", item.bias)):
             p = getattr(module, pname, None)
             if p is None or not spec.is_sharded:
@@ -235,29 +245,35 @@ def _replace_modules(model: nn.Module, replacements: list[_Replace], plan: TPPla
             specs[id(new_params[id(param)])] = spec
         return new_params[id(param)]
 
-    for item in replacements:
-        module = model.get_submodule(item.path)
+    def parallel(module: nn.Module, item: _Replace, input_comm: str | None = None) -> nn.Module:
         transposed = _is_conv1d(module)
         weight = take(module.weight, item.weight)
         bias = take(getattr(module, "bias", None), item.bias)
+        comm_in = input_comm or item.extra.get("input_comm")
         if item.kind == "column":
-            new = ColumnParallelLinear(weight, bias, group=group, transposed=transposed,
-                                       input_comm=item.extra["input_comm"])
-        elif item.kind == "replicated_heads":
-            new = ReplicatedHeadsLinear(weight, bias, keep=item.extra["keep"], group=group, transposed=transposed,
-                                        input_comm=item.extra["input_comm"])
-        elif item.kind == "row":
-            new = RowParallelLinear(weight, bias, group=group, transposed=transposed, sequence_parallel=sp)
-        elif item.kind == "embedding":
+            return ColumnParallelLinear(weight, bias, group=group, transposed=transposed, input_comm=comm_in)
+        if item.kind == "replicated_heads":
+            return ReplicatedHeadsLinear(weight, bias, keep=item.extra["keep"], group=group, transposed=transposed,
+                                         input_comm=comm_in)
+        if item.kind == "row":
+            return RowParallelLinear(weight, bias, group=group, transposed=transposed, sequence_parallel=sp)
+        if item.kind == "embedding":
             plan.vocab = VocabRange(module.num_embeddings, rank, tp)
-            new = VocabParallelEmbedding(weight, vocab=plan.vocab, group=group, padding_idx=module.padding_idx)
-        elif item.kind == "lm_head":
+            return VocabParallelEmbedding(weight, vocab=plan.vocab, group=group, padding_idx=module.padding_idx)
+        if item.kind == "lm_head":
             vocab = VocabRange(module.out_features, rank, tp)
             # the head's input is the final norm's output: whole sequence, replicated
-            new = VocabParallelLMHead(weight, bias, vocab=vocab, group=group)
-        else:  # pragma: no cover - the planner only emits the kinds above
-            raise AssertionError(item.kind)
-        _set_submodule(model, item.path, new)
+            return VocabParallelLMHead(weight, bias, vocab=vocab, group=group)
+        raise AssertionError(item.kind)  # pragma: no cover - the planner only emits the kinds above
+
+    for item in replacements:
+        module = model.get_submodule(item.path)
+        if is_lora_layer(module):  # split the adapters, then the base inside the PEFT layer
+            comm_in = split_adapters(module, item.kind, item.extra, item.bias, take, specs, group=group,
+                                     sequence_parallel=sp)
+            module.base_layer = parallel(module.base_layer, item, comm_in)
+        else:
+            _set_submodule(model, item.path, parallel(module, item))
     return specs
 
 

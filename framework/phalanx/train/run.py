@@ -243,6 +243,7 @@ class TrainingRun:
                   "grad_norm": self.optim_b.last_grad_norm, "tokens_seen": p.tokens_seen,
                   "epoch": self.batches.epoch, **self.observers.meter.window(),
                   "skipped": skip or self.optim_b.skipped, "elapsed_s": time.perf_counter() - self.wall_start}
+        record.update(getattr(self.plugin, "step_metrics", dict)())  # e.g. per-expert token counts (hybrid, ep)
         p.window_losses.clear()
         self.observers.log_step(record)
 

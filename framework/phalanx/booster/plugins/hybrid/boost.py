@@ -10,7 +10,9 @@
 5. move to the device and cast to the compute precision;
 6. install the vocabulary-parallel, sequence-aware causal-LM loss as the model's loss function;
 7. make replicas identical (broadcast replicated pieces over tp, everything over dp × sp; with pp,
-   the first stage's copy of each tied embedding to the last stage).
+   the first stage's copy of each tied embedding to the last stage);
+8. with ep_size > 1, `apply_expert_parallel` (phalanx.shard.expert_parallel): each rank keeps its
+   EP group's share of the routed experts (after 7, so every rank starts from the same experts).
 
 The result is recorded in a `BoostedState` (plan, parameter names before sharding, and with pp
 the runner, the tied parameters and their aliases). `configure_optimizer` re-points the user's
@@ -40,6 +42,8 @@ from phalanx.sequence.split_gather import apply_split_gather
 from phalanx.shard import CausalLMLoss, apply_tp, check_heads, policy_for
 from phalanx.shard.grads import PartialGradSync
 from phalanx.shard.layers import VocabParallelLMHead
+from phalanx.shard.lora_tp import peft_root_prefix
+from phalanx.shard.policy import rooted_policy
 from phalanx.shard.optim import HybridOptimizer, HybridZeroOptimizer
 from phalanx.shard.tensor_parallel import TPPlan, local_head_counts
 from phalanx.zero.optimizer import ZeroConfig
@@ -62,15 +66,12 @@ class HybridBoosting:
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         from phalanx import lazy
-        from phalanx.booster.lora import is_lora_model
-
-        if is_lora_model(model) and max(self.tp_size, self.pp_size, self.sp_size) > 1:
-            raise NotImplementedError(
-                f"LoRA under HybridParallelPlugin runs with data parallelism and ZeRO only (tp_size=1, pp_size=1, "
-                f"sp_size=1), got tp_size={self.tp_size}, pp_size={self.pp_size}, sp_size={self.sp_size}: the shard "
-                "policies do not split adapter layers yet. Use HybridParallelPlugin(zero_stage=1 or 2), ZeroPlugin "
-                "or FSDPPlugin for LoRA")
-        policy = self.policy or policy_for(model)
+        # a PEFT (LoRA) model keeps the Hugging Face model the policy describes one level down
+        policy = rooted_policy(self.policy or policy_for(model), peft_root_prefix(model))
+        if self.ep_size > 1 and peft_root_prefix(model):
+            raise NotImplementedError(f"LoRA with expert parallelism (ep_size={self.ep_size}) is not supported yet: the "
+                                      "expert split does not know PEFT's adapter layers. Use ep_size=1 (every rank "
+                                      "keeps whole experts; LoRA works with tp, pp and ZeRO)")
         heads = policy.heads(model.config)
         check_heads(heads, self.tp_size)
         local = local_head_counts(heads, self.tp_size)
@@ -91,12 +92,15 @@ class HybridBoosting:
         if mode is not None:
             seq = apply_sp(model, policy, mode=mode, group=self.tp_group if mode == "split_gather" else self.sp_group)
         self._checkpoint_and_cast(model)
-        if hasattr(type(model), "loss_function"):
+        hf = model.get_base_model() if peft_root_prefix(model) else model  # the model that computes the loss
+        if hasattr(type(hf), "loss_function"):
             head = model.get_submodule(policy.head) if self.tp_size > 1 else None
             seq_group = self.sp_group if mode in ("ulysses", "ring") else None
-            model.loss_function = CausalLMLoss(head, self.tp_group, seq_group)
+            hf.loss_function = CausalLMLoss(head, self.tp_group, seq_group)
         self._sync_replicas(model, plan)
-        wrapper = ModelWrapper(HybridModel(model, plan, seq, self.tp_group), model)
+        self._apply_ep(model)
+        wrapper = ModelWrapper(HybridModel(model, plan, seq, self.tp_group, ep=self.ep_plan,
+                                           z_loss=self.router_z_loss, dp_group=self.dp_group), model)
         self._record(model, wrapper, plan=plan, param_names=names_before)
         log.info("%s: %s", self.describe(), policy.family)
         return wrapper
@@ -119,6 +123,7 @@ class HybridBoosting:
                 apply_split_gather(stage.layers, self.tp_group)
         self._checkpoint_and_cast(model)
         self._sync_replicas(model, plan)
+        self._apply_ep(model)
         tied = tied_across_stages(model, aliases, stages)
         with torch.no_grad(), collective("pp.broadcast_tied"):
             for p in tied.values():  # the first stage's copy wins
@@ -133,6 +138,24 @@ class HybridBoosting:
         log.info("%s: %s, stages %s on this rank (layers %s)", self.describe(), policy.family,
                  [s.index for s in stages], [s.layer_ids for s in stages])
         return wrapper
+
+    def _apply_ep(self, model: nn.Module) -> None:
+        """ep_size > 1: split the experts over the EP groups (`self.ep_plan`); the load-balancing
+        loss, z-loss and token counts are taken over the data-parallel group (the global batch)."""
+        if self.pp_size > 1 and self.router_z_loss:
+            raise ValueError("router_z_loss is not applied under pipeline parallelism (it couples every stage's "
+                             "routers over the whole batch): set router_z_loss=0 or pp_size=1")
+        if self.ep_size == 1:
+            return
+        from phalanx.shard.expert_parallel import apply_expert_parallel
+        if self.pp_size > 1 and (getattr(model.config, "output_router_logits", False) or self.router_z_loss):
+            raise ValueError("expert parallelism with pipeline parallelism trains the cross-entropy only: the "
+                             "load-balancing and z-losses couple every layer's router over the whole batch. Set "
+                             "config.output_router_logits=False and router_z_loss=0, or pp_size=1")
+        self.ep_plan = apply_expert_parallel(model, self.ep_size, self.expert_groups)
+        self.ep_plan.batch_group = self.dp_group
+        log.info("expert parallelism: %d experts per block on this rank, ep=%d",
+                 next(iter(self.ep_plan.experts.values())).local, self.ep_size)
 
     def _record(self, model: nn.Module, wrapper: ModelWrapper, **fields: Any) -> None:
         """The boosted model's state, on the user's model too: evaluation code
@@ -176,6 +199,8 @@ class HybridBoosting:
         weights = {id(p): (1.0 if plan.spec(n).is_sharded else 1.0 / plan.size) * (0.5 if id(p) in tied else 1.0)
                    for n, p in by_name.items()}
         partial = [p for n, p in by_name.items() if plan.spec(n).partial_grad]
+        if self.ep_plan is not None:
+            return self._expert_optimizer(optimizer, hf, names, weights, partial)
         if self.zero_stage == 0:
             return HybridOptimizer(optimizer, names=names, precision=self.precision, max_norm=self.max_norm,
                                    dp_group=self.dp_sp_group, tp_group=self.tp_group,
@@ -184,3 +209,24 @@ class HybridBoosting:
         return HybridZeroOptimizer(optimizer, config, names=names, process_group=self.dp_sp_group,
                                    weights=weights, partial=PartialGradSync(partial, self.tp_group),
                                    precision=self.precision)
+
+    def _expert_optimizer(self, optimizer, hf: nn.Module, names, weights, partial):
+        """ep_size > 1: dense gradients over dp, expert gradients over their own replicas
+        (`phalanx.shard.expert_optim`)."""
+        from phalanx.shard.expert_optim import ExpertHybridOptimizer, ExpertZeroOptimizer, scale_expert_grads
+
+        experts = [p for n, p in hf.named_parameters() if n in self.ep_plan.expert_param_names()]
+        expert_ids = {id(p) for p in experts}
+        scale_expert_grads(experts, self.ep_size)
+        edp = self.expert_groups.dp_group
+        if self.zero_stage == 0:
+            # the norm divides every weight by dp (the dense copies); an expert has dp / ep copies
+            weights = {k: w * self.ep_size if k in expert_ids else w for k, w in weights.items()}
+            return ExpertHybridOptimizer(optimizer, expert_ids=expert_ids, expert_dp_group=edp, names=names,
+                                         precision=self.precision, max_norm=self.max_norm, dp_group=self.dp_group,
+                                         tp_group=self.tp_group, partial_ids={id(p) for p in partial},
+                                         weights=weights, device=self.device)
+        config = ZeroConfig(stage=self.zero_stage, max_norm=self.max_norm, **self.zero_options)
+        return ExpertZeroOptimizer(optimizer, config, expert_ids=expert_ids, expert_dp_group=edp, names=names,
+                                   weights=weights, partial=PartialGradSync(partial, self.tp_group),
+                                   tp_group=self.tp_group, process_group=self.dp_sp_group, precision=self.precision)

@@ -95,6 +95,19 @@ class _Masters:
         return self.copies.get(name, tensor)
 
 
+def _fused_experts(hf: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts checkpoint written with one tensor per expert (transformers'
+    `save_pretrained`) in the fused layout of the model's modules (`phalanx.models.moe`)."""
+    from phalanx.models.moe import fuse_checkpoint_experts
+    from phalanx.models.registry import family_of
+
+    try:
+        names = family_of(hf.config).names.experts
+    except (AttributeError, ValueError):
+        return state_dict
+    return state_dict if names is None else fuse_checkpoint_experts(state_dict, names, hf.state_dict().keys())
+
+
 class HybridCheckpointIO:
     """The checkpoint hooks of HybridParallelPlugin (plugin.py), whose ranks and groups they read."""
 
@@ -125,12 +138,20 @@ class HybridCheckpointIO:
                 value = value.cpu()
             else:
                 name, tensor, send = source
-                value = full_tensor(name, masters.value(name, tensor), boosted.plan)
+                value = self._full_value(boosted, masters, name, tensor)
                 if send and stage_head:
                     with collective("pp.send_state"):
                         dist.send(value.to(self.device).contiguous(), WRITER)
             yield entry.name, value
             del value
+
+    def _full_value(self, boosted: BoostedState, masters: _Masters, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full CPU value of one tensor: its master, gathered over the EP group (an expert
+        tensor under ep_size > 1) and over tp. A collective over the groups that hold pieces."""
+        value = masters.value(name, tensor)
+        if self.ep_plan is not None:
+            value = self.ep_plan.gather_full(name, value.to(self.device))
+        return full_tensor(name, value, boosted.plan)
 
     def _local_entries(self, boosted: BoostedState, hf: nn.Module, masters: _Masters
                        ) -> list[tuple[_Entry, str, torch.Tensor, bool]]:
@@ -198,7 +219,7 @@ class HybridCheckpointIO:
             sender = int(grid[(stage, *coords[owner][1:])])  # when the owner is in another stage
             if stage == self.pp_rank:
                 name, tensor = local[entry.name]
-                value = full_tensor(name, masters.value(name, tensor), boosted.plan)  # a fresh CPU tensor
+                value = self._full_value(boosted, masters, name, tensor)  # a fresh CPU tensor
                 if owner == rank:
                     kept[entry.name] = value.contiguous()
                 elif rank == sender and owner not in stages[stage]:
@@ -233,8 +254,8 @@ class HybridCheckpointIO:
     def check_full_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         from phalanx.checkpoint.hf import check_state_dict_matches
         boosted = hybrid_state(model)
-        state_dict = with_tied_aliases(boosted.tied_aliases, state_dict)
         hf = unwrap_model(model)
+        state_dict = with_tied_aliases(boosted.tied_aliases, _fused_experts(hf, state_dict))
         shapes = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
         shapes.update({n: p.full_shape for n, p in boosted.plan.params.items()})
         check_state_dict_matches(hf, state_dict, shapes=shapes)
@@ -242,11 +263,13 @@ class HybridCheckpointIO:
     def load_full_model_state_dict(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
         hf = unwrap_model(model)
         boosted = hybrid_state(model)
-        state_dict = with_tied_aliases(boosted.tied_aliases, state_dict)
+        state_dict = with_tied_aliases(boosted.tied_aliases, _fused_experts(hf, state_dict))
         if self.pp_size > 1:  # this rank's stages only
             mine = hf.state_dict().keys()
             state_dict = {k: v for k, v in state_dict.items() if k in mine}
         local = local_state_dict(boosted.plan, state_dict)
+        if self.ep_plan is not None:  # this rank's experts
+            local = {n: self.ep_plan.local_rows(n, t) for n, t in local.items()}
         hf.load_state_dict(local, strict=False)
         optimizer = boosted.optimizer
         if isinstance(optimizer, HybridZeroOptimizer):
@@ -257,6 +280,8 @@ class HybridCheckpointIO:
 
     def optimizer_fragments(self, optimizer) -> OptimizerFragments:
         boosted = hybrid_state(optimizer)
+        if self.ep_plan is not None:
+            return self._expert_fragments(optimizer, boosted)
         if isinstance(optimizer, HybridZeroOptimizer):
             frags = to_full_fragments(zero_fragments(optimizer), boosted.plan, device=self.device)
         else:
@@ -268,8 +293,26 @@ class HybridCheckpointIO:
             frags.fragments = [f for f in frags.fragments if f.param not in boosted.tied]
         return frags
 
+    def _expert_fragments(self, optimizer, boosted: BoostedState) -> OptimizerFragments:
+        """ep_size > 1: expert fragments shifted to full coordinates (`phalanx.shard.expert_state`),
+        then the tensor-parallel pieces gathered as without experts."""
+        from phalanx.shard.expert_state import expert_full_state_fragments, expert_zero_fragments
+        if isinstance(optimizer, HybridZeroOptimizer):
+            local = expert_zero_fragments(optimizer, self.ep_plan)
+        else:
+            local = expert_full_state_fragments(optimizer, self.ep_plan, self.dp_group)
+        frags = to_full_fragments(local, boosted.plan, device=self.device)
+        if boosted.tied and not any(s.is_first for s in boosted.pipeline.stages):
+            frags.fragments = [f for f in frags.fragments if f.param not in boosted.tied]
+        return frags
+
     def load_optimizer_fragments(self, optimizer, reader: FragmentReader) -> None:
         local = LocalFragmentReader(reader, hybrid_state(optimizer).plan)
+        if self.ep_plan is not None:
+            from phalanx.shard.expert_state import ExpertRowsReader
+            local = ExpertRowsReader(reader, hybrid_state(optimizer).plan, self.ep_plan)
+            if isinstance(optimizer, HybridZeroOptimizer):  # ExpertZeroOptimizer: the experts' twin too
+                load_zero_fragments(optimizer.experts, local)
         if isinstance(optimizer, HybridZeroOptimizer):
             load_zero_fragments(optimizer, local)
         else:

@@ -17,14 +17,22 @@ class HybridModel(nn.Module):
     shifted first, explicit position ids), checks split-gather sequence lengths, and returns full
     logits when no labels are given. With labels, `outputs.loss` is the loss of the whole batch on
     every rank and `outputs.logits` stays this rank's shard (vocabulary over tp, sequence over sp):
-    the loss never gathers them."""
+    the loss never gathers them.
 
-    def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group):
+    With expert parallelism (`ep`, an ExpertParallelPlan), the router losses are those of the
+    global batch: the config's `output_router_logits` adds `router_aux_loss_coef` times the
+    load-balancing loss over every data-parallel rank's tokens (not transformers' per-rank one, which
+    differs: the loss is not linear in the batch), and `z_loss` times the router z-loss; in the
+    per-rank form whose mean over ranks is the global value (phalanx.shard.expert_parallel).
+    Without expert parallelism `z_loss` is taken from the router logits transformers returns."""
+
+    def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group, ep=None, z_loss: float = 0.0, dp_group=None):
         super().__init__()
         self.model = model
         self.plan = plan
         self.seq = seq
         self.tp_group = tp_group
+        self.ep, self.z_loss, self.dp_group = ep, z_loss, dp_group
 
     def forward(self, *args: Any, **kwargs: Any):
         if args:
@@ -46,8 +54,25 @@ class HybridModel(nn.Module):
         # the loss needs only this rank's vocabulary range; a Ulysses/ring model runs on a cut batch
         local = head.local_logits() if head is not None and not wants_logits else contextlib.nullcontext()
         sharded = self.seq.sharded_inputs() if seq_len is not None else contextlib.nullcontext()
+        aux = self.ep is not None and kwargs.pop("output_router_logits", None) is not False and \
+            bool(getattr(self.model.config, "output_router_logits", False))
+        if self.ep is not None:
+            kwargs["output_router_logits"] = False
         with local, sharded:
             out = self.model(**kwargs)
+        if self.ep is not None and getattr(out, "loss", None) is not None:
+            mask = kwargs.get("attention_mask")
+            if aux:
+                out.loss = out.loss + self.model.config.router_aux_loss_coef * self.ep.load_balancing_loss(mask)
+            if self.z_loss:
+                out.loss = out.loss + self.z_loss * self.ep.router_z_loss(mask)
+        elif self.z_loss and getattr(out, "loss", None) is not None:  # no EP: the router logits transformers returns
+            from phalanx.shard.expert_parallel import router_z_loss
+            if getattr(out, "router_logits", None) is None:
+                raise ValueError("router_z_loss needs the router logits: set config.output_router_logits=True "
+                                 "(or pass output_router_logits=True)")
+            out.loss = out.loss + self.z_loss * router_z_loss(out.router_logits, kwargs.get("attention_mask"),
+                                                              self.dp_group)
         logits = getattr(out, "logits", None)
         if wants_logits and logits is not None and seq_len is not None:
             out.logits = gather_sequence(logits, self.seq, seq_len)

@@ -48,4 +48,5 @@ class HybridPipelineStep:
         flat_all_reduce(grads(list(state.tied.values())), self.tie_group, name="pp.tied_grads")
         if isinstance(optimizer, HybridZeroOptimizer):  # stage 0 sums partial gradients at step
             flat_all_reduce(grads(optimizer.partial.params), self.tp_group, name="tp.partial_grad")
-            optimizer.reducer.flush()
+            flush = getattr(optimizer, "flush", None) or optimizer.reducer.flush  # ExpertZeroOptimizer: both
+            flush()

@@ -36,6 +36,10 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
     trained with `booster.execute_pipeline` under pp_schedule ("gpipe", "1f1b", "interleaved",
     "zero_bubble") with num_microbatches per batch; virtual_stages: stages per rank for
     "interleaved" (default 2); layers_per_stage: decoder layers of each stage (default: even).
+    ep_size: expert-parallel ranks for a mixture-of-experts model (docs/moe.md): the routed experts
+    are split over groups of ep_size data-parallel ranks, tokens travel by all-to-all; ep_size must
+    divide the data-parallel size. router_z_loss: ST-MoE's z-loss coefficient added to the loss
+    (with the load-balancing loss when the config asks for `output_router_logits`).
     """
 
     name = "hybrid"
@@ -48,7 +52,7 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
                  gradient_checkpointing: bool = False, policy=None, reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, num_microbatches: int = 1,
                  pp_schedule: str = "1f1b", virtual_stages: int | None = None,
-                 layers_per_stage: list[int] | None = None):
+                 layers_per_stage: list[int] | None = None, ep_size: int = 1, router_z_loss: float = 0.0):
         super().__init__(precision, max_norm)
         if zero_stage not in (0, 1, 2):
             raise LayoutError(f"zero_stage={zero_stage} must be 0, 1 or 2 (stage 3 shards parameters: FSDPPlugin)")
@@ -70,13 +74,21 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
         self.zero_options = dict(reduce_bucket_mb=reduce_bucket_mb, overlap_communication=overlap_communication,
                                  cpu_offload=cpu_offload)
         check_sequence_layout(sequence_parallelism, sp=sp_size, tp=tp_size)
+        self.ep_size, self.router_z_loss = ep_size, router_z_loss
+        self.ep_plan = None  # the ExpertParallelPlan of the boosted model (boost.py)
+        if ep_size < 1:
+            raise LayoutError(f"ep_size={ep_size} must be at least 1")
+        if ep_size > 1 and (sequence_parallelism is not None or sp_size > 1):
+            raise LayoutError(f"ep_size={ep_size} is not combined with sequence parallelism yet "
+                              f"(sequence_parallelism={sequence_parallelism!r}, sp_size={sp_size}): use one or the other")
 
     def describe(self) -> str:
         mode = f", sp_mode={self.sequence_parallelism}" if self.sequence_parallelism else ""
         pp = (f"pp={self.pp_size} ({self.pp_schedule}, {self.num_microbatches} microbatches), "
               if self.pp_size > 1 else "")
-        return (f"hybrid(precision={self.precision.name}, {pp}dp={self.dp_size}, sp={self.sp_size}, tp={self.tp_size}, "
-                f"zero={self.zero_stage}{mode})")
+        ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
+        return (f"hybrid(precision={self.precision.name}, {pp}dp={self.dp_size}{ep}, sp={self.sp_size}, "
+                f"tp={self.tp_size}, zero={self.zero_stage}{mode})")
 
     def plan_layout(self, world: int) -> tuple[Layout, dict]:
         layout = Layout("hybrid", world, zero_stage=self.zero_stage, tp=self.tp_size, pp=self.pp_size,
@@ -103,6 +115,15 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
         self.sp_rank = self.mesh.get_local_rank("sp")
         # the first and last pipeline ranks of each (dp, sp, tp) coordinate: tied embeddings' group
         self.tie_group = self._flat_group(("pp",), ends_only=True) if self.pp_size > 1 else None
+        self.expert_groups = None
+        if self.ep_size > 1:
+            from phalanx.shard.expert_parallel import expert_groups_over
+            if self.dp_size % self.ep_size:
+                raise LayoutError(f"ep_size={self.ep_size} must divide the data-parallel size {self.dp_size} "
+                                  f"(world {dist.get_world_size()} / (tp {self.tp_size} x pp {self.pp_size})): "
+                                  f"choose ep_size in {[d for d in range(1, self.dp_size + 1) if self.dp_size % d == 0]}")
+            blocks = self.mesh.mesh.permute(0, 2, 3, 1).reshape(-1, self.dp_size).tolist()  # every dp group
+            self.expert_groups = expert_groups_over(blocks, self.ep_size)
 
     def _flat_group(self, dims: tuple[str, ...], ends_only: bool = False):
         """One process group over the ranks that differ only in `dims` (every rank creates every
@@ -130,6 +151,18 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
             return
         with optimizer.no_sync():
             yield
+
+    def step_metrics(self) -> dict:
+        """What the training loop adds to a step's metrics record: with expert parallelism, the
+        tokens each expert received in the last forward, per expert block of this rank's stages
+        (summed over the data-parallel ranks: the global batch's load; `expert_tokens`, a list per
+        block) and the most loaded expert's share over an even share (`expert_load_max`, 1.0 is
+        perfectly balanced). A collective over the data-parallel group: every rank calls it."""
+        if self.ep_plan is None:
+            return {}
+        counts = [c.tolist() for c in self.ep_plan.token_counts().values()]
+        return {"expert_tokens": counts,
+                "expert_load_max": max(max(c) * len(c) / max(sum(c), 1) for c in counts)}
 
     def clip_grad_norm(self, optimizer, max_norm: float) -> float:
         return optimizer.clip_grad_norm(max_norm)
