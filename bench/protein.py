@@ -143,6 +143,9 @@ def main() -> None:
     parser.add_argument("--inference", action="store_true", help="the no-grad forward (predict's path), not fwd+bwd")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--budget-gb", type=float, default=4.0)
+    parser.add_argument("--whole-max-length", type=int, default=None,
+                        help="measure the unchunked stack only up to this length (longer ones chunked only): "
+                             "unchunked fwd+bwd grows as L^3 and would not fit a small machine at 384")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -153,7 +156,7 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         for world in args.ranks:
-            for chunk in (None, args.chunk):
+            for chunk in chunks_at(length, args):
                 r = measure(world, length=length, msa_rows=args.msa_rows, c_m=args.c_m, c_z=args.c_z,
                             blocks=args.blocks, chunk=chunk, reps=args.reps, inference=args.inference)
                 rows.append({"length": length, "ranks": world, "chunk": chunk, **r})
@@ -161,6 +164,13 @@ def main() -> None:
                       f"{r['time_s'] * 1e3:9.1f} ms  peak {r['peak_mib']:8.1f} MiB/rank", flush=True)
     summary = summarise(rows, args)
     print(json.dumps({"bench": "protein_evoformer", "machine": machine, "args": vars(args), "rows": rows, **summary}))
+
+
+def chunks_at(length: int, args) -> tuple:
+    """The chunk settings measured at `length`: unchunked (None) and `--chunk`, or only `--chunk`
+    past `--whole-max-length`."""
+    whole_max = getattr(args, "whole_max_length", None)
+    return (None, args.chunk) if whole_max is None or length <= whole_max else (args.chunk,)
 
 
 def summarise(rows: list[dict], args) -> dict:
@@ -178,6 +188,8 @@ def summarise(rows: list[dict], args) -> dict:
             print(f"peak MiB/rank fit ({key}): {describe_fit(fit)}{note}")
     ratios = {}
     for length in args.lengths if {1, 2} <= set(args.ranks) else ():
+        if None not in chunks_at(length, args):
+            continue
         one = next(r for r in rows if r["length"] == length and r["ranks"] == 1 and r["chunk"] is None)
         dap = next(r for r in rows if r["length"] == length and r["ranks"] == 2 and r["chunk"] is None)
         ratios[length] = {"time_dap2_over_one": dap["time_s"] / one["time_s"],
@@ -185,6 +197,8 @@ def summarise(rows: list[dict], args) -> dict:
         print(f"L={length}: DAP-2 / one process: time x{ratios[length]['time_dap2_over_one']:.2f}, "
               f"peak memory per rank x{ratios[length]['peak_dap2_over_one']:.2f}")
     for length in args.lengths:
+        if None not in chunks_at(length, args):
+            continue
         for world in args.ranks:
             whole, part = (next(r for r in rows if r["length"] == length and r["ranks"] == world and r["chunk"] == c)
                            for c in (None, args.chunk))

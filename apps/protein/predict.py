@@ -11,6 +11,9 @@ Writes <out>/<name>.pdb and .cif (pLDDT in the B-factor column), <name>_confiden
 <name>_pae.png and <name>_pae.json (AlphaFold's layout: predicted_aligned_error,
 max_predicted_aligned_error). Long sequences: `model.evoformer.chunk_size=64` (an override)
 computes attention, the outer product mean and the triangle multiplications 64 rows at a time.
+`train.precision=bf16` predicts in bf16 with AlphaFold's fp32 islands. Dynamic Axial
+Parallelism: `phalanx run -n 2 -m apps.protein.predict ... dap_size=2` splits the Evoformer's
+activations over 2 ranks (rank 0 writes the files).
 """
 from __future__ import annotations
 
@@ -62,9 +65,14 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
                              f"unexpected {unexpected[:3]}); pass the --config it was trained with")
     else:
         raise ValueError("give --checkpoint (a training run) or --params (AlphaFold 2 .npz / OpenFold .pt parameters)")
+    from phalanx.amp import resolve_precision
     from phalanx.device import current_device
 
-    return model.to(current_device()).eval()  # the accelerator when there is one (real or emulated), else the CPU
+    device = current_device()  # the accelerator when there is one (real or emulated), else the CPU
+    # train.precision: bf16 runs the Evoformer in bf16 and keeps AlphaFold's fp32 islands (the
+    # structure module, heads, softmax and layer-norm statistics: docs/protein.md).
+    dtype = resolve_precision(cfg.train.precision, device).compute_dtype
+    return model.to(device=device, dtype=dtype).eval()
 
 
 @torch.no_grad()
@@ -74,7 +82,10 @@ def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_f
     chain = ProteinChain(name, sequence, np.zeros((length, 37, 3), np.float32), np.zeros((length, 37), np.float32),
                          np.arange(length, dtype=np.int64))
     alignment = read_msa(msa_file) if msa_file else None
-    fcfg = FeatureConfig(crop_size=length, max_msa_clusters=cfg.data.max_msa_clusters,
+    # Under DAP the residues are padded to a multiple of the group's size (padding is masked: the
+    # prediction of the real residues does not change); the MSA depths already are (config check).
+    ranks = model.axial.size
+    fcfg = FeatureConfig(crop_size=-(-length // ranks) * ranks, max_msa_clusters=cfg.data.max_msa_clusters,
                          max_extra_msa=cfg.data.max_extra_msa, masked_msa_fraction=0.0)
     feats = make_features(chain, alignment, fcfg, np.random.default_rng(0), with_truth=False)
     from phalanx.device import to_device
@@ -87,7 +98,10 @@ def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_f
         from apps.protein.metrics import predicted_aligned_error, predicted_tm_score
         result["pae"] = predicted_aligned_error(out["pae_logits"])
         result["ptm"] = predicted_tm_score(out["pae_logits"], batch["seq_mask"])
-    return {k: v[0].numpy() for k, v in to_device(result, "cpu").items()}
+    real = slice(0, length)
+    trimmed = {k: v[0, real, real] if k in ("pae", "distogram_logits") else v[0] if k == "ptm" else v[0, real]
+               for k, v in to_device(result, "cpu").items()}
+    return {k: v.numpy() for k, v in trimmed.items()}
 
 
 def write_prediction(pred: dict, sequence: str, name: str, out_dir: Path) -> dict[str, Path]:
@@ -123,11 +137,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = load_recipe(args.config, args.overrides)
+    if cfg.dap_size == 1:
+        run(cfg, args)
+        return
+    from phalanx.launch import launched
+
+    with launched(seed=cfg.train.seed):   # the process group of the DAP ranks
+        run(cfg, args)
+
+
+def dap_axial(dap_size: int):
+    """`DapAxial` over all ranks when `dap_size` > 1 (one sequence split over the group), else one process."""
+    import torch.distributed as dist
+
+    from apps.protein.model.dap import Axial, DapAxial
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != dap_size:
+        raise ValueError(f"predict with dap_size={dap_size} runs one sequence over exactly {dap_size} ranks, got {world}: "
+                         f"launch with phalanx run -n {dap_size} -m apps.protein.predict ... dap_size={dap_size}")
+    return DapAxial() if dap_size > 1 else Axial()
+
+
+def run(cfg: RecipeConfig, args: argparse.Namespace) -> None:
+    from phalanx.observe import is_main_process
+
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     (header, sequence), *_ = read_fasta(args.fasta)
     name = header.split()[0].replace("/", "_") or "prediction"
-    model = load_model(cfg, args.checkpoint, args.af2_params)
+    model = load_model(cfg, args.checkpoint, args.af2_params).use_axial(dap_axial(cfg.dap_size))
     pred = predict(model, cfg, name, sequence, args.msa, args.recycles)
+    if not is_main_process():
+        return
     paths = write_prediction(pred, sequence, name, resolve(args.out))
     summary = {"name": name, "length": len(sequence), "mean_plddt": float(pred["plddt"].mean()),
                **({"ptm": float(pred["ptm"]), "mean_pae": float(pred["pae"].mean())} if "pae" in pred else {}),

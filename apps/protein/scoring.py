@@ -41,8 +41,32 @@ def score_crops(model, crops, recycles: int, batch_size: int = 4) -> dict[str, d
             mask = feats["all_atom_mask"][:, CA]
             metrics = ca_metrics(out["atom37"][i, :, CA].cpu(), feats["all_atom_positions"][:, CA], mask)
             metrics["plddt"] = float((out["plddt"][i].cpu() * mask).sum() / mask.sum())
+            metrics |= confidence_metrics(out["plddt"][i].cpu(), out["atom37"][i, :, CA].cpu(),
+                                          feats["all_atom_positions"][:, CA], mask)
             results[name] = metrics | violations[i]
     return results
+
+
+def true_plddt(pred_ca: torch.Tensor, true_ca: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[.., L] the per-residue lDDT-Ca of a prediction x 100: what pLDDT should say."""
+    return lddt(pred_ca.double(), true_ca.double(), mask.double(), per_residue=True) * 100
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two 1-D samples (0 when either is constant)."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denominator = float(x.norm() * y.norm())
+    return float((x * y).sum()) / denominator if denominator > 0 else 0.0
+
+
+def confidence_metrics(plddt: torch.Tensor, pred_ca: torch.Tensor, true_ca: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, float]:
+    """How well pLDDT [L] tracks the true per-residue lDDT-Ca x 100 over the observed residues: the
+    mean absolute difference (points) and the Pearson correlation."""
+    keep = mask > 0
+    truth = true_plddt(pred_ca, true_ca, mask)[keep]
+    said = plddt.double()[keep]
+    return {"plddt_error": float((said - truth).abs().mean()), "plddt_lddt_pearson": pearson(said, truth)}
 
 
 def summarise(results: dict[str, dict[str, float]], prefix: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ from torch import nn
 from apps.protein import constants as rc
 from apps.protein.model.dap import Axial
 from apps.protein.model.evoformer import EvoformerConfig, EvoformerStack
-from apps.protein.model.primitives import LayerNorm, linear
+from apps.protein.model.primitives import LayerNorm, fp32, in_fp32, linear
 from apps.protein.model.structure import StructureConfig, StructureModule
 from apps.protein.sidechains import ideal_tables, pseudo_beta
 
@@ -112,7 +112,8 @@ class RecyclingEmbedder(nn.Module):
 
     def forward(self, m0_prev, z_prev, x_prev):
         """Updates for the first MSA row and the pair, from the previous pass (x: pseudo-beta)."""
-        return self.norm_m(m0_prev), self.norm_z(z_prev) + self.dist(recycling_distance_one_hot(x_prev))
+        one_hot = recycling_distance_one_hot(fp32(x_prev))     # distances of the fp32 atoms
+        return self.norm_m(m0_prev), self.norm_z(z_prev) + self.dist(one_hot.to(self.dist.weight.dtype))
 
 
 class Heads(nn.Module):
@@ -168,6 +169,25 @@ class AlphaFold(nn.Module):
             self.register_buffer(name, value, persistent=False)
         self.axial: Axial = Axial()
 
+    # The ideal-geometry tables stay fp32 when the model is cast to bf16 (`model.to(torch.bfloat16)`,
+    # what the precision plugins do): the atoms are built in fp32 from them (an fp32 island).
+    FP32_BUFFERS = ("default_frames", "atom14_local")
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: self._buffers[name] for name in self.FP32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            if value.is_meta:
+                continue
+            moved = self._buffers[name]
+            self._buffers[name] = value.to(moved.device) if moved.element_size() < 4 else moved
+        return self
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The weights' dtype: fp32, or bf16 after a precision plugin cast the model."""
+        return self.single.weight.dtype
+
     def use_axial(self, axial: Axial) -> "AlphaFold":
         """Run the Evoformer stacks split over a DAP group (`DapAxial`) or in one process (`Axial()`)."""
         self.axial = axial
@@ -183,10 +203,14 @@ class AlphaFold(nn.Module):
             raise TypeError(f"AlphaFold.forward got unknown inputs {unknown}: the inputs are the features of "
                             "apps.protein.features.make_features (and recycles=)")
         recycles = self.cfg.recycles if recycles is None else recycles
+        # Features (one-hots, profiles, 0/1 masks: exact in bf16) in the weights' dtype.
+        dtype = self.compute_dtype
+        target_feat, msa_feat, extra_msa_feat = target_feat.to(dtype), msa_feat.to(dtype), extra_msa_feat.to(dtype)
+        msa_mask, extra_msa_mask, seq_mask = msa_mask.to(dtype), extra_msa_mask.to(dtype), seq_mask.to(dtype)
         b, n = aatype.shape
         prev_m0 = target_feat.new_zeros(b, n, self.cfg.c_m)
         prev_z = target_feat.new_zeros(b, n, n, self.cfg.c_z)
-        prev_x = target_feat.new_zeros(b, n, 3)
+        prev_x = target_feat.new_zeros(b, n, 3, dtype=fp32(target_feat[:0]).dtype)
         inputs = (target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask, aatype)
         for cycle in range(recycles + 1):
             last = cycle == recycles
@@ -212,11 +236,14 @@ class AlphaFold(nn.Module):
         # Whole tensors again for the structure module and heads (run on every rank).
         first_row = ax.gather(ax.transpose(m, 2, 1)[:, 0], 1)
         z = ax.gather(z, 1)
-        msa_logits = ax.gather(self.heads.masked_msa(m), 1)
+        msa_logits = fp32(ax.gather(self.heads.masked_msa(m), 1))
         s = self.single(first_row)
-        out = self.structure_module(s, z, aatype, seq_mask, {"default_frames": self.default_frames,
-                                                             "atom14_local": self.atom14_local})
-        heads = self.heads(out["single"], z)
+        # The structure module and the heads are fp32 islands of a bf16 model (AlphaFold casts the
+        # Evoformer's outputs to fp32 before them): z cast once for both.
+        z32 = fp32(z)
+        out = in_fp32(self.structure_module, s, z32, aatype, seq_mask, {"default_frames": self.default_frames,
+                                                                         "atom14_local": self.atom14_local})
+        heads = in_fp32(self.heads, out["single"], z32)
         heads["masked_msa_logits"] = msa_logits
         out.update(heads)
         out.update({"msa_first_row": first_row, "pair": z, "plddt": plddt_from_logits(heads["plddt_logits"])})

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from apps.protein.model.dap import Axial
-from apps.protein.model.primitives import Attention, LayerNorm, Transition, chunked, linear
+from apps.protein.model.primitives import Attention, LayerNorm, SharedDropout, Transition, chunked, fp32, linear
+from phalanx_kernels import masked_softmax
 
 
 @dataclass
@@ -40,12 +41,21 @@ class EvoformerConfig:
     transition_n: int = 4
     chunk_size: int | None = None  # rows per chunk of attention, outer product mean and triangle
                                    # multiplication (None: all at once)
+    # AlphaFold's dropout (supplement algorithm 6, also in the extra-MSA stack; off in eval mode):
+    # row-wise on the MSA row attention's update, row-wise on both triangle multiplications and the
+    # starting-node triangle attention, column-wise on the ending-node attention; none elsewhere.
+    dropout_msa_row: float = 0.15
+    dropout_pair: float = 0.25
 
     def __post_init__(self):
         if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
                                             or self.chunk_size < 1):
             raise ValueError(f"evoformer.chunk_size={self.chunk_size!r}: give a positive number of rows per chunk "
                              "(e.g. 64), or null to compute all rows at once")
+        for key in ("dropout_msa_row", "dropout_pair"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"evoformer.{key}={getattr(self, key)!r}: give a dropout probability in [0, 1) "
+                                 "(0 turns it off)")
 
 
 def pair_bias(ax: Axial, norm: LayerNorm, proj: nn.Linear, z: torch.Tensor) -> torch.Tensor:
@@ -97,11 +107,11 @@ class MSAColumnGlobalAttention(nn.Module):
     def forward(self, m, msa_mask, ax: Axial, chunk_size=None):
         x = self.norm(m).transpose(1, 2)                               # [B, R/n, S, c]
         mask = ax.scatter(msa_mask, 2).transpose(1, 2)                 # [B, R/n, S]
-        q_avg = (x * mask[..., None]).sum(-2) / (mask.sum(-1, keepdim=True) + 1e-10)
+        # The mean over up to 5,120 sequences: sum and count in fp32 (bf16 counts exactly only to 256).
+        q_avg = ((fp32(x) * fp32(mask)[..., None]).sum(-2) / (fp32(mask).sum(-1, keepdim=True) + 1e-10)).to(x.dtype)
         q = self.q(q_avg).view(*q_avg.shape[:-1], self.heads, self.c_hidden) * self.c_hidden ** -0.5
         k, v = self.k(x), self.v(x)                                    # [B, R/n, S, c]
         logits = torch.einsum("brhc,brsc->brhs", q, k)
-        from phalanx_kernels import masked_softmax
         w = masked_softmax(logits, mask[..., None, :])
         o = torch.einsum("brhs,brsc->brhc", w, v)
         g = torch.sigmoid(self.g(x)).view(*x.shape[:-1], self.heads, self.c_hidden)
@@ -124,12 +134,14 @@ class OuterProductMean(nn.Module):
         mask_local = ax.scatter(msa_mask, 2)[..., None]
         a, b = self.a(x) * mask_local, self.b(x) * mask_local
         b = ax.gather(b, 2)
-        norm = torch.einsum("bsi,bsj->bij", mask_local[..., 0], msa_mask)
+        # Pairs of residues both present, counted over up to 512 MSA rows: in fp32 (bf16 counts
+        # exactly only to 256).
+        norm = torch.einsum("bsi,bsj->bij", fp32(mask_local[..., 0]), fp32(msa_mask))
 
         def rows(part):
             outer = torch.einsum("bsic,bsjd->bijcd", a[:, :, part], b)
             outer = self.o(outer.reshape(*outer.shape[:3], -1))
-            return outer / (norm[:, part, :, None] + 1e-3)
+            return (fp32(outer) / (norm[:, part, :, None] + 1e-3)).to(outer.dtype)
         return chunked(rows, a.shape[2], chunk_size)
 
 
@@ -209,20 +221,25 @@ class EvoformerBlock(nn.Module):
         self.tri_att_end = TriangleAttention(cfg, starting=False)
         self.pair_transition = Transition(cfg.c_z, cfg.transition_n)
         self.chunk_size = cfg.chunk_size
+        # m row mode [B, S/n, R, c] and z row mode [B, R/n, R, c]: "row-wise" shares a mask over
+        # axis 1 (every MSA row / every pair row i), "column-wise" over axis 2 (every column j).
+        self.drop_msa_row = SharedDropout(cfg.dropout_msa_row, shared_dim=1)
+        self.drop_pair_row = SharedDropout(cfg.dropout_pair, shared_dim=1)
+        self.drop_pair_col = SharedDropout(cfg.dropout_pair, shared_dim=2)
 
     def forward(self, m, z, msa_mask, pair_mask, ax: Axial):
         """m row mode [B, S/n, R, c_m], z row mode [B, R/n, R, c_z] -> the same, updated."""
         c = self.chunk_size
-        m = m + self.row_attn(m, z, msa_mask, ax, c)
+        m = m + self.drop_msa_row(self.row_attn(m, z, msa_mask, ax, c), ax)
         m = ax.transpose(m, 2, 1)                      # -> column mode
         m = m + self.col_attn(m, msa_mask, ax, c)
         m = m + self.msa_transition(m)
         z = z + self.opm(m, msa_mask, ax, c)
         m = ax.transpose(m, 1, 2)                      # -> row mode
-        z = z + self.tri_mul_out(z, pair_mask, ax, c)
-        z = z + self.tri_mul_in(z, pair_mask, ax, c)
-        z = z + self.tri_att_start(z, pair_mask, ax, c)
-        z = z + self.tri_att_end(z, pair_mask, ax, c)
+        z = z + self.drop_pair_row(self.tri_mul_out(z, pair_mask, ax, c), ax)
+        z = z + self.drop_pair_row(self.tri_mul_in(z, pair_mask, ax, c), ax)
+        z = z + self.drop_pair_row(self.tri_att_start(z, pair_mask, ax, c), ax)
+        z = z + self.drop_pair_col(self.tri_att_end(z, pair_mask, ax, c), ax)
         z = z + self.pair_transition(z)
         return m, z
 

@@ -31,6 +31,62 @@ def chunked(fn, rows: int, chunk_size: int | None, dim: int = 1) -> torch.Tensor
     return torch.cat(outs, dim)
 
 
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 when it is in a 16-bit dtype, else unchanged (fp32 and fp64 models keep their
+    dtype): the entry to an fp32 island of a bf16 model (softmax inputs, counts, geometry)."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def in_fp32(module: nn.Module, *args, **kwargs):
+    """module(*args, **kwargs) computed in fp32 when its weights are 16-bit (an fp32 island of a
+    bf16 model): fp32 copies of its parameters (differentiable: the gradients reach the bf16
+    weights, and from there the optimizer's fp32 masters) and of its floating-point tensor inputs.
+    An fp32 or fp64 module runs as it is."""
+    params = dict(module.named_parameters())
+    if not params or next(iter(params.values())).element_size() >= 4:
+        return module(*args, **kwargs)
+    up = {name: p.float() for name, p in params.items()}
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return fp32(x)
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
+    return torch.func.functional_call(module, up, tuple(cast(a) for a in args), cast(kwargs), strict=False)
+
+
+class SharedDropout(nn.Module):
+    """AlphaFold's row-wise / column-wise dropout (supplement 1.11.6): one Bernoulli mask shared
+    along `shared_dim` (every MSA row, or every pair row i, sees the same mask), kept entries scaled
+    by 1 / (1 - rate); the identity in eval mode.
+
+    Under Dynamic Axial Parallelism the update arrives split along `split_dim`: the mask is drawn
+    for the whole tensor on every rank of the group (their random streams agree, as for MSA
+    sampling) and each rank takes its slice, so the layout does not change the draw."""
+
+    def __init__(self, rate: float, shared_dim: int):
+        super().__init__()
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"dropout rate {rate!r}: give a probability in [0, 1)")
+        self.rate, self.shared_dim = rate, shared_dim
+
+    def forward(self, x: torch.Tensor, ax=None, split_dim: int = 1) -> torch.Tensor:
+        if not self.training or self.rate == 0.0:
+            return x
+        size = 1 if ax is None else ax.size
+        shape = list(x.shape)
+        shape[split_dim] *= size
+        shape[self.shared_dim] = 1
+        keep = (torch.rand(shape, device=x.device) >= self.rate).to(x.dtype) / (1.0 - self.rate)
+        if size > 1 and shape[split_dim] > 1:
+            keep = ax.scatter(keep, split_dim)
+        return x * keep
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate}, shared_dim={self.shared_dim}"
+
+
 class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, self.weight, self.bias, self.eps)

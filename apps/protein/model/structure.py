@@ -1,5 +1,9 @@
 """The structure module (AlphaFold 2, algorithms 20-24): invariant point attention, backbone frame
-updates, torsion angles, and atoms from torsions (apps.protein.sidechains)."""
+updates, torsion angles, and atoms from torsions (apps.protein.sidechains).
+
+A bf16 model runs this module as an fp32 island (`primitives.in_fp32`, called by `AlphaFold`), as
+AlphaFold casts the Evoformer's bf16 outputs back to fp32 before it: frames, points, rigid
+operations, torsions and atoms, and the single representation they are integrated from."""
 from __future__ import annotations
 
 import math
@@ -27,6 +31,8 @@ class StructureConfig:
     c_resnet: int = 128
     resnet_blocks: int = 2
     position_scale: float = 10.0     # backbone translations are predicted in nanometres
+    dropout: float = 0.1             # AlphaFold's dropout on the single representation after IPA and after
+                                     # the transition (algorithm 20; off in eval mode)
 
 
 class InvariantPointAttention(nn.Module):
@@ -100,6 +106,7 @@ class StructureModule(nn.Module):
         self.transition = nn.ModuleList([linear(cfg.c_s, cfg.c_s, init="relu"), linear(cfg.c_s, cfg.c_s, init="relu"),
                                          linear(cfg.c_s, cfg.c_s, init="zeros")])
         self.norm_transition = LayerNorm(cfg.c_s)
+        self.dropout = nn.Dropout(cfg.dropout)
         self.backbone_update = linear(cfg.c_s, 6, init="zeros")
         self.angles = AngleResnet(cfg)
 
@@ -115,11 +122,12 @@ class StructureModule(nn.Module):
             # IPA works in nanometres, as AlphaFold's fold iteration: in Angstrom its point-distance
             # logits are 100x too large (near-one-hot attention that barely trains) and real AF2
             # parameters would see points 10x too far apart.
-            s = self.norm_ipa(s + self.ipa(s, z, frames.scale_translation(1.0 / self.cfg.position_scale), mask))
+            s = self.norm_ipa(self.dropout(s + self.ipa(s, z, frames.scale_translation(1.0 / self.cfg.position_scale),
+                                                        mask)))
             t = s
             t = F.relu(self.transition[0](t))
             t = F.relu(self.transition[1](t))
-            s = self.norm_transition(s + self.transition[2](t))
+            s = self.norm_transition(self.dropout(s + self.transition[2](t)))
             update = self.backbone_update(s)
             update = torch.cat([update[..., :3], update[..., 3:] * self.cfg.position_scale], -1)
             frames = frames.compose(quaternion_update(update))

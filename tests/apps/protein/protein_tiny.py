@@ -13,20 +13,23 @@ from apps.protein.model.evoformer import EvoformerConfig
 from apps.protein.model.structure import StructureConfig
 
 
-def tiny_model_config(**overrides) -> ModelConfig:
+def tiny_model_config(dropout: bool = False, **overrides) -> ModelConfig:
+    """dropout: AlphaFold's rates (the config defaults); off by default, so a training-mode forward
+    is deterministic for the equivalence tests."""
+    rates = {} if dropout else {"dropout_msa_row": 0.0, "dropout_pair": 0.0}
     cfg = ModelConfig(c_m=16, c_z=8, c_e=8, c_s=16, evoformer_blocks=1, extra_msa_blocks=1, recycles=1,
                       evoformer=EvoformerConfig(heads_msa=2, c_hidden_msa=4, heads_pair=2, c_hidden_pair=4,
-                                                c_hidden_mul=8, c_hidden_opm=4, transition_n=2),
+                                                c_hidden_mul=8, c_hidden_opm=4, transition_n=2, **rates),
                       structure=StructureConfig(c_ipa=4, heads=2, query_points=2, value_points=2, layers=2,
-                                                c_resnet=8))
+                                                c_resnet=8, **({} if dropout else {"dropout": 0.0})))
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg.synced()
 
 
-def tiny_model(seed: int = 0, **overrides) -> AlphaFold:
+def tiny_model(seed: int = 0, dropout: bool = False, **overrides) -> AlphaFold:
     torch.manual_seed(seed)
-    model = AlphaFold(tiny_model_config(**overrides))
+    model = AlphaFold(tiny_model_config(dropout, **overrides))
     # Break the zero initialisation of the output layers, so every parameter gets a gradient
     # and every branch contributes to the output (a fresh model's residual branches are all 0).
     with torch.no_grad():
@@ -58,9 +61,10 @@ def loss_and_outputs(model, batch):
     return loss, out
 
 
-def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None) -> dict:
+def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None, dropout: bool = False) -> dict:
     """On every rank: the one-process result, then the same model under DAP over all ranks (its
-    Evoformer blocks chunked `dap_chunk` rows at a time when given). Returns both (loss, outputs,
+    Evoformer blocks chunked `dap_chunk` rows at a time when given; with AlphaFold's dropout when
+    `dropout`, both runs starting from the same random state). Returns both (loss, outputs,
     averaged gradients) for the test to compare."""
     import torch.distributed as dist
 
@@ -69,7 +73,7 @@ def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None
     batch = real_batch(crop, clusters, extra)
     results = {}
     for name, axial in (("one", Axial()), ("dap", DapAxial())):
-        model = tiny_model().use_axial(axial)
+        model = tiny_model(dropout=dropout).use_axial(axial)  # seeds torch: both runs draw the same masks
         if name == "dap" and dap_chunk is not None:
             for block in model.modules():
                 if hasattr(block, "chunk_size"):
@@ -85,4 +89,39 @@ def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None
             grads[n] = g
         results[name] = {"loss": loss.detach(), "atom37": out["atom37"].detach(), "pair": out["pair"].detach(),
                          "msa_logits": out["masked_msa_logits"].detach(), "grads": grads}
+    return results
+
+
+def predict_dap_ranks(length: int, chunk: int | None, precision: str = "fp32") -> dict:
+    """On every rank: `predict` of a `length`-residue sequence (with its real MSA rows when the
+    sequence is 2q2k A's) in one process, then under DAP over all ranks with the Evoformer chunked
+    `chunk` rows at a time (residues padded to a multiple of the ranks). Returns both predictions."""
+    from apps.protein.config import load_recipe
+    from apps.protein.data_sets import msa_path
+    from apps.protein.model.dap import Axial, DapAxial
+    from apps.protein.predict import predict
+
+    overrides = ["model.c_m=16", "model.c_z=8", "model.c_e=8", "model.c_s=16", "model.evoformer_blocks=1",
+                 "model.extra_msa_blocks=1", "model.pae_head=true", "data.max_msa_clusters=4", "data.max_extra_msa=4",
+                 f"train.precision={precision}"]
+    cfg = load_recipe("apps/protein/configs/tiny.yaml", overrides)
+    chain = read_structure(structure_path("2q2k"), "A")
+    sequence = chain.sequence[:length]
+    msa = None
+    if length == len(chain.sequence):
+        msa = str(msa_path("2q2k_A/uniref90_hits.sto"))
+    results = {}
+    for name, axial in (("one", Axial()), ("dap", DapAxial())):
+        torch.manual_seed(0)
+        model = AlphaFold(cfg.model)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        if name == "dap":
+            for block in model.modules():
+                if hasattr(block, "chunk_size"):
+                    block.chunk_size = chunk
+        model.eval().use_axial(axial)
+        results[name] = predict(model, cfg, "query", sequence, msa, 1)
     return results

@@ -36,3 +36,20 @@ def test_chunked_fit_is_quadratic_and_short_sweeps_drop_terms():
     assert set(two) == {0, 2}
     assert bench.longest_fitting({0: 3.0}, 10.0) is None               # nothing grows: no answer
     assert bench.describe_fit({0: 1.5, 2: -0.25}) == "1.5 - 0.25 L^2"
+
+
+def test_whole_max_length_measures_long_lengths_chunked_only(capsys):
+    """--whole-max-length: past it only the chunked stack is measured (the unchunked fwd+bwd at 384
+    would need ~30 GB), and the summary's whole/chunked ratios skip those lengths."""
+    from types import SimpleNamespace
+
+    bench = _bench()
+    args = SimpleNamespace(chunk=16, whole_max_length=128, lengths=[64, 128, 256], ranks=[1], budget_gb=4.0)
+    assert [bench.chunks_at(L, args) for L in args.lengths] == [(None, 16), (None, 16), (16,)]
+    rows = [{"length": L, "ranks": 1, "chunk": c, "time_s": 1.0, "peak_mib": (L / 64) ** (2 if c else 3) * 10}
+            for L in args.lengths for c in bench.chunks_at(L, args)]
+    summary = bench.summarise(rows, args)
+    assert set(summary["memory_fit_mib"]) == {"ranks1_chunkNone", "ranks1_chunk16"}
+    printed = capsys.readouterr().out
+    assert "L=128 ranks=1: chunk 16 / whole" in printed and "L=256 ranks=1: chunk 16 / whole" not in printed
+    assert bench.chunks_at(384, SimpleNamespace(chunk=16, whole_max_length=None)) == (None, 16)

@@ -21,7 +21,8 @@ B, S, R = 2, 5, 11   # R = 11 with chunks of 4: three chunks, the last one short
 
 def _cfg(chunk_size=None) -> EvoformerConfig:
     return EvoformerConfig(c_m=12, c_z=8, heads_msa=2, c_hidden_msa=4, heads_pair=2, c_hidden_pair=4,
-                           c_hidden_mul=6, c_hidden_opm=3, transition_n=2, chunk_size=chunk_size)
+                           c_hidden_mul=6, c_hidden_opm=3, transition_n=2, chunk_size=chunk_size,
+                           dropout_msa_row=0.0, dropout_pair=0.0)  # deterministic training-mode forward
 
 
 def _randomise(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -27,7 +27,7 @@ def test_evoformer_block_triton_kernels_match_reference():
 
     torch.manual_seed(0)
     cfg = EvoformerConfig(c_m=8, c_z=4, heads_msa=2, c_hidden_msa=4, heads_pair=2, c_hidden_pair=4,
-                          c_hidden_mul=4, c_hidden_opm=2, transition_n=2)
+                          c_hidden_mul=4, c_hidden_opm=2, transition_n=2, dropout_msa_row=0.0, dropout_pair=0.0)
     block = EvoformerBlock(cfg)
     with torch.no_grad():
         for p in block.parameters():
