@@ -56,20 +56,15 @@ def sample(model, tokenizer, prompts: list[str], gcfg: GenerateConfig) -> list[s
 
 
 def resolve_model_dir(path: str | None, output_dir: Path) -> Path:
-    """An explicit model directory, or the model of the latest checkpoint under `output_dir`."""
-    if path:
-        p = Path(path).expanduser()
-        if (p / "model" / "config.json").is_file():  # a checkpoint directory
-            return p / "model"
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"no model at {str(p)!r} (no config.json); pass a model directory or a checkpoint")
-        return p
-    from phalanx.checkpoint import latest_checkpoint
+    """An explicit model directory, checkpoint or output_dir (`phalanx.checkpoint.find.model_dir`),
+    or without one the model of the latest checkpoint under `output_dir`."""
+    from phalanx.checkpoint.find import model_dir
 
-    ckpt = latest_checkpoint(output_dir)
-    if ckpt is None:
+    if path:
+        return model_dir(path)
+    if not Path(output_dir).is_dir():
         raise FileNotFoundError(f"no checkpoint under {output_dir}: train first or pass --model DIR")
-    return Path(ckpt) / "model"
+    return model_dir(output_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
