@@ -6,9 +6,10 @@ parallelism on 2 ranks, for clip lengths 1 / 9 / 17 / 33 frames, measured in one
 
 Per clip length and mode, on 2 ranks, each rank with its own micro-batch (`--batch` clips): the
 training step of `apps.video_gen.model.VideoFlowModel` (forward, backward, gradient all-reduce).
-Without SP each rank computes its own clips; with SP every rank computes half of every clip's
-tokens (Ulysses all-to-all around each self-attention). Reported: tokens/s (video tokens of both
-ranks' clips per second of step time), peak memory per rank (CUDA: max allocated; CPU: the rise of
+Without SP each rank computes its own clips; with SP the 2 ranks are one SP group sharing one
+micro-batch, each computing half of its tokens (Ulysses all-to-all around each self-attention), so
+the SP step trains half the clips of the DP step. Reported: tokens/s (video tokens trained
+per second of step time), peak memory per rank (CUDA: max allocated; CPU: the rise of
 the peak resident set over the process's level before the first step), and the share of step time
 spent inside the all-to-alls. Each configuration runs in fresh processes. The last line is JSON.
 """
@@ -91,7 +92,8 @@ def _rank(frames: int, size: int, batch: int, steps: int, sp: bool, layers: int,
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _peak_rss_mb() - base
     step_s = sum(times) / len(times)
     world = dist.get_world_size()
-    return {"frames": frames, "sp": sp, "step_s": step_s, "tokens_per_s": tokens_per_rank_batch * world / step_s,
+    trained = tokens_per_rank_batch * (1 if sp else world)  # SP: the group's one micro-batch
+    return {"frames": frames, "sp": sp, "step_s": step_s, "tokens_per_s": trained / step_s,
             "peak_mb": peak, "a2a_share": sum(a2a) / sum(times), "tokens_per_clip": model.tokens(tuple(video.shape))}
 
 

@@ -53,6 +53,7 @@ class DataConfig:
     # Buckets [frames, height, width, batch_size]: each sample goes to the nearest by aspect and length.
     buckets: list[list[int]] = field(default_factory=lambda: [[1, 16, 16, 16], [8, 16, 16, 8], [8, 16, 28, 4]])
     held_out: float = 0.1                       # share of the shapes clips (and of a manifest's videos) held out
+    held_out_combos: bool = False               # no training clip of shapes.HELD_OUT_COMBOS (the motion check's held-out prompts)
     caption_dropout: float = 0.1                # empty prompt instead of the caption (classifier-free guidance)
     max_prompt_tokens: int = 12
 
@@ -111,6 +112,10 @@ class ModelConfig:
     # always, for other encoders when model.pooled_text is off (the plain Wan model; the toy configs' CLIP + pooled
     # text keep them, as their figures were measured).
     zero_text_padding: bool | None = None
+    # Image-to-video (Open-Sora 2.0's / Wan's i2v): the clip's first (latent) frame is given clean, concatenated on
+    # the channels with a mask, and the loss covers the other frames (`first_frame.py`). Every bucket needs 2 or
+    # more (latent) frames; sampling takes a first frame (VideoPipeline(..., first_frame=...)).
+    i2v: bool = False
 
 
 @dataclass
@@ -146,11 +151,14 @@ class EvalConfig:
     # sigmas, the steps WanPipeline takes; "linear": the older grid 1 - k / steps (shifted), kept for the toy configs'
     # documented motion figures.
     sampler: str = "scheduler"
+    ema_decay: float = 0.0                      # > 0: an EMA of the weights (phalanx.train.EMA) is evaluated and exported
 
 
 @dataclass
 class ParallelConfig:
-    # Ulysses sequence parallelism over the video tokens on all ranks (sp_size = world size), or 1: off.
+    # Ulysses sequence parallelism over the video tokens: groups of sp_size consecutive ranks share one micro-batch
+    # and each computes 1/sp_size of its tokens; the world / sp_size groups are the data-parallel replicas (data x
+    # sequence). sp_size must divide the world size; 1: off. With sp_size > 1, train.plugin=ddp.
     sp_size: int = 1
 
 
@@ -210,6 +218,7 @@ class RecipeConfig:
         for b in buckets if not self.vae.from_dir else []:  # latent buckets are checked against the autoencoder
             need(b.height % ph == 0 and b.width % pw == 0 and b.frames % pt == 0, "data.buckets", d.buckets,
                  f"bucket {b.shape} is not divisible by model.patch_size {m.patch_size}")
+        need(0.0 <= self.eval.ema_decay < 1.0, "eval.ema_decay", self.eval.ema_decay, "must be in [0, 1) (0: off)")
         need(0.0 <= d.caption_dropout < 1.0, "data.caption_dropout", d.caption_dropout, "must be in [0, 1)")
         need(0.0 < d.held_out < 1.0, "data.held_out", d.held_out, "must be in (0, 1)")
         need(d.shapes_size >= 8, "data.shapes_size", d.shapes_size, "must be at least 8 pixels")
@@ -246,7 +255,16 @@ class RecipeConfig:
              "must divide model.text_hidden_size")
         need(m.text_token_embedding_std > 0, "model.text_token_embedding_std", m.text_token_embedding_std,
              "must be positive")
+        need(not m.i2v or min(b.frames for b in buckets) >= 2, "data.buckets", d.buckets,
+             "model.i2v predicts the frames after the first: every bucket needs 2 or more frames")
+        need(not m.i2v or d.shapes_images == 0, "data.shapes_images", d.shapes_images,
+             "model.i2v trains on clips (the first frame given): set it to 0")
+        need(not m.i2v or not self.eval.motion_samples, "eval.motion_samples", self.eval.motion_samples,
+             "the motion check samples from prompts alone; an i2v model needs a first frame: set it to 0")
         need(self.parallel.sp_size >= 1, "parallel.sp_size", self.parallel.sp_size, "must be at least 1")
+        need(self.parallel.sp_size == 1 or self.train.plugin == "ddp", "parallel.sp_size", self.parallel.sp_size,
+             f"runs under train.plugin=ddp (the SP groups are DDP's data replicas), got {self.train.plugin!r}: set "
+             "train.plugin=ddp, or parallel.sp_size=1 for fsdp / zero1 / zero2 / gemini")
         need(self.eval.timesteps >= 1, "eval.timesteps", self.eval.timesteps, "must be at least 1")
 
 

@@ -22,7 +22,7 @@ from phalanx.data.buckets import Bucket, BucketBatches, BucketConfigError, assig
 from .clips import load_clips
 from .config import DataConfig, resolve
 from .manifest import Manifest, ManifestBatches, fill_sizes, held_out_clips, held_out_rows, read_manifest
-from .shapes import moving_shapes
+from .shapes import HELD_OUT_COMBOS, moving_shapes
 from .text import tokenize
 
 
@@ -35,7 +35,8 @@ class Clip:
 def load_all_clips(d: DataConfig) -> tuple[list[Clip], list[Clip]]:
     """(training clips, held-out clips): shapes videos + shapes images + real clips; held out: a share of
     the shapes videos and images."""
-    videos = moving_shapes(d.shapes_videos, d.shapes_frames, d.shapes_size, seed=d.shapes_seed)
+    videos = moving_shapes(d.shapes_videos, d.shapes_frames, d.shapes_size, seed=d.shapes_seed,
+                           exclude=HELD_OUT_COMBOS if d.held_out_combos else ())
     images = moving_shapes(d.shapes_images, 1, d.shapes_size, seed=d.shapes_seed + 1, moving=False)
     n_vid, n_img = (max(1, int(round(len(x) * d.held_out))) if x else 0 for x in (videos, images))
     held = [Clip(c.video, c.caption) for c in videos[:n_vid] + images[:n_img]]

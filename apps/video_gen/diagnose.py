@@ -6,7 +6,9 @@
    clean clip x_t - t v for "... moving left" vs "... moving right" (column of the brightness
    centroid in the first and the last frame; 'left' should start right of where it ends).
 
-    python -m apps.video_gen.diagnose runs/video_tiny/pipeline --samples 64 --guidance 1 2 4
+    python -m apps.video_gen.diagnose runs/video_tiny/pipeline --samples 64 --guidance 1 2 4 --split held_out trained
+
+`--split held_out` samples the caption combinations `data.held_out_combos` kept out of training.
 """
 from __future__ import annotations
 
@@ -18,17 +20,19 @@ import torch
 
 from phalanx.device import current_device, to_device
 
-from .motion import motion_prompts, track
+from .motion import motion_prompts, track, wilson_interval
 from .pipeline import VideoPipeline, sample_clips, sample_shape
 from .shapes import DIRECTIONS
 from .text import tokenize
 
 
 @torch.no_grad()
-def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int = 24, seed: int = 0) -> dict:
-    """Motion-check prompts sampled at `guidance`: travel statistics, confusion counts, scores."""
+def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int = 24, seed: int = 0,
+                  split: str = "all") -> dict:
+    """Motion-check prompts of `split` ("all", "held_out", "trained"; motion.py) sampled at `guidance`: travel
+    statistics, confusion counts, scores with the 95% Wilson interval of `both`."""
     m = pipe.meta
-    prompts = motion_prompts(samples, seed=seed)
+    prompts = motion_prompts(samples, seed=seed, split=split)
     confusion = {d: {g: 0 for g in [*DIRECTIONS, "none"]} for d in DIRECTIONS}
     travels, colour_ok, dir_ok, both_ok = [], 0, 0, 0
     for start in range(0, samples, 16):
@@ -44,7 +48,8 @@ def sample_motion(pipe: VideoPipeline, samples: int, guidance: float, steps: int
             colour_ok += got_c == colour
             dir_ok += moved == direction
             both_ok += got_c == colour and moved == direction
-    return {"guidance": guidance, "travel_median_px": statistics.median(travels),
+    return {"split": split, "guidance": guidance, "both_95": [round(x, 3) for x in wilson_interval(both_ok, samples)],
+            "travel_median_px": statistics.median(travels),
             "moved_share": sum(t >= 1.0 for t in travels) / samples, "colour": colour_ok / samples,
             "direction": dir_ok / samples, "both": both_ok / samples, "confusion": confusion}
 
@@ -86,11 +91,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--guidance", type=float, nargs="+", default=[2.0])
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--split", nargs="+", default=["all"], choices=["all", "held_out", "trained"],
+                   help="prompt sets: held_out = shapes.HELD_OUT_COMBOS (kept out of training by data.held_out_combos)")
     args = p.parse_args(argv)
     pipe = VideoPipeline.from_pretrained(args.pipeline).to(current_device())
     print(json.dumps({"high_noise_prediction_t0.97": high_noise_prediction(pipe)}))
-    for g in args.guidance:
-        print(json.dumps(sample_motion(pipe, args.samples, g, args.steps)))
+    for split in args.split:
+        for g in args.guidance:
+            print(json.dumps(sample_motion(pipe, args.samples, g, args.steps, split=split)))
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ the output in token layout, so that under sequence parallelism each rank compute
 tokens' outputs and loss (Ulysses attention inside). The loss is compared in token layout; the
 MSE is the same as in video layout.
 
-Sequence parallelism (sp = world size): each rank's micro-batch is processed by all ranks in
-turn (broadcast from its owner with its timesteps and noise), every rank computes the loss of its
-token shard, and the data-parallel gradient average of the plugin then gives exactly the gradient
-of the non-SP run on the same global batch.
+Sequence parallelism (data x sequence, `sequence_parallel.SequenceLayout`): the ranks of one SP
+group hold the same micro-batch (the data is dealt to the dp groups, and the group's ranks draw
+the same timesteps, noise and caption dropout), each computes only its 1/sp of the tokens and
+returns sp x the loss of its shard, so the group's mean is the micro-batch's loss. The plugin's
+gradient average over every rank is then the data-parallel average over the dp groups of the
+full-sequence gradients: exactly the gradient of one process on the same global batch.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from phalanx.sequence import token_shard
 
 from . import sequence_parallel
 from .config import FlowConfig, ModelConfig
+from .first_frame import condition_channels, first_frame_condition, first_frame_mask, predicted_elements
 
 TIME_SCALE = 1000.0  # Wan embeds timesteps on the 0..1000 scale
 
@@ -52,10 +55,12 @@ MOTION_CHANNELS = 2    # (frame x row, frame x column) planes: see `position_pla
 
 def build_transformer(mcfg: ModelConfig, channels: int, text_dim: int):
     """A tiny Wan transformer; with `mcfg.position_channels` it takes 3 more input channels than it
-    outputs (the position planes, see `VideoFlowModel`)."""
+    outputs (the position planes, see `VideoFlowModel`), with `mcfg.i2v` channels + 1 more (the clean
+    first frame and its mask, `first_frame.py`)."""
     from diffusers import WanTransformer3DModel
 
     extra = (POSITION_CHANNELS if mcfg.position_channels else 0) + (MOTION_CHANNELS if mcfg.motion_channels else 0)
+    extra += condition_channels(channels) if mcfg.i2v else 0
     return WanTransformer3DModel(patch_size=tuple(mcfg.patch_size), num_attention_heads=mcfg.num_heads,
                                  attention_head_dim=mcfg.head_dim, in_channels=channels + extra, out_channels=channels,
                                  text_dim=text_dim, freq_dim=mcfg.freq_dim, ffn_dim=mcfg.ffn_dim,
@@ -126,11 +131,17 @@ class PooledTextConditioning(ModelMixin, ConfigMixin):
             return torch.einsum("bql,bld->bqd", weights, text_states).flatten(1)
         return text_states.flatten(1) if self.config.tokens else text_states.mean(dim=1)
 
-    def forward(self, text_states: torch.Tensor) -> torch.Tensor:
-        """[B, L, text_dim] (the text encoder's states) -> [B, dim], added to the time embedding."""
-        return self.proj(self.pool(text_states))
+    def forward(self, text_states: torch.Tensor, planes: torch.Tensor | None = None):
+        """[B, L, text_dim] (the text encoder's states) -> [B, dim], added to the time embedding; with
+        `planes`, also the prompt-dependent position embedding (`position_embedding`), from one pool.
+        One forward for both, so that every parameter is read inside this module's forward (Gemini
+        gathers a module's chunks around its forward)."""
+        pooled = self.pool(text_states)
+        if planes is None:
+            return self.proj(pooled)
+        return self.proj(pooled), self.position_embedding(pooled, planes)
 
-    def position_embedding(self, text_states: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
+    def position_embedding(self, pooled: torch.Tensor, planes: torch.Tensor) -> torch.Tensor:
         """A prompt-dependent absolute position embedding [B, tokens, dim]: sum_k plane_k(token) U_k(prompt),
         U = a linear map of the pooled prompt, planes [B, tokens, k] (each token's mean plane values).
 
@@ -138,7 +149,7 @@ class PooledTextConditioning(ModelMixin, ConfigMixin):
         (~ -frame x column for "left"); through cross-attention or AdaLN, Wan must learn it as a product
         of two learned factors (word x position), which 600 steps did not find even when trained only at
         high noise. Here it is linear in the weights: a regression the optimiser solves at once."""
-        u = self.position(self.pool(text_states)).unflatten(1, (planes.shape[-1], -1))   # [B, k, dim]
+        u = self.position(pooled).unflatten(1, (planes.shape[-1], -1))   # [B, k, dim] (`pooled`: see pool)
         return torch.einsum("blk,bkd->bld", planes.to(u.dtype), u)
 
 
@@ -203,14 +214,17 @@ class VideoFlowModel(nn.Module):
 
     def __init__(self, transformer: nn.Module, text_encoder: nn.Module, empty_prompt_ids: torch.Tensor,
                  pad_token_id: int, fcfg: FlowConfig, caption_dropout: float = 0.0,
-                 pooled_text: PooledTextConditioning | None = None, zero_padding: bool | None = None):
+                 pooled_text: PooledTextConditioning | None = None, zero_padding: bool | None = None,
+                 i2v: bool = False):
         super().__init__()
         self.transformer, self.text_encoder, self.pooled_text = transformer, text_encoder, pooled_text
         self.fcfg, self.caption_dropout, self.pad_token_id = fcfg, caption_dropout, pad_token_id
         self.register_buffer("empty_prompt_ids", empty_prompt_ids.reshape(1, -1).clone(), persistent=False)
         self._processors = sequence_parallel.install(transformer)
         self._sp_group = None
+        self.i2v = i2v  # first-frame conditioning (`first_frame.py`): its channels come right after x_t
         extra = transformer.config.in_channels - transformer.config.out_channels
+        extra -= condition_channels(transformer.config.out_channels) if i2v else 0
         if extra not in (0, POSITION_CHANNELS, POSITION_CHANNELS + MOTION_CHANNELS):
             raise ValueError(f"the transformer takes {transformer.config.in_channels} input channels and gives "
                              f"{transformer.config.out_channels}: expected equal counts, or {POSITION_CHANNELS} more "
@@ -249,6 +263,13 @@ class VideoFlowModel(nn.Module):
         for proc in self._processors:
             proc.group = group
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The module whose own weights the output layer reads without its forward running: the
+        transformer's `scale_shift_table` (the final modulation, see `velocity_tokens`). Gemini gathers
+        such a module's chunks for the whole step from the first forward on (it asks every module for
+        its output embeddings); it would otherwise learn them only after that forward."""
+        return self.transformer
+
     @property
     def device(self) -> torch.device:
         """Where the weights are (the run's device once `fit` placed the model): inputs go here."""
@@ -281,26 +302,37 @@ class VideoFlowModel(nn.Module):
             t = shift_timesteps(t, resolution_shift(self.tokens(shape), f.shift_base_tokens, f.max_shift))
         return t
 
-    def velocity_tokens(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, group=None) -> torch.Tensor:
-        """v_theta(x_t, t) in token layout: all tokens, or this rank's shard when `group` is given."""
+    def velocity_tokens(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, group=None,
+                        cond: torch.Tensor | None = None) -> torch.Tensor:
+        """v_theta(x_t, t) in token layout: all tokens, or this rank's shard when `group` is given.
+        `cond` [B, C + 1, F, H, W]: the first-frame condition of an i2v model (`first_frame_condition`)."""
         tr = self.transformer
         dtype = tr.patch_embedding.weight.dtype  # bf16/fp16 when the plugin computes in low precision
         x, text = x.to(dtype), text.to(dtype)
         cos, sin = tr.rope(x)
+        if self.i2v:
+            if cond is None:
+                raise ValueError("this model is conditioned on the first frame (model.i2v): pass the clip's first "
+                                 "frame (VideoPipeline(..., first_frame=...))")
+            x = torch.cat([x, cond.to(dtype)], dim=1)
         if self.position_channels:
             planes = position_planes(tuple(x.shape), x.device, x.dtype, self.motion_channels)
             x = torch.cat([x, planes], dim=1)
         h = tr.patch_embedding(x).flatten(2).transpose(1, 2)
+        pooled_emb = None
         if self.pooled_text is not None and self.pooled_text.position is not None:
             k = self.pooled_text.config.position_planes
             planes = position_planes((x.shape[0], 0, *x.shape[2:]), x.device, x.dtype, motion=k > POSITION_CHANNELS)
             per_token = patchify(planes, self.patch).unflatten(-1, (-1, k)).mean(2)          # [B, tokens, k]
-            h = h + self.pooled_text.position_embedding(text, per_token).to(h.dtype)
-        cond = tr.condition_embedder
-        temb, tproj, text_h, _ = cond(t * TIME_SCALE, text, None)
-        if self.pooled_text is not None:
-            temb = temb + self.pooled_text(text).to(temb.dtype)
-            tproj = cond.time_proj(cond.act_fn(temb))
+            pooled_emb, position = self.pooled_text(text, per_token)
+            h = h + position.to(h.dtype)
+        elif self.pooled_text is not None:
+            pooled_emb = self.pooled_text(text)
+        embedder = tr.condition_embedder
+        temb, tproj, text_h, _ = embedder(t * TIME_SCALE, text, None)
+        if pooled_emb is not None:
+            temb = temb + pooled_emb.to(temb.dtype)
+            tproj = embedder.time_proj(embedder.act_fn(temb))
         text = text_h
         tproj = tproj.unflatten(1, (6, -1))
         if group is not None:
@@ -326,19 +358,27 @@ class VideoFlowModel(nn.Module):
             out = out + velocity_skip(t, self.fcfg.skip_data_std).view(-1, 1, 1).to(out.dtype) * skip
         return out
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor,
+                 cond: torch.Tensor | None = None) -> torch.Tensor:
         """v_theta in video layout [B, C, F, H, W] (sampling)."""
-        return unpatchify(self.velocity_tokens(x, t, text), tuple(x.shape), self.patch)
+        return unpatchify(self.velocity_tokens(x, t, text, cond=cond), tuple(x.shape), self.patch)
 
     def per_sample_loss(self, video, prompt_ids, t, noise, group=None) -> torch.Tensor:
         """[B]: each sample's squared error on this rank's tokens (all tokens without `group`) divided
-        by the sample's total element count, so the shards' values add up to the per-sample MSE."""
+        by the sample's total element count, so the shards' values add up to the per-sample MSE. An i2v
+        model is given the clean first frame and scored on the other frames only."""
         x_t = flow_interpolate(video, noise, t)
-        pred = self.velocity_tokens(x_t, t, self.encode_prompts(prompt_ids), group)
+        cond = first_frame_condition(video, video.shape[2]) if self.i2v else None
+        pred = self.velocity_tokens(x_t, t, self.encode_prompts(prompt_ids), group, cond=cond)
         target = patchify(flow_velocity_target(video, noise), self.patch)
-        if group is not None:
-            target = target[:, token_shard(target.shape[1], group)]
-        return (pred.float() - target.float()).pow(2).flatten(1).sum(1) / video[0].numel()
+        mine = token_shard(target.shape[1], group)  # every token without a group
+        error = (pred.float() - target.float()[:, mine]).pow(2)
+        count = video[0].numel()
+        if self.i2v:  # zero weight on the given first frame
+            given = first_frame_mask(tuple(video.shape), video.device).expand(-1, video.shape[1], -1, -1, -1)
+            error = error * (1 - patchify(given, self.patch))[:, mine]
+            count = predicted_elements(tuple(video.shape))
+        return error.flatten(1).sum(1) / count
 
     def forward(self, video: torch.Tensor, prompt_ids: torch.Tensor, t: torch.Tensor | None = None,
                 noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -350,17 +390,14 @@ class VideoFlowModel(nn.Module):
             noise = torch.randn_like(video)
         if self.sp_group is None:
             return self.per_sample_loss(video, prompt_ids, t, noise).mean()
-        return self._sequence_parallel_loss(video, prompt_ids, t, noise)
+        return self.shard_loss(video, prompt_ids, t, noise)
 
-    def _sequence_parallel_loss(self, video, prompt_ids, t, noise) -> torch.Tensor:
+    def shard_loss(self, video, prompt_ids, t, noise) -> torch.Tensor:
+        """sp x the loss of this rank's token shard of the micro-batch its SP group shares: the mean
+        over the group is the micro-batch's loss (the shards' squared errors add up to the whole)."""
         # backward must run while sp_group is set: checkpointed blocks recompute their attention there
-        """Sum over every rank's micro-batch of this rank's token-shard loss (see the module doc)."""
         group = self.sp_group
-        total = video.new_zeros((), dtype=torch.float32)
-        for src in range(dist.get_world_size(group)):
-            batch = broadcast_batch([video, prompt_ids, t, noise], dist.get_global_rank(group, src), group)
-            total = total + self.per_sample_loss(*batch, group=group).mean()
-        return total
+        return self.per_sample_loss(video, prompt_ids, t, noise, group=group).mean() * dist.get_world_size(group)
 
     @contextlib.contextmanager
     def sequence_parallel(self, group):
@@ -369,15 +406,3 @@ class VideoFlowModel(nn.Module):
             yield self
         finally:
             self.sp_group = previous
-
-
-def broadcast_batch(tensors: list[torch.Tensor], src: int, group) -> list[torch.Tensor]:
-    """The owner's tensors on every rank of `group` (shapes first: buckets differ between ranks)."""
-    meta = [[(tuple(x.shape), x.dtype) for x in tensors]] if dist.get_rank() == src else [None]
-    dist.broadcast_object_list(meta, src=src, group=group)
-    out = []
-    for x, (shape, dtype) in zip(tensors, meta[0]):
-        buf = x.contiguous() if dist.get_rank() == src else torch.empty(shape, dtype=dtype, device=x.device)
-        dist.broadcast(buf, src=src, group=group)
-        out.append(buf)
-    return out

@@ -31,6 +31,7 @@ import torch
 from phalanx.diffusion import guided_prediction, resolution_shift, shift_timesteps
 
 from .config import FlowConfig
+from .first_frame import first_frame_condition
 from .model import PooledTextConditioning, VideoFlowModel
 from .text import load_text_encoder, load_tokenizer, tokenize
 from .vae import decode_latents, frames_ok, vae_factors
@@ -65,20 +66,25 @@ def euler_timesteps(steps: int, shift: float, grid: str = "scheduler") -> torch.
 
 @torch.no_grad()
 def euler_sample(model: VideoFlowModel, prompt_ids: torch.Tensor, shape: tuple[int, ...], steps: int,
-                 guidance: float, generator: torch.Generator, grid: str = "scheduler") -> torch.Tensor:
+                 guidance: float, generator: torch.Generator, grid: str = "scheduler",
+                 first: torch.Tensor | None = None) -> torch.Tensor:
     """Integrate dx/dt = v(x, t) from t = 1 to 0 with Euler steps; guidance > 1 mixes in the
-    empty-prompt velocity (classifier-free guidance)."""
+    empty-prompt velocity (classifier-free guidance). An i2v model is given `first` [B, C, 1, H, W]
+    (in the model's space) on every step, with and without the prompt, and it is the result's first frame."""
     device = next(model.parameters()).device
     x = torch.randn(shape, generator=generator).to(device)
+    cond = first_frame_condition(first.to(device), shape[2]) if model.i2v else None
     text = model.encode_prompts(prompt_ids.to(device))
     uncond = model.encode_prompts(model.empty_prompt_ids.expand(shape[0], -1)) if guidance != 1.0 else None
     ts = euler_timesteps(steps, sampling_shift(model, shape), grid).to(device)
     for t0, t1 in zip(ts[:-1], ts[1:]):
         t = t0.expand(shape[0])
-        v = model.velocity(x, t, text)
+        v = model.velocity(x, t, text, cond)
         if uncond is not None:
-            v = guided_prediction(v, model.velocity(x, t, uncond), guidance)
+            v = guided_prediction(v, model.velocity(x, t, uncond, cond), guidance)
         x = x + (t1 - t0) * v
+    if cond is not None:
+        x = torch.cat([cond[:, :shape[1], :1], x[:, :, 1:]], dim=2)
     return x
 
 
@@ -101,11 +107,21 @@ def sample_shape(batch: int, channels: int, frames: int, height: int, width: int
 
 @torch.no_grad()
 def sample_clips(model: VideoFlowModel, prompt_ids: torch.Tensor, frames: int, height: int, width: int, steps: int,
-                 guidance: float, generator: torch.Generator, vae=None, grid: str = "scheduler") -> torch.Tensor:
-    """Clips [B, 3, F, H, W] in [-1, 1]: Euler sampling, then decoding through `vae` when given."""
+                 guidance: float, generator: torch.Generator, vae=None, grid: str = "scheduler",
+                 first_frame: torch.Tensor | None = None) -> torch.Tensor:
+    """Clips [B, 3, F, H, W] in [-1, 1]: Euler sampling, then decoding through `vae` when given. An i2v
+    model needs `first_frame` [B, 3, H, W] in [-1, 1] (encoded alone through `vae` in latent space)."""
     channels = model.transformer.config.out_channels
+    first = None
+    if model.i2v:
+        if first_frame is None:
+            raise ValueError("this pipeline is image-to-video (model.i2v): give first_frame=[B, 3, H, W] in [-1, 1]")
+        first = first_frame.unsqueeze(2)
+        if vae is not None:
+            from .vae import encode_latents
+            first = encode_latents(vae.to(first_frame.device), first.to(first_frame.device))[0]
     x = euler_sample(model, prompt_ids, sample_shape(len(prompt_ids), channels, frames, height, width, vae),
-                     steps, guidance, generator, grid)
+                     steps, guidance, generator, grid, first)
     if vae is not None:
         x = decode_latents(vae.to(x.device), x)
     return x.clamp(-1, 1)
@@ -141,7 +157,7 @@ class VideoPipeline:
         pooled = PooledTextConditioning.from_pretrained(str(directory / "pooled_text")) \
             if (directory / "pooled_text").is_dir() else None
         model = VideoFlowModel(transformer, text_encoder, empty, tokenizer.pad_token_id, FlowConfig(**meta["flow"]),
-                               pooled_text=pooled, zero_padding=meta.get("zero_text_padding"))
+                               pooled_text=pooled, zero_padding=meta.get("zero_text_padding"), i2v=meta.get("i2v", False))
         vae = None
         if (directory / "vae").is_dir():
             from diffusers import AutoencoderKLWan
@@ -191,19 +207,27 @@ class VideoPipeline:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], seed: int = 0, steps: int = 24, guidance: float = 2.0,
-                 frames: int | None = None, height: int | None = None, width: int | None = None) -> torch.Tensor:
-        """Clips [B, 3, F, H, W] in [-1, 1] for the prompts."""
+                 frames: int | None = None, height: int | None = None, width: int | None = None,
+                 first_frame: torch.Tensor | None = None) -> torch.Tensor:
+        """Clips [B, 3, F, H, W] in [-1, 1] for the prompts; an i2v pipeline starts them from `first_frame`
+        [B, 3, H, W] in [-1, 1] (its size sets the clip's)."""
         m = self.meta
+        if first_frame is not None:
+            height, width = first_frame.shape[-2:]
+            first_frame = first_frame.to(self.model.device)
         ids = tokenize(self.tokenizer, prompts)
         return sample_clips(self.model, ids, frames or m["frames"], height or m["height"], width or m["width"], steps,
-                            guidance, torch.Generator().manual_seed(seed), self.vae, m.get("sampler", "linear"))
+                            guidance, torch.Generator().manual_seed(seed), self.vae, m.get("sampler", "linear"),
+                            first_frame)
 
 
 def wan_blockers(model: VideoFlowModel, vae, meta: dict) -> list[str]:
     """Why diffusers' WanPipeline could not sample this model as the recipe does (empty: it can)."""
     out = []
     extra = model.transformer.config.in_channels - model.transformer.config.out_channels
-    if extra:
+    if model.i2v:
+        out.append("first-frame conditioning (model.i2v): WanPipeline is text-to-video")
+    elif extra:
         out.append(f"the transformer takes {extra} position-plane input channels (model.position_channels)")
     if model.pooled_text is not None:
         out.append("the pooled-text module (model.pooled_text) needs this recipe's code")
@@ -221,11 +245,11 @@ def wan_blockers(model: VideoFlowModel, vae, meta: dict) -> list[str]:
 
 
 def make_meta(fcfg: FlowConfig, channels: int, frames: int, height: int, width: int, vae=None,
-              sampler: str = "scheduler") -> dict:
+              sampler: str = "scheduler", i2v: bool = False) -> dict:
     """What the sampler needs: the flow settings, the sampler's timestep grid and the default clip size in
     pixels (`channels`: what the transformer outputs, latent channels with `vae`)."""
     meta = {"flow": asdict(fcfg), "channels": channels, "frames": frames, "height": height, "width": width,
-            "sampler": sampler}
+            "sampler": sampler, "i2v": i2v}
     if vae is not None:
         meta["vae_temporal"], meta["vae_spatial"] = vae_factors(vae)
     return meta

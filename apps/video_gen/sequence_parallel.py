@@ -5,11 +5,24 @@ and 3D RoPE run on this rank's tokens, `phalanx.sequence.ulysses_attention` trad
 heads around the attention itself. Cross-attention to the prompt and the feed-forward layers are
 per token and need no communication. With `group=None` it is ordinary attention, so one model
 serves training with SP and sampling without.
+
+Data x sequence (`parallel.sp_size` = sp dividing the world): consecutive groups of sp ranks are
+the SP groups, and the world / sp groups are the data-parallel replicas. `with_sequence_replicas`
+gives fit DDPPlugin(ranks_per_replica=sp): it deals one micro-batch per group (each group's ranks
+get the same batch and draw the same random numbers) and averages gradients over every rank. Each
+rank computes 1/sp of its group's tokens and returns sp x its shard's loss
+(`VideoFlowModel.shard_loss`): the mean over a group is the micro-batch's loss, so the average over
+all ranks is the data-parallel average over the groups, the gradient of one process on the same
+global batch.
 """
 from __future__ import annotations
 
-import torch
+import dataclasses
 
+import torch
+import torch.distributed as dist
+
+from phalanx.config import ConfigError
 from phalanx.sequence import ulysses_attention
 
 
@@ -45,3 +58,52 @@ def install(transformer) -> list[UlyssesSelfAttention]:
         block.attn1.set_processor(proc)
         processors.append(proc)
     return processors
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """This rank's place in the data x sequence layout."""
+    dp: int          # data-parallel replicas (SP groups)
+    sp: int          # ranks per SP group
+    dp_rank: int     # which SP group this rank belongs to
+    sp_rank: int     # its place inside the group (which token shard it computes)
+    group: dist.ProcessGroup | None
+
+    def describe(self) -> str:
+        return (f"dp={self.dp} x sp={self.sp}: this rank is token shard {self.sp_rank + 1}/{self.sp} of replica "
+                f"{self.dp_rank + 1}/{self.dp} (each rank computes 1/{self.sp} of its replica's clips)")
+
+
+def check_sp_size(sp: int, world: int) -> int:
+    """The number of data-parallel replicas, world / sp; a ConfigError unless sp divides the world."""
+    if sp < 1 or world % sp:
+        raise ConfigError(f"config 'parallel.sp_size'={sp}: the {world} ranks split into data-parallel replicas of "
+                          f"sp_size ranks each; choose an sp_size that divides {world} (world = dp x sp)")
+    return world // sp
+
+
+def sequence_layout(sp: int) -> SequenceLayout:
+    """The SP groups: ranks [k sp, (k + 1) sp) for k < world / sp (every rank creates every group, as
+    `new_group` requires), and this rank's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_sp_size(sp, world)
+    mine = None
+    for first in range(0, world, sp):
+        group = dist.new_group(list(range(first, first + sp)))
+        if first <= rank < first + sp:
+            mine = group
+    return SequenceLayout(dp=world // sp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp, group=mine)
+
+
+def with_sequence_replicas(train_cfg, sp: int):
+    """The train config fit gets: with sp > 1, DDP whose data replicas are the SP groups
+    (`ranks_per_replica=sp`). The sharding plugins (FSDP2, ZeRO, Gemini) deal data to every rank, which
+    would give an SP group's ranks different clips: they run with sp_size=1."""
+    if sp == 1:
+        return train_cfg
+    if train_cfg.plugin != "ddp":
+        raise ConfigError(f"config 'parallel.sp_size'={sp} runs under train.plugin=ddp (the SP groups are the data "
+                          f"replicas of DDPPlugin(ranks_per_replica={sp})), got train.plugin={train_cfg.plugin!r}: set "
+                          "train.plugin=ddp, or parallel.sp_size=1 for fsdp / zero1 / zero2 / gemini")
+    options = {**train_cfg.plugin_options, "ranks_per_replica": sp}
+    return dataclasses.replace(train_cfg, plugin_options=options)

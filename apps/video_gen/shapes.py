@@ -13,6 +13,12 @@ COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, 
            "yellow": (1.0, 1.0, -1.0)}
 DIRECTIONS = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx)
 SHAPES = ("square", "circle")
+# (colour, shape, direction) triples never generated for training with `data.held_out_combos` (issue 39): the
+# motion check samples them to test whether the model composes words it saw only in other combinations. Each
+# colour twice, each shape four times, each direction twice (once per shape); every colour x direction and
+# colour x shape pair still occurs in training with the other shape / other directions.
+HELD_OUT_COMBOS = tuple((c, s, d) for i, c in enumerate(COLOURS) for k, s in enumerate(SHAPES)
+                        for d in [list(DIRECTIONS)[(i + k) % len(DIRECTIONS)]])
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,15 @@ def draw(colour: str, shape: str, direction: str | None, frames: int, size: int,
     return video
 
 
-def make_shape_clip(g: torch.Generator, frames: int, size: int, moving: bool = True) -> ShapeClip:
+def make_shape_clip(g: torch.Generator, frames: int, size: int, moving: bool = True,
+                    exclude: tuple[tuple[str, str, str], ...] = ()) -> ShapeClip:
+    """One clip; a (colour, shape, direction) in `exclude` is drawn again (still images are never excluded)."""
     pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
-    colour, shape = pick(list(COLOURS)), pick(SHAPES)
-    direction = pick(list(DIRECTIONS)) if moving else None
+    while True:
+        colour, shape = pick(list(COLOURS)), pick(SHAPES)
+        direction = pick(list(DIRECTIONS)) if moving else None
+        if (colour, shape, direction) not in exclude:
+            break
     radius = size / 8 + float(torch.rand(1, generator=g)) * size / 16          # half-side ~2-3 px at 16 px
     speed = (size / 1.8) / max(frames - 1, 1)                                  # crosses ~55% of the frame
     travel = speed * (frames - 1) if moving else 0.0
@@ -63,6 +74,8 @@ def make_shape_clip(g: torch.Generator, frames: int, size: int, moving: bool = T
     return ShapeClip(video, caption_for(colour, shape, direction), colour, direction, shape)
 
 
-def moving_shapes(count: int, frames: int, size: int, seed: int = 0, moving: bool = True) -> list[ShapeClip]:
+def moving_shapes(count: int, frames: int, size: int, seed: int = 0, moving: bool = True,
+                  exclude: tuple[tuple[str, str, str], ...] = ()) -> list[ShapeClip]:
+    """`count` clips, deterministic by `seed`; none of the (colour, shape, direction) triples in `exclude`."""
     g = torch.Generator().manual_seed(seed)
-    return [make_shape_clip(g, frames, size, moving) for _ in range(count)]
+    return [make_shape_clip(g, frames, size, moving, exclude) for _ in range(count)]

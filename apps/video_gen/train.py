@@ -1,8 +1,10 @@
 """Train the text-to-video model: rectified flow on bucketed clips through `phalanx.train.fit`.
 
     python -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml
+    torchrun --nproc-per-node 4 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
+        parallel.sp_size=2          # data x sequence: 2 replicas of 2 ranks, each rank 1/2 of each clip
     torchrun --nproc-per-node 2 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
-        train.plugin=zero2 parallel.sp_size=2
+        train.plugin=fsdp           # or zero2, gemini (sp_size=1)
 
 The flow: (frozen autoencoder, with `vae.from_dir`) -> data (moving shapes + real clips, and the
 clips of `data.manifest`, decoded when drawn or read as latents from `data.latent_cache`; tokenizer
@@ -21,6 +23,7 @@ Latent stage (2 commands; see configs/tiny_latent.yaml):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -37,9 +40,10 @@ from .config import FlowConfig, RecipeConfig, parse_args, resolve
 from .data import BucketedClips, check_buckets_cover, load_all_clips, load_manifest_split, training_dataset
 from .model import (MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, VideoFlowModel, build_transformer,
                     load_pretrained_transformer)
-from .motion import motion_prompts, motion_score
+from .motion import motion_check as sample_motion_check
 from .pipeline import VideoPipeline, make_meta, sample_clips
 from .sensitivity import direction_gap
+from .sequence_parallel import sequence_layout, with_sequence_replicas
 from .text import build_text_encoder, build_tokenizer, load_local_text, tokenize
 from .vae import encode_latents, frames_ok, load_vae, vae_factors
 
@@ -58,6 +62,9 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
         model, tokenizer = pipe.model, pipe.tokenizer
         model.fcfg = cfg.flow = chain_flow(model.fcfg, cfg.flow, m.init_flow)
         model.caption_dropout = cfg.data.caption_dropout
+        if model.i2v != m.i2v:
+            raise ConfigError(f"config 'model.i2v'={m.i2v}: the pipeline of model.init_from={m.init_from!r} was "
+                              f"trained with i2v={model.i2v} (its transformer's inputs differ); set model.i2v={model.i2v}")
         if m.zero_text_padding is not None:     # else the saved pipeline's choice
             model.zero_padding = m.zero_text_padding
     else:
@@ -73,7 +80,8 @@ def build_model(cfg: RecipeConfig, captions: list[str], channels: int = 3, token
         pooled = build_pooled_text(cfg, transformer.config.num_attention_heads * transformer.config.attention_head_dim,
                                    text_dim)
         model = VideoFlowModel(transformer, text_encoder, tokenize(tokenizer, [""])[0], tokenizer.pad_token_id,
-                               cfg.flow, cfg.data.caption_dropout, pooled_text=pooled, zero_padding=m.zero_text_padding)
+                               cfg.flow, cfg.data.caption_dropout, pooled_text=pooled, zero_padding=m.zero_text_padding,
+                               i2v=m.i2v)
     if m.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
     if m.freeze_text_encoder:
@@ -252,34 +260,29 @@ def heldout_flow_loss(model: VideoFlowModel, held: BucketedClips, timesteps: int
     return out
 
 
-@torch.no_grad()
 def motion_check(model: VideoFlowModel, tokenizer, cfg: RecipeConfig, out_dir: Path | None = None,
                  vae=None) -> dict[str, float]:
-    """Sample `eval.motion_samples` clips of moving-shapes prompts (decoded through `vae` when the
-    model works on latents) and track their objects."""
+    """`eval.motion_samples` sampled clips per prompt set (motion.py): the held-out caption combinations and
+    the trained ones with `data.held_out_combos`, else all combinations."""
     e, d = cfg.eval, cfg.data
-    prompts = motion_prompts(e.motion_samples, seed=e.seed)
-    videos = []
-    for start in range(0, len(prompts), 16):
-        chunk = prompts[start:start + 16]
-        ids = tokenize(tokenizer, [p for p, _, _ in chunk])
-        videos += list(sample_clips(model, ids, d.shapes_frames, d.shapes_size, d.shapes_size, e.sample_steps,
-                                    e.guidance_scale, torch.Generator().manual_seed(e.seed + start), vae,
-                                    e.sampler).cpu())
-    score = motion_score(videos, [c for _, c, _ in prompts], [dd for _, _, dd in prompts])
-    if out_dir is not None:
-        grid = torch.cat([torch.cat(videos[r * 4:(r + 1) * 4], dim=3) for r in range(min(2, len(videos) // 4))], dim=2)
-        save_gif(grid, out_dir / "motion_samples.gif", fps=4, scale=6)
-        (out_dir / "motion_prompts.txt").write_text("\n".join(p for p, _, _ in prompts[:8]) + "\n")
-    return score
+    return sample_motion_check(model, tokenizer, e.motion_samples, d.shapes_frames, d.shapes_size, e.sample_steps,
+                               e.guidance_scale, e.seed, e.sampler, vae, out_dir=out_dir,
+                               splits=("held_out", "trained") if d.held_out_combos else ("all",))
 
 
-def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: Path, vae=None):
+def make_eval_fn(cfg: RecipeConfig, tokenizer, held: BucketedClips, output_dir: Path, vae=None, ema=None):
     def eval_fn(model: VideoFlowModel, step: int) -> dict[str, float]:
+        with ema.swapped() if ema is not None else contextlib.nullcontext():   # eval.ema_decay: the averaged weights
+            return evaluate(model, step)
+
+    def evaluate(model: VideoFlowModel, step: int) -> dict[str, float]:
         metrics = heldout_flow_loss(model, held, cfg.eval.timesteps, cfg.eval.max_clips, cfg.eval.seed)
-        if cfg.eval.motion_samples and step == cfg.train.max_steps and is_main_process():
+        # every rank runs all of it (same inputs, same numbers): under FSDP2 / Gemini each forward gathers
+        # parameters from every rank, so a rank-0-only evaluation would hang the others; rank 0 writes the files
+        if cfg.eval.motion_samples and step == cfg.train.max_steps:
             metrics.update(direction_gap(model, tokenizer, cfg.data.shapes_frames, cfg.data.shapes_size, vae=vae))
-            metrics.update(motion_check(model, tokenizer, cfg, output_dir / "eval", vae))
+            metrics.update(motion_check(model, tokenizer, cfg, output_dir / "eval" if is_main_process() else None,
+                                        vae))
         return metrics
     return eval_fn
 
@@ -294,20 +297,32 @@ def sample_size(cfg: RecipeConfig) -> tuple[int, int, int]:
 
 
 def setup_sequence_parallel(cfg: RecipeConfig, model: VideoFlowModel) -> None:
+    """Data x sequence parallelism (`parallel.sp_size`): the model's SP group is this rank's group
+    of sp consecutive ranks (see sequence_parallel.py)."""
     sp = cfg.parallel.sp_size
     if sp == 1:
         return
-    world = dist.get_world_size()
-    if sp != world:
-        raise ConfigError(f"config 'parallel.sp_size'={sp}: sequence parallelism here spans all ranks; launch "
-                          f"{sp} ranks (now {world}) or set parallel.sp_size=1")
-    model.sp_group = dist.group.WORLD
-    log.info(f"Ulysses sequence parallelism over {sp} ranks: each rank computes 1/{sp} of every clip's tokens")
+    heads = model.transformer.config.num_attention_heads
+    if heads % sp:
+        raise ConfigError(f"config 'parallel.sp_size'={sp}: Ulysses splits the {heads} attention heads over the SP "
+                          f"group; choose an sp_size that divides {heads} (or model.num_heads a multiple of {sp})")
+    layout = sequence_layout(sp)
+    model.sp_group = layout.group
+    log.info(f"data x sequence parallelism: {layout.describe()}")
+
+
+def unsharded_copy(cfg: RecipeConfig, model: VideoFlowModel) -> VideoFlowModel | None:
+    """Rank 0's host copy of the model for the export, under the plugins that shard the model in place
+    (FSDP2's DTensor parameters, Gemini's chunk views): the trained weights are loaded into it from the
+    final checkpoint. None elsewhere (the model itself is exported)."""
+    import copy
+
+    return copy.deepcopy(model) if is_main_process() and cfg.train.plugin in ("fsdp", "gemini") else None
 
 
 def train(cfg: RecipeConfig):
     from phalanx.checkpoint.hf import load_hf_state_dict
-    from phalanx.train import fit
+    from phalanx.train import EMA, fit
 
     from phalanx.data.buckets import unwrap_single
 
@@ -321,13 +336,21 @@ def train(cfg: RecipeConfig):
     model.train()
     space = "latent space" if vae is not None else "pixel space"
     log.info(f"held-out flow loss ({space}) before training: " + ", ".join(f"{k}={v:.4f}" for k, v in initial.items()))
-    result = fit(cfg.train, model, batches, collate_fn=unwrap_single, loss_fn=batch_loss,
-                 eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir, vae), tokenizer=None)
+    ema = EMA(cfg.eval.ema_decay) if cfg.eval.ema_decay else None
+    export_model = unsharded_copy(cfg, model)
+    result = fit(with_sequence_replicas(cfg.train, cfg.parallel.sp_size), model, batches, collate_fn=unwrap_single,
+                 loss_fn=batch_loss,
+                 eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir, vae, ema), tokenizer=None,
+                 hooks=[ema] if ema is not None else [])
+    averaged = ema.full_state_dict() if ema is not None else None   # every rank (FSDP gathers)
     if is_main_process():
+        model = export_model or model
         model.sp_group = None
         load_trained(model, load_hf_state_dict(result.checkpoint_dir / "model"))
+        if averaged is not None:  # the export holds the averaged weights, as the evaluation used
+            model.load_state_dict(averaged, strict=False)
         meta = make_meta(model.fcfg, model.transformer.config.out_channels, *sample_size(cfg), vae=vae,
-                         sampler=cfg.eval.sampler)
+                         sampler=cfg.eval.sampler, i2v=model.i2v)
         VideoPipeline(model, tokenizer, meta, vae).save_pretrained(cfg.final_path)
         blockers = meta["wan_pipeline_blockers"]
         log.info("the export is a diffusers WanPipeline" if not blockers else

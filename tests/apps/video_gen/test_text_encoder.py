@@ -154,7 +154,7 @@ def test_t5_padding_states_are_zeroed_before_cross_attention_as_wan_does(tmp_pat
     t = torch.tensor([0.5, 0.9])
     assert not torch.allclose(model.velocity(video, t, states), model.velocity(video, t, raw))  # what the model reads
 
-    clip, clip_tok = build_model(tiny_config(tmp_path / "run2"), _captions())
+    clip, clip_tok = build_model(tiny_config(tmp_path / "run2", "model.pooled_text=flat"), _captions())
     clip.eval()
     ids = tokenize(clip_tok, ["a red square moving left"])
     assert not clip.zero_padding

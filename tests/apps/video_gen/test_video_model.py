@@ -235,15 +235,16 @@ def test_motion_planes_and_the_prompt_position_embedding_by_hand(tmp_path):
     torch.testing.assert_close(planes[0, 3], planes[0, 0] * planes[0, 1])
     torch.testing.assert_close(planes[0, 4], planes[0, 0] * planes[0, 2])
 
-    model, tok = _model(tmp_path, "model.pooled_text=flat", "model.prompt_position=true", "model.motion_channels=true")
+    model, tok = _model(tmp_path, "model.pooled_text=flat", "model.prompt_position=true", "model.motion_channels=true",
+                        "model.position_channels=true")
     model.eval()
     assert model.transformer.config.in_channels == 3 + 5 and model.pooled_text.config.position_planes == 5
     ids = tokenize(tok, ["a red square moving left", "a red square moving right"])
     x = torch.randn(2, 3, 8, 16, 16)
     with torch.no_grad():
         text = model.encode_prompts(ids)
-        got = model.pooled_text.position_embedding(text, patchify(position_planes((2, 0, 8, 16, 16), motion=True),
-                                                                   model.patch).unflatten(-1, (-1, 5)).mean(2))
+        got = model.pooled_text(text, patchify(position_planes((2, 0, 8, 16, 16), motion=True),
+                                               model.patch).unflatten(-1, (-1, 5)).mean(2))[1]
         u = model.pooled_text.position(text.flatten(1)).view(2, 5, -1)               # [B, planes, dim]
         token = 1 * 4 * 4 + 2 * 4 + 3     # frame 1, patch row 2, patch column 3 (4x4 patches of 16x16)
         frame = 1.5 / 8 * 2 - 1

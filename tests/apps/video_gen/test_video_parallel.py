@@ -1,7 +1,8 @@
 """2 ranks on gloo against one process, in one spawn: Ulysses sequence parallelism over the video
-tokens gives the same loss and gradients (within 1e-5); `fit` with ZeRO-2, with and without
-sequence parallelism, gives the same weights after 2 AdamW steps as the same steps taken by hand
-on one process over the same global batches."""
+tokens (both ranks one SP group sharing one micro-batch) gives the same loss and gradients (within
+1e-5); `fit` with ZeRO-2 gives the same weights after 2 AdamW steps as the same steps taken by hand
+on one process over the same global batches. Data x sequence layouts through fit (DDP, the SP groups
+as its data replicas) are in test_video_dp_sp.py, FSDP2 and Gemini in test_video_fsdp_gemini.py."""
 from __future__ import annotations
 
 import copy
@@ -71,8 +72,8 @@ def _ranks(output_dir: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
 
-    # (a) one SP step by hand: each rank's own batch, all ranks compute every batch's token shards
-    mine = batches[rank]
+    # (a) one SP step by hand: both ranks share batch 0, each computes its half of the tokens
+    mine = batches[0]
     with model.sequence_parallel(dist.group.WORLD):  # backward inside: checkpointed blocks recompute with SP
         loss = model(**mine)
         loss.backward()
@@ -84,7 +85,7 @@ def _ranks(output_dir: str) -> dict:
     dist.all_reduce(sp_loss)
     sp_loss /= world
     model.zero_grad(set_to_none=True)
-    ref = (model(**batches[0]) + model(**batches[1])) / 2
+    ref = model(**batches[0])
     ref.backward()
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -97,11 +98,11 @@ def _ranks(output_dir: str) -> dict:
     out["dead_grads"] = sorted(set(ref_grads) - set(live))
     out["tokens"] = 8 * 8 * 8
 
-    # (b) fit with ZeRO-2, with and without sequence parallelism, against the steps by hand
+    # (b) fit with ZeRO-2 against the steps by hand
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # AdamW turns a rounding-only gradient into a full-size step: leave those weights out
     want = {k: v for k, v in _reference_steps(cfg, model, batches).items() if k not in out["dead_grads"]}
-    for sp in (False, True):
+    for sp in (False,):
         run = copy.deepcopy(model)
         run.sp_group = dist.group.WORLD if sp else None
         cfg.train.output_dir = f"{output_dir}/zero2_sp{int(sp)}"
@@ -112,7 +113,7 @@ def _ranks(output_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_and_zero2_match_one_process(tmp_path):
+def test_sequence_parallel_by_hand_and_zero2_match_one_process(tmp_path):
     ranks = spawn(_ranks, 2, str(tmp_path), timeout=600)
     for r in ranks:
         tol = rounding_rtol(torch.float32, r["tokens"])
@@ -120,4 +121,3 @@ def test_sequence_parallel_and_zero2_match_one_process(tmp_path):
         check(r["sp_grads"], 1e-5, "SP gradients vs one process")
         assert all(n.endswith("k_proj.bias") for n in r["dead_grads"]), r["dead_grads"]
         check(r["zero2_sp0"], ADAMW_UPDATE_RTOL, "ZeRO-2 weights after 2 steps vs by hand")
-        check(r["zero2_sp1"], ADAMW_UPDATE_RTOL, "ZeRO-2 + Ulysses SP weights after 2 steps vs by hand")

@@ -17,6 +17,8 @@ from video_tiny import tiny_config
 
 PLAIN = ["model.position_channels=false", "model.motion_channels=false", "model.pooled_text=false",
          "model.prompt_position=false", "flow.skip_data_std=0.0", "model.patch_size=[1,2,2]", "eval.sampler=scheduler"]
+PLANES = ["model.position_channels=true", "model.motion_channels=true", "model.pooled_text=flat",
+          "model.prompt_position=true"]                          # configs/tiny_planes.yaml's toy modules
 LATENT_DATA = ["data.shapes_frames=9", "data.clip_frames=9", "data.clips_dir=null", "data.shapes_videos=12",
                "data.shapes_images=8", "data.buckets=[[1,16,16,8],[9,16,16,4]]", "data.caption_dropout=0.0"]
 
@@ -63,7 +65,7 @@ def test_toy_module_exports_keep_the_recipes_layout_and_say_what_blocks_wan_pipe
     from apps.video_gen.pipeline import VideoPipeline, make_meta
     from apps.video_gen.train import build_model
 
-    model, tok = build_model(tiny_config(tmp_path / "run"), _captions())     # tiny.yaml: planes, pooled text, skip
+    model, tok = build_model(tiny_config(tmp_path / "run", *PLANES), _captions())   # planes, pooled text, skip
     VideoPipeline(model, tok, make_meta(model.fcfg, 3, 8, 16, 16, sampler="linear")).save_pretrained(tmp_path / "x")
     index = json.loads((tmp_path / "x" / "model_index.json").read_text())
     blockers = json.loads((tmp_path / "x" / "video_gen.json").read_text())["wan_pipeline_blockers"]
