@@ -5,12 +5,18 @@
     python bench/rlhf.py --prompts 2 --n 4 --max-new-tokens 16 --steps 3
     python bench/rlhf.py --shared-prompt-forward false --skip-trl  # Phalanx without the shared-prompt forward
     python bench/rlhf.py --profile-update                # CPU time of one policy update, packed vs unshared
+    python bench/rlhf.py --lora                          # peak memory of LoRA GRPO against full GRPO
 
 Prints step time and its split (generate / score / train / weight sync), rollout tokens/s, the
 ratio of step throughputs, and one JSON line. The first step of each (warm-up) is not counted.
 TRL is a dev-only dependency. Both train in fp32 with the same learning rate, no KL (beta 0), one
 policy update per rollout, temperature 1, sampling to the full length (EOS ignored on neither:
 lengths may differ, so throughput is compared per completion token as well as per step).
+`--lora` measures memory instead: one GRPO run with full fine-tuning and one with LoRA (r 8, alpha 16 on
+q/k/v/o_proj), each in a fresh process, with the KL term on (`--kl-coef`, 0.05) so that each builds its
+reference: a frozen copy of the policy for the full run, the same model with its adapter off for LoRA.
+It prints each run's peak resident memory (VmHWM; the peak allocated device memory on a GPU) and the
+ratio LoRA / full.
 Phalanx's policy update runs the shared-prompt forward (`grpo.shared_prompt_forward`, on by default:
 each prompt's n samples packed into one row holding the prompt once; exact); `--shared-prompt-forward
 false` measures the unshared forward for comparison.
@@ -40,7 +46,10 @@ def reward_len(completions, **_):
     return [float(len(t) % 7) for t in texts]
 
 
-def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
+LORA = ["lora.enabled=true", "lora.rank=8", "lora.alpha=16", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+
+
+def run_phalanx(model_dir: str, records: list[dict], args, out: Path, extra: list[str] = ()) -> dict:
     from apps.chat_rlhf.grpo import build_run, load_grpo_config
     overrides = [f"model={model_dir}", f"grpo.num_generations={args.n}", f"grpo.max_new_tokens={args.max_new_tokens}",
                  "grpo.rewards=[rlhf:reward_len]", "grpo.clip_high=0.2", "data.num_heldout=0",
@@ -48,7 +57,7 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
                  f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.resume=false", "train.lr=1e-6",
                  "train.progress_bar=false", "train.plot=false", "train.save_every=0", "train.keep_last=1",
                  "engine.max_model_len=256", "train.precision=fp32",
-                 f"grpo.shared_prompt_forward={args.shared_prompt_forward}"]
+                 f"grpo.shared_prompt_forward={args.shared_prompt_forward}", *extra]
     cfg = load_grpo_config(None, overrides)
     run = build_run(cfg)
     run.train_records[:] = records  # the bench's prompts, not the generated task's
@@ -65,6 +74,51 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path) -> dict:
             "sync_s": statistics.median(r["time_sync_s"] for r in hist),
             "completion_tokens": statistics.median(r["completion_len"] for r in hist) * args.prompts * args.n,
             "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in hist), "total_s": total}
+
+
+def peak_memory() -> dict:
+    """This process's peak resident memory (VmHWM) and, on an accelerator, its peak allocated memory, in GiB."""
+    out = {"peak_rss_gib": float("nan"), "peak_device_gib": None}
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                out["peak_rss_gib"] = int(line.split()[1]) / 2 ** 20
+    from phalanx.device import device_module, is_accelerator, run_device
+    if is_accelerator(run_device()):
+        out["peak_device_gib"] = device_module().max_memory_allocated() / 2 ** 30
+    return out
+
+
+def memory_child(kind: str, model_dir: str, records: list[dict], args) -> None:
+    """One GRPO run (full or LoRA, KL to the reference on) in this process; prints its peaks as JSON."""
+    extra = [f"grpo.kl_coef={args.kl_coef}", *(LORA if kind == "lora" else [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        timing = run_phalanx(model_dir, records, args, Path(tmp) / kind, extra)
+    print("MEMORY " + json.dumps({"kind": kind, **peak_memory(), "step_s": timing["step_s"]}), flush=True)
+
+
+def compare_lora_memory(model_dir: str, args) -> dict:
+    """Full GRPO and LoRA GRPO, each in a fresh process (peaks do not mix), same prompts and lengths."""
+    import subprocess
+    peaks = {}
+    for kind in ("full", "lora"):
+        cmd = [sys.executable, __file__, "--memory-child", kind, "--model", model_dir, "--prompts", str(args.prompts),
+               "--n", str(args.n), "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps),
+               "--kl-coef", str(args.kl_coef)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("MEMORY ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"the {kind} GRPO run failed:\n{proc.stderr[-3000:]}")
+        peaks[kind] = json.loads(lines[-1][len("MEMORY "):])
+        print(f"{kind:4s}: peak RSS {peaks[kind]['peak_rss_gib']:.3f} GiB"
+              + (f", device peak {peaks[kind]['peak_device_gib']:.3f} GiB" if peaks[kind]["peak_device_gib"] else "")
+              + f", step {peaks[kind]['step_s']:.1f} s", flush=True)
+    ratio = {"rss": peaks["lora"]["peak_rss_gib"] / peaks["full"]["peak_rss_gib"]}
+    if peaks["full"]["peak_device_gib"]:
+        ratio["device"] = peaks["lora"]["peak_device_gib"] / peaks["full"]["peak_device_gib"]
+    print("LoRA / full peak memory: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    return {"full": peaks["full"], "lora": peaks["lora"], "lora_over_full": ratio}
 
 
 def profile_update(model_dir: str, records: list[dict], args, out: Path, repeats: int = 2) -> dict:
@@ -176,6 +230,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="no step timing: CPU time and top operators of one update, shared vs unshared forward")
     parser.add_argument("--shared-prompt-forward", default="true", choices=["true", "false"],
                         help="Phalanx's update holds each prompt once for its n samples (default) or n times")
+    parser.add_argument("--lora", action="store_true",
+                        help="peak memory of LoRA GRPO (r 8 on q/k/v/o, reference = adapter off) against full GRPO "
+                             "(reference = a frozen copy), each in its own process, KL on (--kl-coef)")
+    parser.add_argument("--kl-coef", type=float, default=0.05, help="with --lora: the KL term (builds the reference)")
+    parser.add_argument("--memory-child", choices=["full", "lora"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sys.modules.setdefault("rlhf", sys.modules[__name__])
 
@@ -188,6 +247,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {model_dir}; {args.prompts} prompts x {args.n} samples, {args.max_new_tokens} new tokens, "
           f"{args.steps} steps; torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()} "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, loadavg {' '.join(load)}")
+    if args.memory_child:
+        memory_child(args.memory_child, model_dir, records, args)
+        return
+    if args.lora:
+        result = compare_lora_memory(model_dir, args)
+        load_after = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
+        print(json.dumps({"bench": "rlhf_lora_memory", **result, "prompts": args.prompts, "n": args.n,
+                          "max_new_tokens": args.max_new_tokens, "kl_coef": args.kl_coef, "loadavg_before": load,
+                          "loadavg_after": load_after}))
+        return
     if args.profile_update:
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps({"bench": "rlhf_update_profile", **profile_update(model_dir, records, args, Path(tmp))}))

@@ -61,6 +61,9 @@ def read_rows(source: Any) -> Iterator[tuple[str, dict]]:
             yield f"record {i}", row
         return
     path = Path(source).expanduser()
+    if not path.exists() and HUB_DATASET.match(str(source)):
+        yield from _read_hub_dataset(str(source))
+        return
     if not path.exists():
         raise RecordError(f"data file {str(path)!r} does not exist; fix the path in the config "
                           "(a .jsonl/.json/.parquet file or a saved datasets directory)")
@@ -114,6 +117,32 @@ def _read_datasets_dir(path: Path) -> Iterator[tuple[str, dict]]:
         data, path = data["train"], path / "train"
     for i, row in enumerate(data):
         yield f"{path} row {i}", row
+
+
+HUB_DATASET = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<config>[\w.-]+))?(?:@(?P<split>.+))?$")
+
+
+def _read_hub_dataset(spec: str) -> Iterator[tuple[str, dict]]:
+    """Rows of a Hub dataset named `owner/name[:config][@split]` (split "train" unless named), read
+    with `datasets.load_dataset` from its snapshot in the local Hugging Face cache: nothing
+    downloads; a dataset not in the cache stops with the command that fetches it."""
+    from datasets import load_dataset
+
+    from phalanx.pretrained import hub_snapshot
+
+    m = HUB_DATASET.match(spec)
+    repo, config, split = m["repo"], m["config"], m["split"] or "train"
+    try:
+        root = hub_snapshot(repo, "dataset")
+    except FileNotFoundError as exc:
+        raise RecordError(f"data source {spec!r}: no local file of that name, and {exc}") from None
+    try:
+        data = load_dataset(str(root), config, split=split)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise RecordError(f"data source {spec!r} (cached at {root}): {exc}; name the config and split as "
+                          "owner/name:config@split, e.g. openai/gsm8k:main@test") from None
+    for i, row in enumerate(data):
+        yield f"{spec} row {i}", row
 
 
 # --- validating and normalising ---------------------------------------------------------------

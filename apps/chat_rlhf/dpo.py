@@ -27,6 +27,7 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.device import run_device, to_device
 from phalanx.train.config import TrainConfig
 
+from .adapters import DisabledAdapter, LoRASettings, bind_reference, lora_hooks, prepare
 from .data import PreferenceDataConfig, collate_completions, encode_completion, read_split
 from .frozen_trunk import FrozenTrunk, pad_rows, split_rows, trunk_for
 from .stats import wilson_interval
@@ -60,9 +61,15 @@ class DPOConfig:
     eval_batch_size: int = 8             # held-out pairs per forward
     train_layers: int = 0                # train only the top N blocks (+ final norm); 0: the whole model
     cache_frozen_trunk: bool = True      # with train_layers: compute the frozen blocks once, run only the top N per step
+    lora: LoRASettings = field(default_factory=LoRASettings)  # adapters only; reference = adapter off (adapters.py)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any plugin)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
+        self.lora.validate(self.train_layers)
+        if self.lora.enabled and self.reference:
+            raise ConfigError(f"reference={self.reference!r} with lora.enabled: a LoRA run's reference is its own base "
+                              "(the adapter switched off); leave reference empty or train without LoRA")
         if self.loss.type not in LOSS_TYPES:
             raise ConfigError(f"loss.type={self.loss.type!r}: choose one of {', '.join(LOSS_TYPES)}")
         if self.train.output_dir == TrainConfig.output_dir:
@@ -185,6 +192,7 @@ def make_loss_fn(cfg: LossConfig, reference=None, trunk: FrozenTrunk | None = No
     def loss_fn(model, batch):
         logps, lens = sequence_logps(model, batch, trunk)
         ref = batch.get("ref_logps")
+        bind_reference(reference, model)  # a LoRA run's reference: this very model with the adapter off
         if reference is not None:
             with torch.no_grad():
                 ref, _ = sequence_logps(reference, {k: v for k, v in batch.items() if k != "hidden"})
@@ -266,11 +274,13 @@ def train_preference(cfg: DPOConfig, log=print):
         if cfg.loss.reference == "cached":
             attach_reference(reference, train_ex, pad, cfg.eval_batch_size, capture)
             reference = None
+        elif reference is policy and cfg.lora.enabled:
+            reference = "adapter off"  # set below, once the adapters exist: the base itself, no copy
         elif reference is policy:
             reference = load_policy(ref_dir).to(run_device())  # a frozen copy: the policy is about to change
         if capture is not None:
             need_states = [ex for ex in need_states if ex is train_ex and cfg.loss.reference != "cached"]
-        if reference is not None:
+        if isinstance(reference, torch.nn.Module):
             reference.eval().requires_grad_(False)
     for examples in need_states:  # one extra no-grad pass over the policy
         attach_reference(policy, examples, pad, cfg.eval_batch_size, trunk, store_ref=False)
@@ -287,8 +297,12 @@ def train_preference(cfg: DPOConfig, log=print):
         before.update(eval_fn(policy, 0))
     log(f"held-out before training: " + ", ".join(f"{k}={v:.4g}" for k, v in before.items() if v is not None))
     train_top_layers(policy, cfg.train_layers)
+    policy = prepare(policy, cfg.lora, cfg.activation_checkpointing, cfg.train.seed)
+    if reference == "adapter off":
+        reference = DisabledAdapter(policy)
     result = fit(cfg.train, policy, train_ex, collate_fn=lambda ex: collate_examples(ex, pad),
-                 loss_fn=make_loss_fn(cfg.loss, reference, trunk), eval_fn=eval_fn, tokenizer=tokenizer)
+                 loss_fn=make_loss_fn(cfg.loss, reference, trunk), eval_fn=eval_fn, tokenizer=tokenizer,
+                 hooks=lora_hooks(cfg.lora, tokenizer))
     return result, before
 
 

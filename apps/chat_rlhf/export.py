@@ -16,7 +16,7 @@ a second copy of the model. A model that no plugin boosted is read from its stat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,12 @@ def policy_tensors(model: nn.Module, submodule: str = "") -> Iterator[tuple[str,
     state = boosted_state(model)
     pairs = state.plugin.iter_full_model_state(state.module) if state is not None else \
         ((k, v.detach().cpu()) for k, v in model.state_dict().items())
+    yield from inside(pairs, submodule)
+
+
+def inside(pairs: Iterable[tuple[str, torch.Tensor]], submodule: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The pairs of `submodule` (a single module name, e.g. `actor`), named inside it whatever
+    prefixes come before it; all of them when `submodule` is ""."""
     for name, tensor in pairs:
         if not submodule:
             yield name, tensor

@@ -20,7 +20,6 @@ the trainer's tp group, the ranks of one tp group are one data replica (same pro
 the same rollout), and every count is summed once per replica (`DataReplicas`).
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
@@ -34,12 +33,13 @@ from phalanx.device import run_device, to_device
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
+from .adapters import DisabledAdapter, LoRASettings, lora_hooks, prepare
 from .rewards import RewardSet
 from .rl_eval import heldout_scores, plot_rl_curves
 from .rl_logprobs import completion_logprobs
 from .rl_losses import overlong_shaping, tis_weights  # noqa: F401  (re-exported)
 from .rl_rollouts import (DataReplicas, DataSettings, EngineSettings, PromptIndices, build_engine,  # noqa: F401
-                          encode_prompts, load_prompt_sets, mini_batch_order, refill_prompts, rollout_prompts,
+                          encode_prompts, engine_dtype, load_prompt_sets, mini_batch_order, refill_prompts, rollout_prompts,
                           rollout_tp_size, sample_seed, seeded_rollouts)
 from .rl_step import ROLLOUT_METRICS, RLHook, RolloutLoss  # noqa: F401
 from .rollout import RolloutEngine, completion_batch, logprob_batch, padded
@@ -115,6 +115,8 @@ class GRPOConfig:
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     train_layers: int = 0             # train only the top N blocks (+ final norm); 0: the whole model
+    lora: LoRASettings = field(default_factory=LoRASettings)  # adapters only; reference = adapter off (adapters.py)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any plugin)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/chat_rlhf/grpo", lr=1e-6,
                                                                     micro_batch_size=4, precision="auto"))
 
@@ -123,6 +125,7 @@ def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GR
     cfg = load_config(GRPOConfig, path, overrides)
     cfg.grpo.validate()
     cfg.train.validate()
+    cfg.lora.validate(cfg.train_layers)
     s, t = cfg.grpo, cfg.train
     size = t.micro_batch_size * s.num_generations
     if s.steps_per_rollout > 1 and size % s.mini_batches:
@@ -304,7 +307,8 @@ class GRPORun:
             if self.heldout_records else None
         try:
             return fit(self.cfg.train, self.model, PromptIndices(len(self.train_records)), loss_fn=self.loss,
-                       eval_fn=eval_fn, tokenizer=self.tokenizer, hooks=[self.hook])
+                       eval_fn=eval_fn, tokenizer=self.tokenizer,
+                       hooks=[self.hook, *lora_hooks(self.cfg.lora, self.tokenizer)])
         finally:
             self.hook.close()
 
@@ -325,9 +329,13 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
         raise ValueError(f"no training prompts in {cfg.data.source!r}")
     train_ids, heldout_ids = encode_prompts(tokenizer, train_records), encode_prompts(tokenizer, heldout_records)
     engine = build_engine(model, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
-                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids})
+                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
+                          dtype=engine_dtype(cfg.train))
+    model = prepare(model, cfg.lora, cfg.activation_checkpointing, cfg.train.seed)  # after the engine: it holds the plain policy
     reference = None
-    if s.kl_coef > 0:
+    if s.kl_coef > 0 and cfg.lora.enabled:
+        reference = DisabledAdapter(model)  # the base itself, adapter off: no second copy
+    elif s.kl_coef > 0:
         import copy
         # a frozen copy of the starting policy, on the run's device: it scores the device batches of the step
         reference = copy.deepcopy(model).to(run_device()).eval().requires_grad_(False)

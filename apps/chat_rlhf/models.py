@@ -3,6 +3,8 @@
 A model path in a config may be:
 - ``""`` or ``"smollm2"``: SmolLM2-135M-Instruct, converted once by `phalanx.pretrained`;
 - a Hugging Face model directory (``config.json`` + weights);
+- a Hub id such as ``Qwen/Qwen2.5-0.5B-Instruct``, found in the local Hugging Face cache
+  (`phalanx.pretrained.hub_snapshot`; a missing one stops with the download command);
 - a training checkpoint (``<output_dir>/checkpoints/step_N``, whose ``policy/`` (PPO: the actor alone,
   `export.PolicyExport`) or else ``model/`` is such a directory), or a training ``output_dir``,
   meaning its latest complete checkpoint.
@@ -33,11 +35,24 @@ def resolve_model_dir(path: str | Path | None) -> Path:
     if path is None or str(path) in BASE_ALIASES:
         return base_model_dir()
     from phalanx.checkpoint.find import model_dir
+    from phalanx.pretrained import hub_snapshot, looks_like_hub_id
 
+    if looks_like_hub_id(str(path)):
+        try:
+            return hub_snapshot(str(path), required=("config.json",))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"model {str(path)!r}: no local directory of that name, and {exc}") from None
     try:
         return model_dir(path)
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{exc}; train that stage first or fix the path") from None
+        from .adapters import find_adapter
+        try:
+            adapter = find_adapter(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{exc}; train that stage first or fix the path") from None
+        raise FileNotFoundError(f"{path} is a LoRA run with an adapter ({adapter}) but no merged policy/: merge it "
+                                f"first with `python -m apps.chat_rlhf.adapters {path} --merge --out DIR` (or train "
+                                "with lora.merge=true) and give DIR") from None
 
 
 def from_pretrained(model_class, directory: str | Path, **kwargs):

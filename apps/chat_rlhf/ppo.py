@@ -65,8 +65,8 @@ from .rewards import RewardSet
 from .rl_eval import (HELDOUT_DIR, TRAINED_DIR, both_evals, describe, heldout_report, heldout_scores,  # noqa: F401
                       paired_comparison, plot_ppo, plot_rl_curves)
 from .rl_losses import explained_variance, prompt_centred, standardize_over_ranks  # noqa: F401  (re-exported)
-from .rl_rollouts import (DataReplicas, EngineSettings, PromptIndices, build_engine, mini_batch_order,
-                          rollout_prompts, rollout_tp_size, seeded_rollouts)
+from .rl_rollouts import (DataReplicas, EngineSettings, PromptIndices, build_engine, engine_dtype,
+                          mini_batch_order, rollout_prompts, rollout_tp_size, seeded_rollouts)
 from .rl_step import RolloutLoss
 from .rollout import completion_batch, completion_logprobs, padded
 
@@ -341,7 +341,8 @@ def build_ppo(cfg: PPOConfig):
     train_records, heldout_records, train_ids, heldout_ids = load_ppo_prompts(cfg.data, tokenizer,
                                                                               get_logger("apps.chat_rlhf"))
     engine = build_engine(actor, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
-                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids})
+                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
+                          dtype=engine_dtype(cfg.train))
     loss = PPOLoss(s, train_records, train_ids, rewards, seeded_rollouts(engine, train_ids, s.num_generations,
                                                                          cfg.train.seed),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,

@@ -178,15 +178,25 @@ def rollout_tp_size(train: TrainConfig) -> int:
     return tp
 
 
+def engine_dtype(train: TrainConfig) -> str:
+    """The engine's dtype: the trainer's compute dtype (`train.precision` resolved on the run's
+    device: bf16 under bf16 and fp8 training, fp16 under fp16, else fp32), so rollouts and the
+    trainer's forward round alike."""
+    from phalanx.amp.precision import resolve_precision
+    return str(resolve_precision(train.precision, run_device()).compute_dtype).removeprefix("torch.")
+
+
 def build_engine(policy: torch.nn.Module, tokenizer, sampling, e: EngineSettings, *, seed: int, tp_size: int,
-                 prompts: dict[str, Sequence[list[int]]]) -> RolloutEngine:
+                 prompts: dict[str, Sequence[list[int]]], dtype: str = "float32") -> RolloutEngine:
     """The colocated engine over the (not yet boosted) `policy`, GRPO's and PPO's alike: `sampling`
     has max_new_tokens, temperature, top_p and top_k (GRPOSettings, PPOSettings); `tp_size` from
-    `rollout_tp_size`. Every prompt set in `prompts` ({what: token ids}) is checked to fit first."""
+    `rollout_tp_size`; `dtype` from `engine_dtype`. Every prompt set in `prompts` ({what: token
+    ids}) is checked to fit first."""
     engine = RolloutEngine.build(policy, tokenizer, max_new_tokens=sampling.max_new_tokens,
                                  max_model_len=e.max_model_len, temperature=sampling.temperature,
                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=seed, max_num_seqs=e.max_num_seqs,
-                                 block_size=e.block_size, kv_cache_memory_gib=e.kv_cache_memory_gib, tp_size=tp_size)
+                                 block_size=e.block_size, kv_cache_memory_gib=e.kv_cache_memory_gib, tp_size=tp_size,
+                                 dtype=dtype)
     for what, ids in prompts.items():
         engine.check_prompts(ids, what)
     return engine

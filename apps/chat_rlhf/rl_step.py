@@ -122,8 +122,10 @@ class RLHook:
         self.history: list[dict] = []
 
     def bind(self, model) -> None:
+        from .adapters import bind_reference
         self.model = model
         self.loss.replicas.check_layout(model)
+        bind_reference(self.loss.reference, model)  # a LoRA run's reference: the boosted model, adapter off
         if self.engine is not None:
             self.engine.sync(model)
 

@@ -77,13 +77,14 @@ class RolloutEngine:
     def build(cls, model: torch.nn.Module, tokenizer, *, max_new_tokens: int, max_model_len: int,
               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
               max_num_seqs: int = 64, block_size: int = 16, kv_cache_memory_gib: float = 0.5,
-              tp_size: int = 1) -> "RolloutEngine":
-        """`model`: the full (not yet boosted) policy. `tp_size` > 1: the engine is split over groups of
-        tp_size consecutive ranks, as the training mesh's tp dimension is; the first `sync` after
-        boosting moves it onto the trainer's own tp group."""
+              tp_size: int = 1, dtype: str = "float32") -> "RolloutEngine":
+        """`model`: the full (not yet boosted, not yet LoRA-wrapped) policy. `tp_size` > 1: the engine
+        is split over groups of tp_size consecutive ranks, as the training mesh's tp dimension is; the
+        first `sync` after boosting moves it onto the trainer's own tp group. `dtype`: the trainer's
+        compute dtype (`engine_dtype`)."""
         llm = LLM.from_model(model, tokenizer, max_num_seqs=max_num_seqs, block_size=block_size,
                              max_model_len=max_model_len, kv_cache_memory_gib=kv_cache_memory_gib,
-                             dtype="float32", enable_prefix_caching=True, seed=seed, tp_size=tp_size)
+                             dtype=dtype, enable_prefix_caching=True, seed=seed, tp_size=tp_size)
         return cls(llm, max_new_tokens, temperature, top_p, top_k, seed)
 
     @property
@@ -173,12 +174,17 @@ class RolloutEngine:
         return source.gathered
 
 
-def _weights_of(model: torch.nn.Module, submodule: str = "") -> dict[str, torch.Tensor]:
+def _weights_of(model: torch.nn.Module, submodule: str = ""):
     """The state dict to read whole: the user's model under HybridParallelPlugin(tp_size=1) (its
     wrapper's names carry the plugin's module path), the boosted model's otherwise; only
-    `submodule`'s tensors, under their names inside it, when one is named."""
+    `submodule`'s tensors, under their names inside it, when one is named. A LoRA model gives its
+    merged weights, one tensor at a time."""
     from phalanx.booster.plugins.base import unwrap_model
     from phalanx.booster.state import boosted_state
+
+    from .adapters import is_lora, merged_engine_weights
+    if is_lora(model):  # W + scaling * B @ A per sync, into the engine's copy; the trainer's base stays as it is
+        return merged_engine_weights(model, submodule)
     state = boosted_state(model)
     weights = unwrap_model(model).state_dict() if getattr(state, "plan", None) is not None else model.state_dict()
     return submodule_weights(weights, submodule) if submodule else weights

@@ -20,6 +20,7 @@ import torch
 from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train.config import TrainConfig
 
+from .adapters import LoRASettings, lora_hooks, prepare
 from .data import load_records, split_heldout
 
 
@@ -43,11 +44,14 @@ class SFTConfig:
     model: str = ""                      # HF dir, checkpoint, output_dir, or "" for SmolLM2-135M-Instruct
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     eval_batch_size: int = 8
+    lora: LoRASettings = field(default_factory=LoRASettings)  # adapters only (adapters.py)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any plugin)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         if self.train.output_dir == TrainConfig.output_dir:
             self.train.output_dir = "runs/chat_rlhf/sft"
+        self.lora.validate()
 
 
 def load_sft_config(path, overrides=None) -> SFTConfig:
@@ -96,7 +100,9 @@ def sft(cfg: SFTConfig, log=print):
         before = eval_fn(model, 0)
         model.train()
         log(f"held-out assistant-token loss before: {before['loss']:.4f}")
-    return fit(cfg.train, model, train_rows, eval_fn=eval_fn, tokenizer=tokenizer), before
+    model = prepare(model, cfg.lora, cfg.activation_checkpointing, cfg.train.seed)
+    return fit(cfg.train, model, train_rows, eval_fn=eval_fn, tokenizer=tokenizer,
+               hooks=lora_hooks(cfg.lora, tokenizer)), before
 
 
 def main(argv: list[str] | None = None) -> None:

