@@ -37,12 +37,25 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _rank(frames: int, size: int, batch: int, steps: int, sp: bool, layers: int, heads: int) -> dict:
-    import torch.distributed as dist
-
+def bench_video_model(layers: int, heads: int):
+    """(the benches' tiny text-to-video model on this rank's device in train mode, its tokenizer)."""
     from apps.video_gen.config import FlowConfig, ModelConfig
     from apps.video_gen.model import VideoFlowModel, build_transformer
     from apps.video_gen.text import build_text_encoder, build_tokenizer, tokenize
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    tok = build_tokenizer(["a red square moving left"], 8)
+    mcfg = ModelConfig(num_layers=layers, num_heads=heads, head_dim=32, ffn_dim=4 * heads * 32, text_hidden_size=64)
+    model = VideoFlowModel(build_transformer(mcfg, 3, 64), build_text_encoder(tok, 64, 1, 2),
+                           tokenize(tok, [""])[0], tok.pad_token_id, FlowConfig()).to(device).train()
+    return model, tok
+
+
+def _rank(frames: int, size: int, batch: int, steps: int, sp: bool, layers: int, heads: int) -> dict:
+    import torch.distributed as dist
+
+    from apps.video_gen.text import tokenize
 
     # Every all-to-all (forward and backward) goes through comm._all_to_all: time it there.
     import phalanx.sequence.comm as comm
@@ -57,12 +70,8 @@ def _rank(frames: int, size: int, batch: int, steps: int, sp: bool, layers: int,
         return out
 
     comm._all_to_all = timed_all_to_all
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    tok = build_tokenizer(["a red square moving left"], 8)
-    mcfg = ModelConfig(num_layers=layers, num_heads=heads, head_dim=32, ffn_dim=4 * heads * 32, text_hidden_size=64)
-    model = VideoFlowModel(build_transformer(mcfg, 3, 64), build_text_encoder(tok, 64, 1, 2),
-                           tokenize(tok, [""])[0], tok.pad_token_id, FlowConfig()).to(device).train()
+    model, tok = bench_video_model(layers, heads)
+    device = next(model.parameters()).device
     if sp:
         model.sp_group = dist.group.WORLD
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

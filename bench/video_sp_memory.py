@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from video import bench_video_model  # noqa: E402  (bench/video.py: the same tiny model)
 
 
 def _rank(frames: int, size: int, layers: int, heads: int, checkpointing: bool) -> dict:
@@ -35,17 +37,11 @@ def _rank(frames: int, size: int, layers: int, heads: int, checkpointing: bool) 
     from phalanx.malloc import follow_live_memory
     from phalanx.observe.memory import current_memory_bytes, peak_memory_bytes, release_free_memory, reset_peak_memory
 
-    from apps.video_gen.config import FlowConfig, ModelConfig
-    from apps.video_gen.model import VideoFlowModel, build_transformer
-    from apps.video_gen.text import build_text_encoder, build_tokenizer, tokenize
+    from apps.video_gen.text import tokenize
 
     follow_live_memory()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    tok = build_tokenizer(["a red square moving left"], 8)
-    mcfg = ModelConfig(num_layers=layers, num_heads=heads, head_dim=32, ffn_dim=4 * heads * 32, text_hidden_size=64)
-    model = VideoFlowModel(build_transformer(mcfg, 3, 64), build_text_encoder(tok, 64, 1, 2),
-                           tokenize(tok, [""])[0], tok.pad_token_id, FlowConfig()).to(device).train()
+    model, tok = bench_video_model(layers, heads)
+    device = next(model.parameters()).device
     if checkpointing:
         model.transformer.enable_gradient_checkpointing()
     sp = dist.get_world_size()

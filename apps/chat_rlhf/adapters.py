@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.booster.lora import LoRASection, with_lora
 from phalanx.config import ConfigError
 
 from .export import POLICY_DIR, PolicyExport, inside
@@ -37,25 +38,12 @@ ADAPTER_DIR, MERGED_DIR = "adapter", POLICY_DIR  # inside every checkpoint of a 
 
 
 @dataclass
-class LoRASettings:
-    """LoRA adapters instead of full fine-tuning (the LLaMA recipe's `lora:` fields, docs/lora.md)."""
-
-    enabled: bool = False
-    rank: int = 8  # r: the adapters' inner dimension
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    merge: bool = False  # also write the merged model as policy/ in every checkpoint
+class LoRASettings(LoRASection):
+    """LoRA adapters instead of full fine-tuning (the LLaMA recipe's `lora:` fields, docs/lora.md);
+    `merge` also writes the merged model as policy/ in every checkpoint."""
 
     def validate(self, train_layers: int = 0) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank}")
-        if not self.alpha > 0:
-            raise ConfigError(f"lora.alpha must be positive, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.enabled and not self.target_modules:
-            raise ConfigError("lora.target_modules is empty: name the linear layers to adapt, e.g. [q_proj, v_proj]")
+        super().validate()
         if self.enabled and train_layers:
             raise ConfigError(f"lora.enabled with train_layers={train_layers}: LoRA already trains the adapters alone "
                               "(the base is frozen); set train_layers=0")
@@ -64,18 +52,6 @@ class LoRASettings:
 def is_lora(model: Any) -> bool:
     from phalanx.booster.lora import is_lora_model
     return is_lora_model(model)
-
-
-def with_lora(model: nn.Module, lora: LoRASettings) -> nn.Module:
-    """`model` with the `lora:` section's adapters (a `peft.PeftModel` whose base is frozen), or
-    `model` itself when LoRA is off. A collective with several ranks (rank 0's initial adapters)."""
-    if not lora.enabled:
-        return model
-    from phalanx.booster.lora import enable_lora, import_peft
-
-    peft = import_peft()
-    return enable_lora(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                              target_modules=list(lora.target_modules)))
 
 
 def activation_checkpointing(model: nn.Module, enabled: bool) -> None:

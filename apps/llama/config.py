@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from phalanx.booster.lora import LoRASection
 from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train.config import TrainConfig
 
@@ -118,30 +119,13 @@ class GenerateConfig:
 
 
 @dataclass
-class LoRAConfig:
+class LoRAConfig(LoRASection):
     """LoRA (low-rank adapters, PEFT underneath) for pretrain and sft: the base model is frozen and
     only the adapters train, in the optimizer and in the plugin's shards. At the end the adapter is
     written in PEFT's format to `<output_dir>/adapter` (`peft.PeftModel.from_pretrained(base, dir)`
     opens it) and, with `merge`, the base model with the adapter merged in to `<output_dir>/merged`
     (a plain HF directory: point `sft_init` or `generate` at it). Plugins: ddp, zero1, zero2, fsdp,
-    gemini, hybrid with zero only (docs/lora.md)."""
-
-    enabled: bool = False
-    rank: int = 8  # r: the adapters' inner dimension
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    merge: bool = False  # also write <output_dir>/merged
-
-    def validate(self) -> None:
-        if self.rank < 1:
-            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank}")
-        if not self.alpha > 0:
-            raise ConfigError(f"lora.alpha must be positive, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.enabled and not self.target_modules:
-            raise ConfigError("lora.target_modules is empty: name the linear layers to adapt, e.g. [q_proj, v_proj]")
+    gemini, hybrid (docs/lora.md)."""
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from phalanx.booster.lora import with_lora
+
 from .config import EvalConfig, LoRAConfig, RecipeConfig, parse_args
 from .evaluate import Chunk, bits_per_char, flat_metrics, load_heldout_chunks
 from .rows import TokenRows
@@ -50,18 +52,6 @@ def load_model(model_dir: Path, plugin: str | None = None):
         from phalanx import lazy
         return lazy.from_pretrained(model_dir)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-
-
-def with_lora(model, lora: LoRAConfig):
-    """`model` with the `lora:` section's adapters (a `peft.PeftModel` whose base is frozen: only the
-    adapters train, under any plugin), or `model` itself when LoRA is off."""
-    if not lora.enabled:
-        return model
-    from phalanx.booster.lora import enable_lora, import_peft
-
-    peft = import_peft()
-    return enable_lora(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                              target_modules=list(lora.target_modules)))
 
 
 def export_lora(model, lora: LoRAConfig, result, output_dir: Path, tokenizer=None) -> None:

@@ -22,6 +22,7 @@ when LoRA is used.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -30,6 +31,42 @@ from torch import nn
 
 from phalanx.booster.plugins.base import Plugin, unwrap_model
 from phalanx.booster.wrappers import ModelWrapper
+
+@dataclass
+class LoRASection:
+    """The `lora:` section of a recipe config (the LLaMA and RLHF recipes'): adapters instead of
+    full fine-tuning, the base frozen. `with_lora(model, section)` applies it."""
+
+    enabled: bool = False
+    rank: int = 8  # r: the adapters' inner dimension
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    merge: bool = False  # also write the merged model (where: the recipe says)
+
+    def validate(self) -> None:
+        from phalanx.config import ConfigError
+
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank must be a positive integer, got {self.rank}")
+        if not self.alpha > 0:
+            raise ConfigError(f"lora.alpha must be positive, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.enabled and not self.target_modules:
+            raise ConfigError("lora.target_modules is empty: name the linear layers to adapt, e.g. [q_proj, v_proj]")
+
+
+def with_lora(model: nn.Module, lora: LoRASection) -> nn.Module:
+    """`model` with the section's adapters (a `peft.PeftModel` whose base is frozen: only the
+    adapters train, under any plugin), or `model` itself when LoRA is off. A collective with
+    several ranks (every rank starts from rank 0's initial adapters)."""
+    if not lora.enabled:
+        return model
+    peft = import_peft()
+    return enable_lora(model, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                              target_modules=list(lora.target_modules)))
+
 
 PEFT_PREFIX = "base_model.model."  # what a PeftModel's state-dict keys carry before the base model's names
 BASE_LAYER, LORA_A, LORA_B = ".base_layer.", ".lora_A.", ".lora_B."
