@@ -99,8 +99,12 @@ class DisabledAdapter:
 
 
 def bind_reference(reference: Any, model: nn.Module) -> None:
-    """Point a `DisabledAdapter` reference at the boosted model (nothing for a separate reference)."""
-    if isinstance(reference, DisabledAdapter):
+    """Point a `DisabledAdapter` reference at the boosted model when that model is the reference's
+    own (GRPO, DPO); nothing for a separate reference, or for PPO, whose reference is the actor
+    inside the boosted actor-critic (it calls the actor itself)."""
+    from phalanx.booster.plugins.base import unwrap_model
+
+    if isinstance(reference, DisabledAdapter) and unwrap_model(model) is reference.module:
         reference.bind(model)
 
 
@@ -108,17 +112,67 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2's DTensors, one at a time
 
 
+def lora_part(model: nn.Module, submodule: str = "") -> nn.Module | None:
+    """The LoRA (peft) model that is `model` itself (boosted or not) or, with `submodule`, that
+    submodule of it (PPO's `actor` inside the actor-critic); None when it has no adapters."""
+    from phalanx.booster.plugins.base import unwrap_model
+
+    inner = unwrap_model(model)
+    if is_lora(inner):
+        return inner
+    part = inner.get_submodule(submodule) if submodule else None
+    return part if part is not None and is_lora(part) else None
+
+
 def merged_engine_weights(model: nn.Module, submodule: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(base name, tensor) of the LoRA `model` (boosted or not) with the adapter merged into each
-    adapted weight (W + scaling·B·A, `phalanx.booster.lora.merged_pairs`: new tensors, the base is
-    not touched), one tensor at a time, for `LLM.load_weights`. Under FSDP2 a collective (each
-    DTensor is gathered as it comes). `submodule`: only that module's tensors, named inside it."""
+    """(base name, tensor) of the LoRA `model` (boosted or not) — or of its LoRA `submodule`, named
+    inside it — with the adapter merged into each adapted weight (W + scaling·B·A,
+    `phalanx.booster.lora.merged_pairs`: new tensors, the base is not touched), one tensor at a
+    time, for `LLM.load_weights`. Under FSDP2 a collective (each DTensor is gathered as it comes)."""
     from phalanx.booster.lora import merged_pairs
     from phalanx.booster.plugins.base import unwrap_model
 
-    peft_model = unwrap_model(model)
-    pairs = ((name, _full(t.detach())) for name, t in peft_model.state_dict().items())
-    yield from inside(merged_pairs(peft_model, pairs), submodule)
+    whole = unwrap_model(model)
+    pairs = ((name, _full(t.detach())) for name, t in whole.state_dict().items())
+    if is_lora(whole):
+        yield from inside(merged_pairs(whole, pairs), submodule)
+    else:  # the adapters are on the submodule: its tensors, named inside it, merged by it
+        yield from merged_pairs(whole.get_submodule(submodule), inside(pairs, submodule))
+
+
+class SubmoduleLoRAExport(PolicyExport):
+    """fit hook of a run whose policy is a LoRA `submodule` of the trained model (PPO's actor inside
+    its actor-critic): `adapter/` (the policy's adapter in PEFT's format, with the tokenizer) or, with
+    `merge=True`, `policy/` (the merged policy, a plain Hugging Face directory). Collective: every
+    rank walks the plugin's gather; rank 0 writes."""
+
+    def __init__(self, policy: nn.Module, tokenizer: Any, submodule: str, merge: bool = False) -> None:
+        super().__init__(policy, tokenizer, submodule)
+        self.merge = merge
+        self.name = MERGED_DIR if merge else ADAPTER_DIR
+
+    def save(self, directory: Path) -> None:
+        from phalanx.booster.lora import adapter_state_names, merged_pairs, write_adapter
+        from phalanx.checkpoint.hf import save_hf_model
+
+        from .export import policy_tensors
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        pairs = policy_tensors(self.model, self.submodule)  # the policy's full tensors, under its peft names
+        try:
+            if self.merge:
+                if writer:
+                    save_hf_model(self.policy.get_base_model(), merged_pairs(self.policy, pairs), Path(directory),
+                                  tokenizer=self.tokenizer)
+            else:
+                keep = adapter_state_names(self.policy)
+                state = {name: t for name, t in pairs if name in keep or "lora_" in name}
+                if writer:
+                    write_adapter(self.policy, state, directory)
+                    if self.tokenizer is not None:
+                        self.tokenizer.save_pretrained(str(directory))
+        finally:
+            for _ in pairs:  # the other ranks are inside the gather until every tensor is walked
+                pass
 
 
 class LoRAExport(PolicyExport):

@@ -319,6 +319,9 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     from phalanx.launch import context
     context()
     tp_size = rollout_tp_size(cfg.train)
+    if cfg.lora.enabled and tp_size > 1:
+        from .rollout import LORA_TP_SYNC
+        raise ConfigError(LORA_TP_SYNC)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     model = model if model is not None else load_policy(cfg.model)
     train_top_layers(model, cfg.train_layers)

@@ -54,6 +54,7 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
+from .adapters import DisabledAdapter, LoRASettings, SubmoduleLoRAExport, prepare
 from .export import PolicyExport
 from .ppo_buffer import (HIDDEN_KEYS, PER_TOKEN_KEYS, TOKEN_KEYS, PPODataSettings, RolloutBuffer,  # noqa: F401
                          column_window, load_ppo_prompts, trim_columns)
@@ -141,6 +142,7 @@ class PPOConfig:
     data: PPODataSettings = field(default_factory=lambda: PPODataSettings(source="arithmetic"))
     ppo: PPOSettings = field(default_factory=PPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    lora: LoRASettings = field(default_factory=LoRASettings)  # adapters on actor and critic; reference = actor's off
     eval_before: bool = False         # score the held-out prompts once before training (a fresh run only)
     eval_trained_prompts: bool = False  # every evaluation also scores greedy answers to the training prompts this
                                         # run's rollouts use (`trained/step_N.jsonl`): does the policy learn what
@@ -153,6 +155,11 @@ def load_ppo_config(path: str | None, overrides: list[str] | None = None) -> PPO
     cfg = load_config(PPOConfig, path, overrides)
     cfg.ppo.validate()
     cfg.train.validate()
+    cfg.lora.validate(cfg.ppo.train_layers)
+    if cfg.lora.enabled and cfg.train.plugin in ("fsdp", "gemini"):
+        raise ConfigError(f"PPO with lora.enabled runs under ddp, zero1, zero2 or hybrid, not train.plugin="
+                          f"{cfg.train.plugin!r}: the reference is the actor called with its adapter off, outside the "
+                          "actor-critic's forward, which a plugin that shards the actor inside it does not gather")
     check_rollout_split(cfg)
     return cfg
 
@@ -323,10 +330,15 @@ def build_ppo(cfg: PPOConfig):
     tp_size = rollout_tp_size(cfg.train)  # refuses pp / sp layouts
     check_rollout_split(cfg)
     s, e = cfg.ppo, cfg.engine
+    if cfg.lora.enabled and tp_size > 1:
+        from .rollout import LORA_TP_SYNC
+        raise ConfigError(LORA_TP_SYNC)
     tokenizer = load_tokenizer(cfg.model)
     actor = load_policy(cfg.model)
-    # a frozen copy of the starting actor, on the run's device: it scores the rollout's device batches
-    reference = copy.deepcopy(actor).to(run_device()).eval().requires_grad_(False)
+    reference = None
+    if not cfg.lora.enabled:
+        # a frozen copy of the starting actor, on the run's device: it scores the rollout's device batches
+        reference = copy.deepcopy(actor).to(run_device()).eval().requires_grad_(False)
     critic, value_head = critic_start(cfg, actor, tokenizer)
     train_top_layers(actor, s.train_layers)  # the frozen bottom needs no gradients or optimizer state
     train_top_layers(critic, s.train_layers)
@@ -334,8 +346,6 @@ def build_ppo(cfg: PPOConfig):
     if value_head is not None:
         with torch.no_grad():
             model.value_head.weight.copy_(value_head)
-    if cfg.train.plugin == "hybrid":  # the actor splits over the tp group; critic and value head stay whole
-        model.split_actor_only()
     rewards = RewardSet.from_specs(s.rewards, s.reward_weights)
     from phalanx.observe import get_logger
     train_records, heldout_records, train_ids, heldout_ids = load_ppo_prompts(cfg.data, tokenizer,
@@ -343,6 +353,12 @@ def build_ppo(cfg: PPOConfig):
     engine = build_engine(actor, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
                           prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
                           dtype=engine_dtype(cfg.train))
+    if cfg.lora.enabled:  # after the engine (peft adapts the modules in place): adapters on actor and critic;
+        model.actor = prepare(model.actor, cfg.lora, False, cfg.train.seed)  # the reference is the actor
+        model.critic = prepare(model.critic, cfg.lora, False, cfg.train.seed + 1)  # with its adapter off
+        reference = DisabledAdapter(model.actor)
+    if cfg.train.plugin == "hybrid":  # the actor splits over the tp group; critic and value head stay whole
+        model.split_actor_only()
     loss = PPOLoss(s, train_records, train_ids, rewards, seeded_rollouts(engine, train_ids, s.num_generations,
                                                                          cfg.train.seed),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,
@@ -370,10 +386,16 @@ def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
         hook.heldout_before = eval_fn(None, 0)  # the engine still holds the initial actor
         hook.log.info("before training: " + ", ".join(f"{k}={v:.4g}" for k, v in hook.heldout_before.items()))
     try:
-        # every checkpoint also gets policy/: the actor alone, a plain Hugging Face model directory
-        export = PolicyExport(model.actor, tokenizer, submodule="actor")
+        # every checkpoint also gets policy/: the actor alone, a plain Hugging Face model directory (with
+        # LoRA: adapter/, the actor's adapter in PEFT's format, and with lora.merge policy/, merged)
+        if cfg.lora.enabled:
+            exports = [SubmoduleLoRAExport(model.actor, tokenizer, "actor")]
+            if cfg.lora.merge:
+                exports.append(SubmoduleLoRAExport(model.actor, tokenizer, "actor", merge=True))
+        else:
+            exports = [PolicyExport(model.actor, tokenizer, submodule="actor")]
         result = fit(cfg.train, model, PromptIndices(len(records)), loss_fn=loss, eval_fn=eval_fn,
-                     tokenizer=tokenizer, hooks=[hook, export])
+                     tokenizer=tokenizer, hooks=[hook, *exports])
     finally:
         hook.close()
     return result, hook

@@ -64,19 +64,12 @@ def actor_critic_policy(actor: nn.Module):
     them whole, on the same batch, so their gradients agree without communication)."""
     from dataclasses import replace as replace_fields
 
-    from phalanx.shard.policy import policy_for
+    from phalanx.shard.lora_tp import peft_root_prefix
+    from phalanx.shard.policy import policy_for, rooted_policy
 
-    base = policy_for(actor)
-
-    def under(path):
-        return f"actor.{path}" if path else path
-    return replace_fields(base, family=f"{base.family} actor-critic",
-                          model_types=(f"{actor.config.model_type}-actor-critic",), layers=under(base.layers),
-                          embedding=under(base.embedding), final_norm=under(base.final_norm), head=under(base.head),
-                          position_embeddings=tuple(map(under, base.position_embeddings)),
-                          input_extras=tuple(map(under, base.input_extras)),
-                          output_extras=tuple(map(under, base.output_extras)))
-
+    base = policy_for(actor)  # a LoRA actor keeps its Hugging Face model one level further down
+    return replace_fields(rooted_policy(base, "actor." + peft_root_prefix(actor)), family=f"{base.family} actor-critic",
+                          model_types=(f"{actor.config.model_type}-actor-critic",))
 
 
 def critic_start(cfg: PPOConfig, actor: nn.Module, tokenizer) -> tuple[nn.Module, torch.Tensor | None]:

@@ -145,6 +145,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with torch.no_grad():
             plan = tensor_parallel_plan(model)
+            if plan is not None and plan.size > 1:
+                from .adapters import lora_part
+                if lora_part(model, submodule) is not None:
+                    raise NotImplementedError(LORA_TP_SYNC)
             if plan is not None:
                 self.load_tp_shards(model, plan, submodule)
             else:
@@ -174,6 +178,10 @@ class RolloutEngine:
         return source.gathered
 
 
+LORA_TP_SYNC = ("LoRA with a tensor-parallel trainer (tp_size > 1): the engine's shard-to-shard weight sync does "
+                "not merge adapters yet; train LoRA with tp_size=1 (ddp, zero1/2, or hybrid with data parallelism)")
+
+
 def _weights_of(model: torch.nn.Module, submodule: str = ""):
     """The state dict to read whole: the user's model under HybridParallelPlugin(tp_size=1) (its
     wrapper's names carry the plugin's module path), the boosted model's otherwise; only
@@ -182,9 +190,9 @@ def _weights_of(model: torch.nn.Module, submodule: str = ""):
     from phalanx.booster.plugins.base import unwrap_model
     from phalanx.booster.state import boosted_state
 
-    from .adapters import is_lora, merged_engine_weights
-    if is_lora(model):  # W + scaling * B @ A per sync, into the engine's copy; the trainer's base stays as it is
-        return merged_engine_weights(model, submodule)
+    from .adapters import lora_part, merged_engine_weights
+    if lora_part(model, submodule) is not None:  # W + scaling * B @ A per sync, into the engine's copy; the
+        return merged_engine_weights(model, submodule)  # trainer's base stays as it is
     state = boosted_state(model)
     weights = unwrap_model(model).state_dict() if getattr(state, "plan", None) is not None else model.state_dict()
     return submodule_weights(weights, submodule) if submodule else weights

@@ -49,3 +49,21 @@ def test_lora_grpo_one_rank(tiny_model, tmp_path):  # 7 s on 2 quiet cores (270-
     changed = [n for n, p in merged.state_dict().items() if not torch.equal(p, base_state[n].to(p.dtype))]
     assert changed and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
                            for n in changed), changed  # only the adapted layers differ from the base
+
+
+def test_lora_ppo_one_rank(tiny_model, tmp_path):
+    """LoRA PPO on the device path: the actor's merged weights to the engine, the reference that is the
+    actor with its adapter off, the critic's adapters and the actor's exports."""
+    out = tmp_path / "ppo_lora"
+    log = run_module_emulated(
+        "apps.chat_rlhf.ppo", "--config", "apps/chat_rlhf/configs/ppo.yaml", f"model={tiny_model}", "critic=policy",
+        f"train.output_dir={out}", "data.num_train=8", "data.num_heldout=0", "ppo.num_generations=2",
+        "ppo.max_new_tokens=4", f"ppo.rewards=[{SHORT_REWARD}]", "ppo.train_layers=0", "ppo.cache_frozen_trunk=false",
+        "ppo.ppo_epochs=1", "ppo.num_mini_batches=1", "train.micro_batch_size=2", "train.max_steps=2",
+        "train.lr=5e-2", "engine.max_model_len=256", "engine.max_num_seqs=4", "engine.kv_cache_memory_gib=0.02",
+        "train.progress_bar=false", "train.plot=false", "lora.enabled=true", "lora.merge=true")
+    assert "device cuda:0 (emulated)" in log
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and all(r["logprob_gap"] < 1e-2 for r in rollouts)  # the engine sampled from the merged actor
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and (ckpt / "policy" / "config.json").is_file()

@@ -349,3 +349,57 @@ def test_lora_grpo_update_on_two_ranks_matches_one_process(request, sharp_model,
     one, many = torch.tensor(one), torch.tensor(many)
     assert (one - start).abs().max() > 1e-3  # the adapters moved
     assert_update_close(many, one, start, 1e-5, f"LoRA GRPO, {plugin} on 2 ranks vs one process")
+
+
+
+def test_lora_ppo_trains_adapters_with_the_actor_off_adapter_as_reference(sharp_model, tmp_path):
+    """PPO with `lora:`: adapters on actor and critic, the KL reference is the actor with its adapter
+    off (no copy), the base comes back bit for bit, the engine samples from the merged actor every
+    rollout, and adapter/ (peft) and policy/ (merged, transformers) give the trained actor's logits."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from apps.chat_rlhf.adapters import DisabledAdapter
+    from apps.chat_rlhf.models import load_policy
+    from apps.chat_rlhf.ppo import load_ppo_config, train_ppo
+
+    out = tmp_path / "ppo"
+    cfg = load_ppo_config(None, [f"model={sharp_model}", f"train.output_dir={out}", "critic=policy",
+                                 "ppo.num_generations=4", "ppo.max_new_tokens=8", "ppo.rewards=[test_rlhf_lora:e_share]",
+                                 "ppo.ppo_epochs=2", "ppo.num_mini_batches=2", "data.num_train=16", "data.num_heldout=0",
+                                 "train.micro_batch_size=2", "train.min_lr_ratio=1.0", "engine.max_model_len=96",
+                                 "train.progress_bar=false", "train.plot=false", "train.max_steps=8", "train.lr=2e-2",
+                                 "lora.merge=true", *LORA])
+    result, hook = train_ppo(cfg)
+    reference = hook.loss.reference
+    assert isinstance(reference, DisabledAdapter)
+    actor = reference.module  # the trained actor (a peft model); the reference is it with the adapter off
+    trained = {n for n, p in hook.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or "value_head." in n for n in trained), sorted(trained)[:4]
+    base = load_policy(sharp_model)
+    base_state = base.state_dict()
+    for name, param in actor.get_base_model().named_parameters():  # the frozen base, bit for bit
+        if "lora_" not in name:
+            assert torch.equal(param.detach().cpu(), base_state[name.replace(".base_layer", "")]), name
+    rollouts = [r for r in hook.history if "logprob_gap" in r]
+    assert rollouts and all(r["logprob_gap"] < 1e-4 for r in rollouts)  # the engine sampled from W + BA
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        trained_logits = actor(input_ids=ids).logits
+        with actor.disable_adapter():
+            assert torch.equal(actor(input_ids=ids).logits, _logits(base, ids))  # the reference is the base
+    assert not torch.allclose(trained_logits, _logits(base, ids))  # and the adapters moved the policy
+    last_ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    with_adapter = peft.PeftModel.from_pretrained(load_policy(sharp_model), str(last_ckpt / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(last_ckpt / "policy"))
+    torch.testing.assert_close(_logits(with_adapter, ids), trained_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_logits(merged, ids), trained_logits, rtol=0, atol=1e-5)
+
+
+def test_lora_ppo_refuses_plugins_that_shard_the_actor(sharp_model, tmp_path):
+    from apps.chat_rlhf.ppo import load_ppo_config
+    from phalanx.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ddp, zero1, zero2 or hybrid"):
+        load_ppo_config(None, [f"model={sharp_model}", "train.plugin=fsdp", *LORA])
