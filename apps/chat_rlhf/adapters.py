@@ -49,6 +49,16 @@ class LoRASettings(LoRASection):
                               "(the base is frozen); set train_layers=0")
 
 
+def check_lora_layout(lora: LoRASettings, train: Any) -> None:
+    """Refuse, at config time, LoRA with a tensor-parallel trainer: the rollout engine follows such a
+    trainer by shard-to-shard copies, which do not merge adapters."""
+    from .rl_rollouts import rollout_tp_size
+    from .rollout import LORA_TP_SYNC
+
+    if lora.enabled and rollout_tp_size(train) > 1:
+        raise ConfigError(LORA_TP_SYNC)
+
+
 def is_lora(model: Any) -> bool:
     from phalanx.booster.lora import is_lora_model
     return is_lora_model(model)

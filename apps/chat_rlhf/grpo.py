@@ -33,7 +33,7 @@ from phalanx.device import run_device, to_device
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
-from .adapters import DisabledAdapter, LoRASettings, lora_hooks, prepare
+from .adapters import DisabledAdapter, LoRASettings, check_lora_layout, lora_hooks, prepare
 from .rewards import RewardSet
 from .rl_eval import heldout_scores, plot_rl_curves
 from .rl_logprobs import completion_logprobs
@@ -126,6 +126,7 @@ def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GR
     cfg.grpo.validate()
     cfg.train.validate()
     cfg.lora.validate(cfg.train_layers)
+    check_lora_layout(cfg.lora, cfg.train)
     s, t = cfg.grpo, cfg.train
     size = t.micro_batch_size * s.num_generations
     if s.steps_per_rollout > 1 and size % s.mini_batches:
@@ -319,9 +320,6 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     from phalanx.launch import context
     context()
     tp_size = rollout_tp_size(cfg.train)
-    if cfg.lora.enabled and tp_size > 1:
-        from .rollout import LORA_TP_SYNC
-        raise ConfigError(LORA_TP_SYNC)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
     model = model if model is not None else load_policy(cfg.model)
     train_top_layers(model, cfg.train_layers)

@@ -54,7 +54,7 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
-from .adapters import DisabledAdapter, LoRASettings, SubmoduleLoRAExport, prepare
+from .adapters import DisabledAdapter, LoRASettings, SubmoduleLoRAExport, check_lora_layout, prepare
 from .export import PolicyExport
 from .ppo_buffer import (HIDDEN_KEYS, PER_TOKEN_KEYS, TOKEN_KEYS, PPODataSettings, RolloutBuffer,  # noqa: F401
                          column_window, load_ppo_prompts, trim_columns)
@@ -156,6 +156,7 @@ def load_ppo_config(path: str | None, overrides: list[str] | None = None) -> PPO
     cfg.ppo.validate()
     cfg.train.validate()
     cfg.lora.validate(cfg.ppo.train_layers)
+    check_lora_layout(cfg.lora, cfg.train)
     if cfg.lora.enabled and cfg.train.plugin in ("fsdp", "gemini"):
         raise ConfigError(f"PPO with lora.enabled runs under ddp, zero1, zero2 or hybrid, not train.plugin="
                           f"{cfg.train.plugin!r}: the reference is the actor called with its adapter off, outside the "
@@ -330,9 +331,6 @@ def build_ppo(cfg: PPOConfig):
     tp_size = rollout_tp_size(cfg.train)  # refuses pp / sp layouts
     check_rollout_split(cfg)
     s, e = cfg.ppo, cfg.engine
-    if cfg.lora.enabled and tp_size > 1:
-        from .rollout import LORA_TP_SYNC
-        raise ConfigError(LORA_TP_SYNC)
     tokenizer = load_tokenizer(cfg.model)
     actor = load_policy(cfg.model)
     reference = None
