@@ -206,6 +206,20 @@ class MasterWeights:
         return {n: m.detach().clone() for n, m in self.masters.items()}
 
 
+def boosted_step(booster, model, optimizer, ids: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of a boosted causal LM on this rank's token ids (their own labels):
+    through the pipeline schedule under pp_size > 1, else forward + `booster.backward`. Returns
+    this rank's loss (the batch's, on every pipeline rank)."""
+    if getattr(booster.plugin, "pp_size", 1) > 1:
+        loss = booster.execute_pipeline(iter([{"input_ids": ids, "labels": ids}]), model, optimizer=optimizer)["loss"]
+    else:
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, optimizer)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def left_padded(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token-id prompts left-padded to one width: how Hugging Face
     `generate` takes a batch (the baseline of the inference tests and bench/inference.py)."""

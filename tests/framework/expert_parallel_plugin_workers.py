@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import moe_models
 from phalanx.device import run_device, to_device
-from phalanx.testing import rel_diff, update_diff
+from phalanx.testing import boosted_step, rel_diff, update_diff
 
 SMALL = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
              router_aux_loss_coef=0.5)  # large coefficients: the router losses' gradients must be right too
@@ -77,14 +77,8 @@ def _train(booster, plugin, model, optimizer, data) -> tuple[list[float], list[f
     per = ROWS // plugin.dp_size
     losses, norms = [], []
     for batch in data:
-        mine = to_device(batch[plugin.dp_rank * per:(plugin.dp_rank + 1) * per], run_device())
-        if plugin.pp_size > 1:
-            loss = booster.execute_pipeline(iter([{"input_ids": mine, "labels": mine}]), model, optimizer=optimizer)["loss"]
-        else:
-            loss = model(input_ids=mine, labels=mine).loss
-            booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = boosted_step(booster, model, optimizer,
+                            to_device(batch[plugin.dp_rank * per:(plugin.dp_rank + 1) * per], run_device()))
         total = loss.detach().reshape(1).clone()
         dist.all_reduce(total, group=plugin.dp_group)  # the global batch's loss: the mean over dp
         losses.append(total.item() / plugin.dp_size)

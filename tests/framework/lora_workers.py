@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import plugin_cases as cases
-from phalanx.testing import tiny_llama
+from phalanx.testing import boosted_step, tiny_llama
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 4, 8
@@ -97,14 +97,7 @@ def _train_batches(booster, model, opt, batches) -> list[float]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     losses = []
     for batch in batches:
-        local = to_device(batch.chunk(world)[rank], run_device())
-        if getattr(booster.plugin, "pp_size", 1) > 1:  # forward and backward through the pipeline schedule
-            loss = booster.execute_pipeline(iter([{"input_ids": local, "labels": local}]), model, optimizer=opt)["loss"]
-        else:
-            loss = model(input_ids=local, labels=local).loss
-            booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
+        loss = boosted_step(booster, model, opt, to_device(batch.chunk(world)[rank], run_device()))
         reduced = loss.detach().clone().float()
         dist.all_reduce(reduced, group=group)
         losses.append(reduced.item() / world)
