@@ -162,27 +162,12 @@ class SubmoduleLoRAExport(PolicyExport):
         self.name = MERGED_DIR if merge else ADAPTER_DIR
 
     def save(self, directory: Path) -> None:
-        from phalanx.booster.lora import adapter_state_names, merged_pairs, write_adapter
-        from phalanx.checkpoint.hf import save_hf_model
+        from phalanx.booster.lora import write_lora_pairs
 
         from .export import policy_tensors
         writer = not dist.is_initialized() or dist.get_rank() == 0
-        pairs = policy_tensors(self.model, self.submodule)  # the policy's full tensors, under its peft names
-        try:
-            if self.merge:
-                if writer:
-                    save_hf_model(self.policy.get_base_model(), merged_pairs(self.policy, pairs), Path(directory),
-                                  tokenizer=self.tokenizer)
-            else:
-                keep = adapter_state_names(self.policy)
-                state = {name: t for name, t in pairs if name in keep or "lora_" in name}
-                if writer:
-                    write_adapter(self.policy, state, directory)
-                    if self.tokenizer is not None:
-                        self.tokenizer.save_pretrained(str(directory))
-        finally:
-            for _ in pairs:  # the other ranks are inside the gather until every tensor is walked
-                pass
+        write_lora_pairs(self.policy, policy_tensors(self.model, self.submodule), Path(directory), writer=writer,
+                         merge=self.merge, tokenizer=self.tokenizer)
 
 
 class LoRAExport(PolicyExport):

@@ -283,29 +283,37 @@ def save_lora(plugin: Plugin, model: nn.Module, directory: Path, *, writer: bool
     """Collective: every rank walks the plugin's gather of the full model; where `writer` is true
     the adapter (or, with `merge`, the merged base model in HF layout; `kwargs` go to
     `save_hf_model`) is written into `directory`."""
-    from phalanx.checkpoint.hf import save_hf_model
-
     peft_model = unwrap_model(model)
     if not is_lora_model(peft_model):
         raise ValueError("save_lora_as_pretrained needs a model with LoRA adapters: call booster.enable_lora(model, "
                          "config) before booster.boost; save a full model with booster.save_model")
     if merge:
         _lora_layers(peft_model, peft_model.active_adapter)  # refuse before the collective walk
-    stream = plugin.iter_full_model_state(model)
+    write_lora_pairs(peft_model, plugin.iter_full_model_state(model), directory, writer=writer, merge=merge,
+                     tokenizer=tokenizer, **kwargs)
+
+
+def write_lora_pairs(peft_model: nn.Module, pairs: Iterator[tuple[str, torch.Tensor]], directory: Path, *,
+                     writer: bool, merge: bool = False, tokenizer=None, **kwargs) -> None:
+    """Walks `pairs` (the full tensors of `peft_model` under its peft names, from a plugin's collective
+    gather) to its end on every rank; where `writer` is true writes the adapter in PEFT's format (or,
+    with `merge`, the merged base model in HF layout; `kwargs` go to `save_hf_model`) into `directory`."""
+    from phalanx.checkpoint.hf import save_hf_model
+
     try:
         if merge:
             if writer:
-                save_hf_model(peft_model.get_base_model(), merged_pairs(peft_model, stream), directory,
+                save_hf_model(peft_model.get_base_model(), merged_pairs(peft_model, pairs), directory,
                               tokenizer=tokenizer, **kwargs)
         else:
             keep = adapter_state_names(peft_model)  # this rank's; with pipeline stages other layers' adapters
-            state = {name: tensor for name, tensor in stream if name in keep or "lora_" in name}  # come by name
+            state = {name: tensor for name, tensor in pairs if name in keep or "lora_" in name}  # come by name
             if writer:
                 write_adapter(peft_model, state, directory)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(str(directory))
     finally:
-        for pair in stream:
+        for pair in pairs:
             del pair  # the other ranks are inside the gather until every tensor is walked
 
 
