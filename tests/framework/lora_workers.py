@@ -208,3 +208,47 @@ def adapters_after_unequal_seeds() -> dict[str, torch.Tensor]:
     torch.manual_seed(1 + dist.get_rank())
     model = booster.enable_lora(model, lora_config())
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def lazy_lora_model(checkpoint: str, enable=None):
+    """The tiny LLaMA read lazily (meta device) from `checkpoint` (tiny_llama(seed=0) saved), with
+    the adapters of `lora_model` (seed 1): only the adapters are real until the plugin boosts it."""
+    from phalanx import lazy
+
+    model = lazy.from_pretrained(checkpoint)
+    torch.manual_seed(1)
+    return (enable or __import__("phalanx.booster.lora", fromlist=["enable_lora"]).enable_lora)(model, lora_config())
+
+
+def run_lazy_lora(name: str, checkpoint: str, steps: int = cases.STEPS, **plugin_kwargs) -> dict:
+    """LoRA on a lazy base under plugin `name`: the losses, the trained adapters, how far the base
+    is from the checkpoint after training, and how many base elements this rank read from it."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+    from phalanx.lazy import sources
+
+    read: list = []
+    init = sources.CheckpointSource.__init__
+
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        read.append(self)
+
+    sources.CheckpointSource.__init__ = counting_init
+    try:
+        booster = Booster(plugin=make_plugin(name, **plugin_kwargs))
+        model = lazy_lora_model(checkpoint, booster.enable_lora)
+        meta_before = sum(p.is_meta for p in model.parameters())
+        adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+        opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
+        model, opt, *_ = booster.boost(model, opt)
+    finally:
+        sources.CheckpointSource.__init__ = init
+    losses = _train(booster, model, opt, steps)
+    full = {k: v.cpu() for k, v in booster.plugin.full_model_state_dict(model).items()}
+    base = {n: p for n, p in base_model().named_parameters()}
+    frozen = {n: full[n] for n in full if n not in adapters}
+    frozen_moved = max((v.float() - base[n.replace("base_model.model.", "").replace(".base_layer.", ".")].float())
+                       .abs().max().item() for n, v in frozen.items())
+    return {"losses": losses, "adapters": {n: full[n] for n in adapters}, "frozen_moved": frozen_moved,
+            "elements_read": sum(s.elements_read for s in read), "meta_before": meta_before}

@@ -91,9 +91,11 @@ def is_lora_model(model: Any) -> bool:
 def enable_lora(model: nn.Module, lora_config: Any, adapter_name: str = "default") -> nn.Module:
     """`model` with LoRA adapters from `lora_config` (a `peft.LoraConfig`): a `peft.PeftModel`
     whose base weights are frozen. Call it before `Booster.boost`, and build the optimizer on the
-    returned model. A lazy model (meta device, `phalanx.lazy`) is materialised first, whole on
-    this rank: the adapters are created next to real base weights. A collective when several
-    ranks run: every rank starts from rank 0's adapters."""
+    returned model. A lazy model (meta device, `phalanx.lazy`) stays lazy: only the adapters are
+    made real here (peft's own initialisation), and the plugin reads this rank's pieces of the base
+    when it is boosted (FSDP2: its rows; tensor parallel: its slices), so a base larger than one
+    rank's memory can take adapters. A collective when several ranks run: every rank starts from
+    rank 0's adapters."""
     peft = import_peft()
     if isinstance(model, ModelWrapper):
         raise ValueError("enable_lora got a boosted model: call booster.enable_lora(model, config) on the original "
@@ -103,12 +105,58 @@ def enable_lora(model: nn.Module, lora_config: Any, adapter_name: str = "default
                         "peft.LoraConfig(r=8, lora_alpha=16, target_modules=[...])")
     if is_lora_model(model):
         raise ValueError("this model already has LoRA adapters (it is a peft.PeftModel): call enable_lora once")
-    if any(p.is_meta for p in model.parameters()):
-        from phalanx import lazy
-        lazy.materialize(model)
+    lazy_base = any(p.is_meta for p in model.parameters())
+    if lazy_base:
+        _check_lazy_lora(lora_config)
+        rng = torch.get_rng_state()  # peft draws the adapters on the host, then moves them to the meta device
     peft_model = peft.get_peft_model(model, lora_config, adapter_name=adapter_name)
+    if lazy_base:
+        torch.set_rng_state(rng)  # draw them again, into real storage
+        _initialise_adapters(peft_model, adapter_name, lora_config)
     _same_adapters_on_every_rank(peft_model)
     return peft_model
+
+
+def _check_lazy_lora(lora_config: Any) -> None:
+    """What a lazy (meta-device) base cannot take: adapters whose initialisation or layout reads
+    the base weights."""
+    needs_base = []
+    if getattr(lora_config, "use_dora", False):
+        needs_base.append("use_dora=True (DoRA's magnitude is the base weight's norm)")
+    if lora_config.init_lora_weights not in (True, False, "gaussian"):
+        needs_base.append(f"init_lora_weights={lora_config.init_lora_weights!r} (computed from the base weights)")
+    if getattr(lora_config, "modules_to_save", None):
+        needs_base.append("modules_to_save (copies of base modules that train)")
+    if getattr(lora_config, "target_parameters", None):
+        needs_base.append("target_parameters (adapters on parameters, e.g. MoE experts)")
+    if needs_base:
+        raise ValueError("LoRA on a lazy (meta-device) base cannot use " + "; ".join(needs_base) + ": materialise the "
+                         "base first (phalanx.lazy.materialize(model)), or use plain LoRA adapters")
+
+
+def _initialise_adapters(peft_model: nn.Module, adapter_name: str, lora_config: Any) -> None:
+    """On a lazy base peft creates the adapters on the meta device too: give them real storage and
+    peft's own initial values (the layers' own init, then `reset_lora_parameters`, module by module
+    from the global generator: the draws an eager base's adapters take, so the same seed gives the
+    same adapters). The base stays on the meta device."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            for pieces in (module.lora_A, module.lora_B, module.lora_embedding_A, module.lora_embedding_B):
+                if adapter_name in pieces:
+                    piece = pieces[adapter_name]
+                    if isinstance(piece, nn.Module):
+                        piece.to_empty(device="cpu")
+                        if hasattr(piece, "reset_parameters"):  # as built eagerly: the same draws
+                            piece.reset_parameters()
+                    else:  # the embedding adapters are parameters of a ParameterDict
+                        pieces[adapter_name] = nn.Parameter(torch.empty_like(piece, device="cpu"),
+                                                            requires_grad=piece.requires_grad)
+            module.reset_lora_parameters(adapter_name, lora_config.init_lora_weights)
+    left = [n for n, p in peft_model.named_parameters() if p.requires_grad and p.is_meta]
+    if left:
+        raise RuntimeError(f"LoRA on a lazy base: trainable parameters left on the meta device: {left[:3]}")
 
 
 def _same_adapters_on_every_rank(peft_model: nn.Module) -> None:

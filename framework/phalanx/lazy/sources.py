@@ -42,6 +42,29 @@ def init_weights_fn(model: nn.Module):
                     "initialisation needs a transformers model (or build the model eagerly)")
 
 
+def materialised_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The values of the parameters of a partly lazy model that are not on the meta device (a
+    lazy base with real LoRA adapters), by every name they go by: a plugin may replace their
+    storage (FSDP2's `to_empty`) before it asks the source for them. Detached views, no copies."""
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+
+
+def peft_free_name(name: str) -> str:
+    """A parameter's name with PEFT's wrapper segment taken out (`q_proj.base_layer.weight` ->
+    `q_proj.weight`): a LoRA model's base weights under the names its checkpoint has."""
+    return name.replace(".base_layer.", ".")
+
+
+def _without_adapters(module: nn.Module) -> nn.Module:
+    """`module` with every PEFT LoRA layer in it replaced by its base layer (in place; the module
+    itself if it is one)."""
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        return _without_adapters(module.base_layer)
+    for cname, child in list(module.named_children()):
+        setattr(module, cname, _without_adapters(child))
+    return module
+
+
 def _empty_like_on(t: torch.Tensor, device) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
@@ -73,6 +96,7 @@ class RandomInitSource:
         self._units = {id(child) for m in self.template.modules() if isinstance(m, nn.ModuleList) for child in m}
         self._values: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
+        self._known = materialised_values(model)
 
     def _unit_name(self, name: str) -> str:
         parts = name.split(".")[:-1]
@@ -87,7 +111,7 @@ class RandomInitSource:
         """The unit's name inside the transformers model (a wrapper's prefix left out), so that a
         model boosted inside phalanx.train's loss module gets the same values as on its own."""
         for name, m in self.template.named_modules():
-            if callable(getattr(m, "_init_weights", None)):
+            if callable(getattr(type(m), "_init_weights", None)):  # its own (a PeftModel forwards the name)
                 if name and unit_name.startswith(name + "."):
                     return unit_name[len(name) + 1:]
                 return "" if name and unit_name == name else unit_name
@@ -95,11 +119,12 @@ class RandomInitSource:
 
     def _initialise(self, unit_name: str) -> None:
         unit = copy.deepcopy(self.template.get_submodule(unit_name) if unit_name else self.template)
+        unit = _without_adapters(unit)  # a LoRA model's base draws what the model without adapters draws
         unit.to_empty(device=self.device)
         with torch.no_grad(), accelerator_rng_fork(self.device):
             torch.manual_seed((self.seed + zlib.crc32(self._seed_name(unit_name).encode())) % 2**63)
             unit.apply(init_weights_fn(self.template))  # children before parents, as transformers does
-        prefix = unit_name + "." if unit_name else ""
+        prefix = peft_free_name(unit_name + ".") if unit_name else ""
         for n, t in [*unit.named_parameters(remove_duplicate=False), *unit.named_buffers()]:
             self._values.setdefault(prefix + n, t.detach())
         self._done.add(unit_name)
@@ -110,12 +135,15 @@ class RandomInitSource:
         return self._take(name)
 
     def _take(self, name: str) -> torch.Tensor:
-        if name not in self._values:
+        if name in self._known:  # materialised before (LoRA adapters on a lazy base)
+            return self._known[name]
+        key = peft_free_name(name)  # values are kept under the names without adapters
+        if key not in self._values:
             unit = self._unit_name(name)
             if unit in self._done:
                 raise RuntimeError(f"lazy init: {name!r} was asked for twice, or after its unit {unit!r} was split")
             self._initialise(unit)
-        return self._values.pop(name)
+        return self._values.pop(key)
 
     def local(self, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
         return spec.shard(self._value(name, param), rank, tp)
@@ -128,7 +156,7 @@ class RandomInitSource:
         """Rows `[start, stop)` (dimension 0) of the initial value, in `dtype` (default: as built)."""
         value = self._take(name)
         piece = value[start:stop] if value.dim() else value
-        return piece.to(dtype or value.dtype, copy=True)
+        return piece.to(self.device, dtype or value.dtype, copy=True)
 
     def buffers(self, module: nn.Module) -> None:
         prefix = next(n for n, m in self.model.named_modules() if m is module)
@@ -166,11 +194,19 @@ class CheckpointSource:
         for n, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(n)
         self._aliases = {n: names for names in aliases.values() for n in names}  # tied weights: any name
+        self._known = materialised_values(model)
+
+    def _materialised(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
+        """The value of a parameter that was not lazy (a LoRA adapter), or None."""
+        if name in self._known:
+            return self._known[name]
+        return None if param.is_meta else param.detach()
 
     def _key(self, name: str) -> str:
         for candidate in self._aliases.get(name, [name]):
             if self.prefix and candidate.startswith(self.prefix):
                 candidate = candidate[len(self.prefix):]
+            candidate = peft_free_name(candidate)
             if candidate in self.weight_map:
                 return candidate
         raise CheckpointError(f"{str(self.path)!r} has no tensor {name!r}: the checkpoint was saved for another model")
@@ -185,6 +221,9 @@ class CheckpointSource:
                                   "into a model built from the same config")
 
     def local(self, name: str, param: torch.Tensor, spec: ShardSpec, rank: int, tp: int) -> torch.Tensor:
+        known = self._materialised(name, param)
+        if known is not None:
+            return spec.shard(known, rank, tp)
         view = self._slice(name)
         self._check_shape(name, param, view.get_shape())
         if not spec.is_sharded:
@@ -202,13 +241,17 @@ class CheckpointSource:
     def rows(self, name: str, param: torch.Tensor, start: int, stop: int,
              dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows `[start, stop)` (dimension 0) read from the file, in `dtype` (default: the parameter's)."""
+        known = self._known.get(name)
+        if known is not None:
+            return (known[start:stop] if known.dim() else known).to(self.device, dtype or known.dtype, copy=True)
         view = self._slice(name)
         self._check_shape(name, param, view.get_shape())
         return self._read(view[start:stop] if param.dim() else view[:], param, dtype)
 
     def full(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        if not param.is_meta:
-            return param.detach()
+        known = self._materialised(name, param)
+        if known is not None:
+            return known
         view = self._slice(name)
         self._check_shape(name, param, view.get_shape())
         return self._read(view[:], param)

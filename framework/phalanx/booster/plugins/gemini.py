@@ -138,6 +138,13 @@ class GeminiPlugin(Plugin):
         if self.manager is not None:
             raise ValueError("a GeminiPlugin manages one model: build one plugin per model")
         dtype = self.precision.compute_dtype
+        from phalanx.booster.lora import is_lora_model
+
+        if lazy.is_lazy(model) and is_lora_model(model):
+            raise ValueError("GeminiPlugin cannot take LoRA adapters on a lazy (meta-device) base: its chunks hold "
+                             "only the adapters, and the frozen base would not be read. Call "
+                             "phalanx.lazy.materialize(model) before booster.boost, or use FSDPPlugin, which reads "
+                             "each rank's rows of the base (docs/lora.md)")
         source = lazy.source_for(model, device=self.device, group=self.dp_group)
         if source is not None:
             lazy.materialise_buffers(model, source)  # the parameters wait for their chunks
