@@ -39,16 +39,17 @@ def bpc_eval_fn(tokenizer, chunks: list[Chunk], ecfg: EvalConfig) -> Callable:
     return eval_fn
 
 
-def load_model(model_dir: Path, plugin: str | None = None):
+def load_model(model_dir: Path, plugin: str | None = None, lora: bool = False):
     """The model in `model_dir`, in fp32; on the meta device when `plugin` shards parameters (the
-    plugin then reads only each rank's part: phalanx.booster.plugins.builds_lazily, phalanx.lazy)."""
+    plugin then reads only each rank's part: phalanx.booster.plugins.builds_lazily, phalanx.lazy;
+    with `lora` the adapters are added to the lazy base, docs/lora.md)."""
     from transformers import AutoModelForCausalLM
 
     from phalanx.booster.plugins import builds_lazily
 
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no model at {model_dir}: run `python -m apps.llama.init_model` with the same config first")
-    if builds_lazily(plugin):
+    if builds_lazily(plugin, lora=lora):
         from phalanx import lazy
         return lazy.from_pretrained(model_dir)
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -81,8 +82,7 @@ def pretrain(cfg: RecipeConfig, model=None, with_eval: bool = True):
 
     tokenizer = load_tokenizer(cfg.model_init_dir if (cfg.model_init_dir / "tokenizer_config.json").exists()
                                else cfg.tokenizer_dir)
-    # With LoRA the whole base is built here (the adapters go next to real weights), not lazily.
-    model = model if model is not None else load_model(cfg.model_init_dir, None if cfg.lora.enabled else cfg.train.plugin)
+    model = model if model is not None else load_model(cfg.model_init_dir, cfg.train.plugin, lora=cfg.lora.enabled)
     model = with_lora(model, cfg.lora)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the tokenizer "

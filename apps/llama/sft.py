@@ -50,7 +50,7 @@ def sft(cfg: RecipeConfig, model=None):
 
     data_dir = cfg.sft_data_dir
     tokenizer = load_tokenizer(data_dir / "tokenizer")  # carries the chat template used for the labels
-    model = model if model is not None else load_model(sft_start_model(cfg), None if cfg.lora.enabled else cfg.sft.plugin)
+    model = model if model is not None else load_model(sft_start_model(cfg), cfg.sft.plugin, lora=cfg.lora.enabled)
     model = with_lora(model, cfg.lora)
     if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
         raise ValueError(f"the model has {model.get_input_embeddings().weight.shape[0]} embedding rows but the SFT "

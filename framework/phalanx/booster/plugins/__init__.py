@@ -30,9 +30,11 @@ PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
 LAZY_BUILD_PLUGINS = ("fsdp", "zero1", "zero2", "gemini", "hybrid")
 
 
-def builds_lazily(name: str | None) -> bool:
-    """Whether a recipe with `train.plugin` = `name` should build its model on the meta device."""
-    return (name or "").lower() in LAZY_BUILD_PLUGINS
+def builds_lazily(name: str | None, lora: bool = False) -> bool:
+    """Whether a recipe with `train.plugin` = `name` should build its model on the meta device
+    (with `lora`: adapters go on the lazy base, which every plugin here but Gemini reads lazily)."""
+    key = (name or "").lower()
+    return key in LAZY_BUILD_PLUGINS and not (lora and key == "gemini")
 
 
 def make_plugin(name: str, precision: str | Precision = "fp32", max_norm: float | None = None, **kwargs: Any) -> Plugin:
