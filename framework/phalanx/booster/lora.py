@@ -237,12 +237,60 @@ def _lora_layers(peft_model: nn.Module, adapter: str) -> dict[str, nn.Module]:
                          "save the adapter (merge=False) and merge it with peft's merge_and_unload on one process")
     layers = {}
     for name, module in peft_model.get_base_model().named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+        if isinstance(module, LoraLayer) and adapter in module.lora_A and not _is_param_wrapper(module):
             if not _is_linear(module.get_base_layer()) or getattr(module, "lora_bias", {}).get(adapter):
                 raise ValueError(f"merge=True merges LoRA on nn.Linear layers; {name} is "
                                  f"{type(module.get_base_layer()).__name__}: save the adapter (merge=False) instead")
             layers[name] = module
     return layers
+
+
+def _is_param_wrapper(module: nn.Module) -> bool:
+    """peft's adapter on a parameter (`target_parameters`: Mixtral's fused expert tensors)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return isinstance(module, ParamWrapper)
+
+
+class _ExpertAdapter:
+    """One `target_parameters` adapter: the stream names of its base parameter and of its A and B
+    (peft nests one wrapper per adapted parameter of a module, so the parameter sits below every
+    wrapper's `base_layer`), and the merged parameter's name."""
+
+    def __init__(self, name: str, wrapper: nn.Module, adapter: str):
+        from peft.tuners.lora import LoraLayer
+
+        if wrapper.lora_bias.get(adapter):
+            raise ValueError(f"merge=True: {name}'s expert adapter has a bias: save the adapter (merge=False) instead")
+        module, path = wrapper, name
+        while isinstance(module, LoraLayer):
+            module, path = module.base_layer, path + ".base_layer"
+        self.wrapper, self.adapter = wrapper, adapter
+        self.names = {f"{path}.{wrapper.parameter_name}": "base", f"{name}.lora_A.{adapter}.weight": "A",
+                      f"{name}.lora_B.{adapter}.weight": "B"}
+        self.merged_name = f"{path.replace('.base_layer', '')}.{wrapper.parameter_name}"
+
+    def merge(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """W[e] + scaling * (B_e @ A_e), per expert, laid out as W: what peft's get_delta_weight computes."""
+        experts, weight = self.wrapper.num_experts, parts["base"]
+        a = parts["A"].float().reshape(experts, -1, parts["A"].shape[-1])  # experts x rank x in
+        b = parts["B"].float().reshape(parts["B"].shape[0], -1, experts)  # out x rank x experts
+        layout = "e o i" if self.wrapper._did_swap_in_out_features else "e i o"
+        delta = torch.einsum(f"o r e, e r i -> {layout}", b, a) * self.wrapper.scaling[self.adapter]
+        if delta.shape != weight.shape:
+            raise ValueError(f"merge=True: the delta of {self.merged_name} has shape {tuple(delta.shape)}, the "
+                             f"weight {tuple(weight.shape)}: save the adapter (merge=False) instead")
+        return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+
+
+def _expert_adapters(peft_model: nn.Module, adapter: str) -> dict[str, tuple[_ExpertAdapter, str]]:
+    """Stream name -> (its expert adapter, base / A / B), for every `target_parameters` adapter."""
+    index = {}
+    for name, module in peft_model.get_base_model().named_modules():
+        if _is_param_wrapper(module) and adapter in module.lora_A:
+            expert = _ExpertAdapter(name, module, adapter)
+            index.update({n: (expert, piece) for n, piece in expert.names.items()})
+    return index
 
 
 def _is_linear(layer: nn.Module) -> bool:
@@ -289,14 +337,29 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
     PeftModel pairs a plugin streams. A weight waits only for its own layer's A and B."""
     adapter = peft_model.active_adapter
     layers = _lora_layers(peft_model, adapter)
+    experts = _expert_adapters(peft_model, adapter)
     here = {n for n, _ in peft_model.get_base_model().named_modules()}
 
     def elsewhere(layer: str):  # a layer this rank does not hold (another pipeline stage's)
-        return None if layer in here else _LayerElsewhere(peft_model, adapter, layer)
+        if layer in here:
+            return None
+        if experts:
+            raise ValueError("merge=True with expert adapters under pipeline parallelism: save the adapter "
+                             "(merge=False) and merge it with peft's merge_and_unload on one process")
+        return _LayerElsewhere(peft_model, adapter, layer)
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    expert_parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in pairs:
         name = name.removeprefix(PEFT_PREFIX)
+        if name in experts:  # a target_parameters adapter's base, A or B
+            expert, piece = experts[name]
+            parts = expert_parts.setdefault(expert.merged_name, {})
+            parts[piece] = tensor
+            if len(parts) == 3:
+                del expert_parts[expert.merged_name]
+                yield expert.merged_name, expert.merge(parts)
+            continue
         where = _split(name, layers, elsewhere)
         if where is None:
             if "lora_" not in name:  # another adapter's tensors are not part of the merged model
@@ -314,8 +377,9 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
         if len(parts) == 3:
             del pending[layer]
             yield f"{layer}.weight", _merge(layers[layer], adapter, parts)
-    if pending:
-        raise ValueError(f"the model's state lacks the base weight or an adapter matrix of {sorted(pending)[0]}")
+    if pending or expert_parts:
+        missing = sorted(pending) or sorted(expert_parts)
+        raise ValueError(f"the model's state lacks the base weight or an adapter matrix of {missing[0]}")
 
 
 def _merge(layer: nn.Module, adapter: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
