@@ -316,7 +316,7 @@ def lora_fixed_update(model_dir: str, out_dir: str, world: int, *extra: str) -> 
                                   "train.lr=1.0", "train.adam_eps=10.0", "train.progress_bar=false", "train.plot=false",
                                   "train.resume=false", *LORA, *extra])
     tokenizer = load_tokenizer(model_dir)
-    model = prepare(load_policy(model_dir), cfg.lora, False, cfg.train.seed)
+    model = prepare(load_policy(model_dir), cfg.lora, cfg.activation_checkpointing, cfg.train.seed)
     records, _ = load_prompt_sets(cfg.data)
     ids = encode_prompts(tokenizer, records)
     rollout_fn = seeded_rollout_fn(load_policy(model_dir).eval(), tokenizer, ids, cfg.grpo.num_generations)
@@ -330,10 +330,12 @@ def lora_fixed_update(model_dir: str, out_dir: str, world: int, *extra: str) -> 
 
 
 @pytest.mark.slow  # a 1-rank and a 2-rank spawn
-@pytest.mark.parametrize("plugin", ["ddp", "fsdp"])
+@pytest.mark.parametrize("plugin", ["ddp", "zero2", "fsdp"])
 def test_lora_grpo_update_on_two_ranks_matches_one_process(request, sharp_model, tmp_path, plugin):
     """Two LoRA GRPO steps with the KL term (its reference the base, adapter off, through the boosted
-    model) on 2 ranks give one process's adapters (2 prompts per rank against 4 on one)."""
+    model) on 2 ranks give one process's adapters (2 prompts per rank against 4 on one). The 2-rank
+    runs recompute each decoder layer in backward (activation checkpointing) and the one-process run
+    does not: the same gradients under each plugin."""
     from phalanx.testing import assert_update_close
     from tests.framework.spawn_batch import spawn_suites
 
@@ -342,7 +344,8 @@ def test_lora_grpo_update_on_two_ranks_matches_one_process(request, sharp_model,
     one = spawn_suites(request, 1, {name: (lora_fixed_update, (str(sharp_model), str(tmp_path / "one"), 1), {})},
                        timeout=1800).get(name)[0]
     many = spawn_suites(request, 2, {name: (lora_fixed_update, (str(sharp_model), str(tmp_path / "two"), 2,
-                                                               f"train.plugin={plugin}"), {})}, timeout=1800).get(name)[0]
+                                                               f"train.plugin={plugin}", "activation_checkpointing=true"),
+                                            {})}, timeout=1800).get(name)[0]
     from apps.chat_rlhf.adapters import prepare
     from apps.chat_rlhf.grpo import load_grpo_config
     cfg = load_grpo_config(None, LORA)
