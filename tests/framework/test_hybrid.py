@@ -75,7 +75,7 @@ def test_impossible_layouts_stop_before_work():
         "kv_heads": "num_key_value_heads=3",
         "mlp": "cannot split model.layers.0.mlp.gate_proj.weight of shape (63, 32)",
         "ulysses_heads": "not divisible by sp_size=2 (3 % 2 = 1)",
-        "family": "supports the families gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe",
+        "family": "supports the families deepseek_v2, deepseek_v3, gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe",
         "split_gather_sp": "with sp_size=1",
         "sp_without_mode": "needs sequence_parallelism='ulysses' or 'ring'",
         "seq_ring": "15 % 4 = 3",

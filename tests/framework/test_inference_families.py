@@ -87,7 +87,8 @@ def test_learned_positions_are_read_at_the_right_offset(models):
 
 def test_unsupported_models_and_variants_are_refused_by_name(tmp_path):
     from transformers import GPT2Config, OPTConfig
-    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe")
+    assert SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "deepseek_v2", "deepseek_v3")
     OPTConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, ffn_dim=64,
               do_layer_norm_before=False).save_pretrained(tmp_path / "opt-post")
     with pytest.raises(ValueError, match="do_layer_norm_before=False"):
@@ -98,7 +99,8 @@ def test_unsupported_models_and_variants_are_refused_by_name(tmp_path):
     from transformers import BertConfig
     BertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "bert")
     with pytest.raises(ValueError, match="'bert' is not supported.*supported families: llama, mistral, qwen2, "
-                                         "qwen3, gpt2, opt, mixtral, qwen2_moe, qwen3_moe"):
+                                         "qwen3, gpt2, opt, mixtral, qwen2_moe, qwen3_moe, deepseek_v2, "
+                                         "deepseek_v3"):
         LLM(str(tmp_path / "bert"))
 
 

@@ -44,8 +44,8 @@ def test_shard_unshard_and_runs_agree(shape, spec, tp):
 
 
 def test_policies_cover_the_families_and_name_their_parts():
-    assert supported_families() == ["gpt2", "llama", "mistral", "mixtral", "opt", "qwen2", "qwen2_moe", "qwen3",
-                                    "qwen3_moe"]
+    assert supported_families() == ["deepseek_v2", "deepseek_v3", "gpt2", "llama", "mistral", "mixtral", "opt", "qwen2",
+                                    "qwen2_moe", "qwen3", "qwen3_moe"]
     for family in hm.FAMILIES:
         model = hm.build(family)
         policy = policy_for(model)
@@ -65,7 +65,7 @@ def test_unknown_family_names_the_supported_ones():
     class Custom(torch.nn.Module):
         pass
 
-    with pytest.raises(LayoutError, match="supports the families gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(LayoutError, match="supports the families deepseek_v2, deepseek_v3, gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         policy_for(Custom())
 
 

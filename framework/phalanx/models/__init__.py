@@ -9,7 +9,8 @@ and `phalanx.inference` read it.
 - `heads` (heads.py): the tensor-parallel head rule (split or replicated key/value heads);
 - `Family` (family.py), `Policy` (policy.py), `NameTable`/`Piece` (names.py);
 - one file per family: llama, mistral, qwen2, qwen3, gpt2, opt, and the mixtures of experts
-  mixtral, qwen2_moe, qwen3_moe (shared parts in moe.py); `registry`: the list of them.
+  mixtral, qwen2_moe, qwen3_moe (shared parts in moe.py) and deepseek (DeepSeek-V2 and -V3:
+  multi-head latent attention); `registry`: the list of them.
 """
 from phalanx.models.family import Family
 from phalanx.models.heads import HeadCounts, head_problem, local_heads

@@ -40,6 +40,13 @@ class Policy:
     input_extras / output_extras: modules the base model applies between the embeddings and the
     first layer (GPT-2's embedding dropout, OPT's project_in) / after the final norm (OPT's
     project_out); the pipeline keeps them on the first / last stage only.
+    head_column: instead of q/k/v or fused_qkv, projections split by heads along their output
+    features with no input communication (multi-head latent attention: q_proj / q_b_proj and
+    kv_b_proj, whose input is the output of replicated low-rank projections, listed in
+    per_head_params so that their partial gradients are summed over the group).
+    optional: paths named above that a layer may lack (its attribute absent or None): DeepSeek's
+    q_proj (no q_lora_rank) or q_b_proj, a dense MLP's projections on an expert layer and the
+    shared expert's on a dense one; any other path must exist.
     heads(config) -> HeadCounts; attention_attrs(local HeadCounts) -> {attribute: value} to set on
     each attention module after sharding (the attributes its forward reads head counts from).
     """
@@ -56,6 +63,7 @@ class Policy:
     k: str | None = None
     v: str | None = None
     fused_qkv: str | None = None
+    head_column: tuple[str, ...] = ()
     out_proj: str
     mlp_column: tuple[str, ...]
     mlp_row: tuple[str, ...]
@@ -64,13 +72,14 @@ class Policy:
     replicated: tuple[str, ...] = ()
     input_extras: tuple[str, ...] = ()
     output_extras: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
     heads: Callable[[object], HeadCounts]  # a family's: `family.heads_reader(read)`
     attention_attrs: Callable[[HeadCounts], dict[str, int]] = llama_like_attention_attrs
     notes: str = field(default="", compare=False)
 
     def __post_init__(self):
-        if (self.fused_qkv is None) == (self.q is None):
-            raise ValueError(f"policy {self.family!r}: give either q/k/v or fused_qkv")
+        if (self.fused_qkv is not None) + (self.q is not None) + bool(self.head_column) != 1:
+            raise ValueError(f"policy {self.family!r}: give one of q/k/v, fused_qkv or head_column")
 
     # ---- lookups used by sharding, sequence parallelism and the pipeline splitter
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
@@ -81,5 +90,17 @@ class Policy:
 
     def split_paths(self) -> tuple[str, ...]:
         """Module paths inside a decoder layer that tensor parallelism splits."""
-        qkv = (self.fused_qkv,) if self.fused_qkv else (self.q, self.k, self.v)
+        qkv = (self.fused_qkv,) if self.fused_qkv else (self.q, self.k, self.v) if self.q else self.head_column
         return (*qkv, self.out_proj, *self.mlp_column, *self.mlp_row)
+
+    def layer_module(self, layer: nn.Module, path: str) -> nn.Module | None:
+        """The module at `path` inside a decoder layer; None where an `optional` path is absent."""
+        if path in self.optional:
+            parent, _, child = path.rpartition(".")
+            try:
+                owner = layer.get_submodule(parent) if parent else layer
+            except AttributeError:
+                return None
+            module = getattr(owner, child, None)
+            return module if isinstance(module, nn.Module) else None
+        return layer.get_submodule(path)

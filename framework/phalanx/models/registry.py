@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.models import gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe
+from phalanx.models import deepseek, gpt2, llama, mistral, mixtral, opt, qwen2, qwen2_moe, qwen3, qwen3_moe
 from phalanx.models.family import Family
 from phalanx.models.spec import ModelSpec
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
                                                    gpt2.FAMILY, opt.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY,
-                                                   qwen3_moe.FAMILY)}
+                                                   qwen3_moe.FAMILY, deepseek.FAMILY_V2, deepseek.FAMILY_V3)}
 SUPPORTED = tuple(FAMILIES)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 

@@ -28,7 +28,16 @@ class ModelSpec:
     (an always-on SwiGLU beside them, 0 if none) and shared_expert_gate (its sigmoid gate, a
     [1, hidden] weight: Qwen2-MoE), norm_topk_prob (the top-k routing weights renormalised to sum
     to 1), sparse_layers (per layer: True where the MLP is the expert block; the others are dense
-    MLPs of intermediate_size)."""
+    MLPs of intermediate_size). shared_expert_bias: the shared expert's projections carry biases
+    (DeepSeek-V2 with mlp_bias).
+    Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank 0: not MLA): queries through a
+    low-rank q_a_proj (hidden -> q_lora_rank), its RMSNorm and the per-head q_b_proj, or with
+    q_lora_rank 0 one per-head q_proj; keys and values from kv_a_proj_with_mqa (hidden ->
+    kv_lora_rank + qk_rope_head_dim, the rope part shared by every head), its RMSNorm over the
+    kv_lora_rank part, and the per-head kv_b_proj (kv_lora_rank -> heads · (qk_nope_head_dim +
+    v_head_dim)); o_proj reads heads · v_head_dim. head_dim is then the query/key head width
+    qk_nope_head_dim + qk_rope_head_dim, num_kv_heads = num_heads; o_bias (the config's
+    attention_bias) gives q_a_proj, kv_a_proj_with_mqa and o_proj biases."""
 
     family: str
     vocab_size: int
@@ -60,6 +69,12 @@ class ModelSpec:
     shared_expert_gate: bool = False
     norm_topk_prob: bool = False
     sparse_layers: tuple = ()
+    shared_expert_bias: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     name: str = "model"
     config: object = field(default=None, compare=False, repr=False)
 
@@ -76,6 +91,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return any(self.sparse_layers)
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
 
     @property
     def heads(self) -> HeadCounts:
@@ -130,12 +150,25 @@ class ModelSpec:
         return self.norm_params() if self.final_norm else 0
 
     def attention_params(self) -> int:
+        if self.mla:
+            return self.mla_params()
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
         n = h * q + 2 * h * kv + q * h
         n += (q + 2 * kv) if self.qkv_bias else 0
         n += h if self.o_bias else 0
         n += 2 * self.head_dim if self.qk_norm else 0
         return n
+
+    def mla_params(self) -> int:
+        """Multi-head latent attention: the query path (q_a_proj, its norm and q_b_proj, or one
+        q_proj), kv_a_proj_with_mqa, its norm, kv_b_proj and o_proj."""
+        h, heads, bias = self.hidden_size, self.num_heads, self.o_bias
+        rope, rq, rkv = self.qk_rope_head_dim, self.q_lora_rank, self.kv_lora_rank
+        qk = self.qk_nope_head_dim + rope
+        n = (h * rq + (rq if bias else 0) + rq + rq * heads * qk) if rq else h * heads * qk
+        n += h * (rkv + rope) + ((rkv + rope) if bias else 0) + rkv
+        n += rkv * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return n + heads * self.v_head_dim * h + (h if bias else 0)
 
     def mlp_params(self) -> int:
         h, f = self.hidden_size, self.intermediate_size
@@ -148,7 +181,9 @@ class ModelSpec:
         return 3 * self.hidden_size * self.expert_size
 
     def shared_expert_params(self) -> int:
-        return 3 * self.hidden_size * self.shared_expert_size + (self.hidden_size if self.shared_expert_gate else 0)
+        h, f = self.hidden_size, self.shared_expert_size
+        n = 3 * h * f + (h if self.shared_expert_gate else 0)
+        return n + ((2 * f + h) if self.shared_expert_bias and f else 0)
 
     def moe_params(self, active: bool = False) -> int:
         """A sparse layer's expert block: the router ([experts, hidden]), the routed experts (all

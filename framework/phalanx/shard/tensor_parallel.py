@@ -129,6 +129,12 @@ def _plan(model: nn.Module, policy: Policy, heads: HeadCounts, rank: int, tp: in
             sections = (heads.heads * heads.head_dim, heads.kv_heads * heads.head_dim, heads.kv_heads * heads.head_dim)
             out.append(_Replace(prefix + policy.fused_qkv, "column", ShardSpec(d, sections), ShardSpec(0, sections),
                                 {"input_comm": "none"}))
+        elif policy.head_column:  # MLA: per-head projections of replicated latents
+            for path in policy.head_column:
+                module = policy.layer_module(layer, path)
+                if module is not None:
+                    out.append(_Replace(prefix + path, "column", ShardSpec(_out_dim(module)), ShardSpec(0),
+                                        {"input_comm": "none"}))
         else:
             module = layer.get_submodule(policy.q)
             out.append(_Replace(prefix + policy.q, "column", ShardSpec(_out_dim(module)), ShardSpec(0),
@@ -146,11 +152,15 @@ def _plan(model: nn.Module, policy: Policy, heads: HeadCounts, rank: int, tp: in
                                         {"input_comm": "none"}))
         mlp_comm = "none" if policy.mlp else ("gather" if sp else "copy")
         for path in policy.mlp_column:
-            module = layer.get_submodule(path)
+            module = policy.layer_module(layer, path)
+            if module is None:
+                continue
             out.append(_Replace(prefix + path, "column", ShardSpec(_out_dim(module)), ShardSpec(0),
                                 {"input_comm": mlp_comm}))
         for path in (policy.out_proj, *policy.mlp_row):
-            module = layer.get_submodule(path)
+            module = policy.layer_module(layer, path)
+            if module is None:
+                continue
             out.append(_Replace(prefix + path, "row", ShardSpec(1 - _out_dim(module)), ShardSpec(partial_grad=sp)))
     vocab_spec = ShardSpec(0, pad=True)
     out.append(_Replace(policy.embedding, "embedding", vocab_spec, REPLICATED))

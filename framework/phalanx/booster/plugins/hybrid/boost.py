@@ -152,6 +152,12 @@ class HybridBoosting:
             raise ValueError("expert parallelism with pipeline parallelism trains the cross-entropy only: the "
                              "load-balancing and z-losses couple every layer's router over the whole batch. Set "
                              "config.output_router_logits=False and router_z_loss=0, or pp_size=1")
+        if getattr(model.config, "output_router_logits", False) and not hasattr(model.config, "router_aux_loss_coef"):
+            raise ValueError(f"config.output_router_logits=True on a {model.config.model_type} model, whose config has no "
+                             "router_aux_loss_coef: the plugin's load-balancing loss is the softmax (Switch) loss of "
+                             "Mixtral / Qwen-MoE, which this family does not train with. Set "
+                             "config.output_router_logits=False (DeepSeek-V3 balances with its correction bias: "
+                             "phalanx.models.deepseek.BiasBalancer)")
         self.ep_plan = apply_expert_parallel(model, self.ep_size, self.expert_groups)
         self.ep_plan.batch_group = self.dp_group
         log.info("expert parallelism: %d experts per block on this rank, ep=%d",
