@@ -60,8 +60,18 @@ class RecipeConfig:
         need(m.structure.layers >= 1, "model.structure.layers", m.structure.layers, "must be at least 1")
         need(0.0 <= self.ema.decay < 1.0, "ema.decay", self.ema.decay, "must be in [0, 1)")
         need(self.dap_size >= 1, "dap_size", self.dap_size, "must be at least 1")
-        for key, size in (("data.crop_size", d.crop_size), ("data.max_msa_clusters", d.max_msa_clusters),
-                          ("data.max_extra_msa", d.max_extra_msa)):
+        if m.templates:
+            t = m.template
+            need(d.max_templates >= 1, "data.max_templates", d.max_templates,
+                 "must be at least 1 with model.templates=true (AlphaFold: 4)")
+            need(t.blocks >= 1, "model.template.blocks", t.blocks, "must be at least 1")
+            need(t.heads >= 1 and t.c_t % t.heads == 0, "model.template.heads", t.heads,
+                 f"must divide model.template.c_t={t.c_t}")
+        rows = d.max_msa_clusters + (d.max_templates if m.templates else 0)
+        need(rows % self.dap_size == 0, "data.max_msa_clusters" + (" + data.max_templates" if m.templates else ""), rows,
+             f"MSA rows (clusters, and one per template slot with model.templates) must be a multiple of "
+             f"dap_size={self.dap_size}")
+        for key, size in (("data.crop_size", d.crop_size), ("data.max_extra_msa", d.max_extra_msa)):
             need(size % self.dap_size == 0, key, size, f"must be a multiple of dap_size={self.dap_size} "
                  "(DAP splits residues and MSA rows evenly over its ranks)")
 
@@ -70,6 +80,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     cfg = load_config(RecipeConfig, resolve(path) if path is not None else None, overrides)
     cfg.train.output_dir = str(resolve(cfg.train.output_dir))
     cfg.model.synced()
+    cfg.data.use_templates = cfg.model.templates
     cfg.validate()
     return cfg
 

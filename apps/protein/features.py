@@ -6,6 +6,9 @@ and mask, has-deletion, deletion value, cluster profile, cluster deletion mean),
 [E, L, 25] for the sequences not chosen as cluster centres, and their masks. Masked-MSA training
 replaces 15% of the cluster centres' residues (`true_msa`, `bert_mask` are its targets).
 
+With templates (`templates=` or `cfg.use_templates`, from model.templates) also the template
+inputs of `apps.protein.templates.template_features`, [max_templates, L, ...].
+
 Ground truth: atom14 and atom37 coordinates with masks, backbone frames, torsion angles.
 Unobserved residues are masked everywhere; a crop is a contiguous window of the observed span.
 """
@@ -32,6 +35,16 @@ class FeatureConfig:
     masked_msa_fraction: float = 0.15  # share of centre residues replaced for the masked-MSA loss
     random_crop: bool = True          # training crops at random positions (False: always each chain's
                                       # first window, the fixed crop that evaluation scores)
+    max_templates: int = 4            # T: template slots when the model has templates (AlphaFold: 4)
+    templates_from: str = "self"      # training/eval templates with model.templates: "self" (each chain's own
+                                      # structure: exercises the stack, and a model learns to copy it) or
+                                      # "none" (every slot empty: AlphaFold without template hits)
+    use_templates: bool = False       # template inputs in every sample: set from model.templates by the recipe
+
+    def __post_init__(self):
+        if self.templates_from not in ("self", "none"):
+            raise ValueError(f"data.templates_from={self.templates_from!r}: give 'self' (each chain's own structure) "
+                             "or 'none' (no template hits)")
 
 
 def msa_indices(alignment: Alignment) -> np.ndarray:
@@ -63,8 +76,10 @@ def crop_window(chain: ProteinChain, crop_size: int, rng: np.random.Generator | 
 
 def make_features(chain: ProteinChain, alignment: Alignment | None, cfg: FeatureConfig,
                   rng: np.random.Generator, window: tuple[int, int] | None = None,
-                  with_truth: bool = True) -> dict[str, torch.Tensor]:
-    """Model inputs (+ ground truth) for one chain; every tensor padded to cfg.crop_size."""
+                  with_truth: bool = True, templates=None) -> dict[str, torch.Tensor]:
+    """Model inputs (+ ground truth) for one chain; every tensor padded to cfg.crop_size.
+    templates: a list of `apps.protein.templates.Template` (possibly empty) adds the template
+    inputs in cfg.max_templates slots; None: no template inputs."""
     if alignment is None:
         alignment = single_sequence_alignment(chain.sequence)
     check_msa_matches(alignment, chain.sequence, f"chain {chain.name}")
@@ -82,6 +97,13 @@ def make_features(chain: ProteinChain, alignment: Alignment | None, cfg: Feature
     feats["residue_index"] = chain.residue_index[start:end]
     feats["seq_mask"] = np.ones(length, np.float32)
     out = {k: torch.as_tensor(v) for k, v in feats.items()}
+    if templates is None and cfg.use_templates:
+        from apps.protein.templates import self_template
+        templates = [self_template(chain)] if cfg.templates_from == "self" else []
+    if templates is not None:
+        from apps.protein.templates import template_features
+        out.update({k: v if k == "template_mask" else v[:, start:end]
+                    for k, v in template_features(len(chain), templates, cfg.max_templates).items()})
     if with_truth:
         out.update(ground_truth(chain, start, end))
     return pad_features(out, cfg)
@@ -150,7 +172,11 @@ def ground_truth(chain: ProteinChain, start: int, end: int) -> dict[str, torch.T
 
 
 # Which axes of each feature are residues (padded to crop_size), MSA rows (padded to the config's depth).
-_RES_AXIS = {"msa_feat": 1, "msa_mask": 1, "true_msa": 1, "bert_mask": 1, "extra_msa_feat": 1, "extra_msa_mask": 1}
+_RES_AXIS = {"msa_feat": 1, "msa_mask": 1, "true_msa": 1, "bert_mask": 1, "extra_msa_feat": 1, "extra_msa_mask": 1,
+             "template_aatype": 1, "template_all_atom_positions": 1, "template_all_atom_mask": 1,
+             "template_pseudo_beta": 1, "template_pseudo_beta_mask": 1, "template_torsion_sin_cos": 1,
+             "template_alt_torsion_sin_cos": 1, "template_torsion_mask": 1}
+_NO_RES_AXIS = {"template_mask"}
 _ROW_LIMIT = {"msa_feat": "max_msa_clusters", "msa_mask": "max_msa_clusters", "true_msa": "max_msa_clusters",
               "bert_mask": "max_msa_clusters", "extra_msa_feat": "max_extra_msa", "extra_msa_mask": "max_extra_msa"}
 
@@ -159,6 +185,9 @@ def pad_features(feats: dict[str, torch.Tensor], cfg: FeatureConfig) -> dict[str
     """Zero-pad residues to crop_size and MSA rows to their maximum, so samples stack."""
     out = {}
     for key, value in feats.items():
+        if key in _NO_RES_AXIS:
+            out[key] = value
+            continue
         res_axis = _RES_AXIS.get(key, 0)
         pads = [(0, 0)] * value.dim()
         pads[res_axis] = (0, cfg.crop_size - value.shape[res_axis])

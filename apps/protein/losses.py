@@ -14,7 +14,8 @@ from torch.nn import functional as F
 
 from apps.protein import constants as rc
 from apps.protein.metrics import lddt
-from apps.protein.model.alphafold import DISTOGRAM_BINS, PAE_BINS, PLDDT_BINS, distance_bin_index
+from apps.protein.model.alphafold import DISTOGRAM_BINS, PAE_BINS, PLDDT_BINS
+from apps.protein.model.primitives import distance_bin_index
 from apps.protein.rigid import Rigid
 from apps.protein.sidechains import group_frames
 from apps.protein.violations import structural_violations

@@ -14,6 +14,11 @@ computes attention, the outer product mean and the triangle multiplications 64 r
 `train.precision=bf16` predicts in bf16 with AlphaFold's fp32 islands. Dynamic Axial
 Parallelism: `phalanx run -n 2 -m apps.protein.predict ... dap_size=2` splits the Evoformer's
 activations over 2 ranks (rank 0 writes the files).
+
+Templates (a config with `model.templates: true`, e.g. for params_model_1/2): `--template
+1abc.cif.gz:A` (repeatable) aligns the query to that chain with biotite; `--hhr hits.hhr
+--template-dir DIR` takes the first `data.max_templates` hits of an HHsearch file, their mmCIFs
+from DIR (apps.protein.templates). Without either, the prediction is AlphaFold's without hits.
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
         from apps.protein.weights import load_params
         unused = load_params(model, af2_params)
         if unused:
-            print(f"{af2_params}: its template stack ({len(unused)} arrays) is not used: this recipe has no templates, "
+            print(f"{af2_params}: its template stack ({len(unused)} arrays) is not used (model.templates is off), "
                   "so the prediction is AlphaFold's for a query without template hits")
     elif checkpoint:
         weights, ema = latest_weights(resolve(checkpoint))
@@ -77,7 +82,11 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
 
 @torch.no_grad()
 def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_file: str | None,
-            recycles: int | None = None) -> dict[str, np.ndarray]:
+            recycles: int | None = None, templates: list | None = None) -> dict[str, np.ndarray]:
+    """templates: `apps.protein.templates.Template`s aligned to `sequence` (None: no template inputs)."""
+    if templates is not None and not cfg.model.templates:
+        raise ValueError("templates given but the config has model.templates=false: use a config with the "
+                         "template stack (and its weights)")
     length = len(sequence)
     chain = ProteinChain(name, sequence, np.zeros((length, 37, 3), np.float32), np.zeros((length, 37), np.float32),
                          np.arange(length, dtype=np.int64))
@@ -86,8 +95,9 @@ def predict(model: AlphaFold, cfg: RecipeConfig, name: str, sequence: str, msa_f
     # prediction of the real residues does not change); the MSA depths already are (config check).
     ranks = model.axial.size
     fcfg = FeatureConfig(crop_size=-(-length // ranks) * ranks, max_msa_clusters=cfg.data.max_msa_clusters,
-                         max_extra_msa=cfg.data.max_extra_msa, masked_msa_fraction=0.0)
-    feats = make_features(chain, alignment, fcfg, np.random.default_rng(0), with_truth=False)
+                         max_extra_msa=cfg.data.max_extra_msa, masked_msa_fraction=0.0,
+                         max_templates=cfg.data.max_templates)
+    feats = make_features(chain, alignment, fcfg, np.random.default_rng(0), with_truth=False, templates=templates)
     from phalanx.device import to_device
 
     batch = to_device({k: v[None] for k, v in feats.items()}, next(model.parameters()).device)
@@ -134,6 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recycles", type=int, default=None)
     parser.add_argument("--reference", help="true structure (mmCIF/PDB) to score the prediction against")
     parser.add_argument("--chain", help="chain of --reference (default: its first protein chain)")
+    parser.add_argument("--template", action="append", default=[], metavar="MMCIF[:CHAIN]",
+                        help="a template structure, aligned to the query with biotite (repeatable; model.templates)")
+    parser.add_argument("--hhr", help="HHsearch .hhr hits of the query: its first data.max_templates hits are the "
+                                      "templates (mmCIFs from --template-dir)")
+    parser.add_argument("--template-dir", default="apps/protein/data/structures",
+                        help="where the .hhr hits' mmCIF files are (<pdb id>.cif[.gz])")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = load_recipe(args.config, args.overrides)
@@ -159,14 +175,39 @@ def dap_axial(dap_size: int):
     return DapAxial() if dap_size > 1 else Axial()
 
 
+def read_templates(args: argparse.Namespace, sequence: str, cfg: RecipeConfig) -> list | None:
+    """The --template / --hhr templates (checked before any weights load), or None."""
+    if not args.template and not args.hhr:
+        return None
+    if not cfg.model.templates:
+        raise ValueError("--template/--hhr need a config with model.templates=true (the template stack of "
+                         "params_model_1/2, or a model trained with templates)")
+    from apps.protein.io import read_structure
+    from apps.protein.templates import align_to_chain, template_from_hit, templates_from_hhr
+
+    out = []
+    for spec in args.template:
+        path, _, chain_id = spec.partition(":")
+        chain = read_structure(resolve(path), chain_id or None)
+        out.append(template_from_hit(align_to_chain(sequence, chain), sequence, chain, f"--template {spec}: "))
+    if args.hhr:
+        out += templates_from_hhr(resolve(args.hhr), sequence, resolve(args.template_dir), cfg.data.max_templates)
+    if len(out) > cfg.data.max_templates:
+        raise ValueError(f"{len(out)} templates given, data.max_templates={cfg.data.max_templates}: pass fewer or raise it")
+    for template in out:
+        print(f"template {template.name}: {len(template.pairs)} of {len(sequence)} query residues aligned")
+    return out
+
+
 def run(cfg: RecipeConfig, args: argparse.Namespace) -> None:
     from phalanx.observe import is_main_process
 
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     (header, sequence), *_ = read_fasta(args.fasta)
     name = header.split()[0].replace("/", "_") or "prediction"
+    templates = read_templates(args, sequence, cfg)
     model = load_model(cfg, args.checkpoint, args.af2_params).use_axial(dap_axial(cfg.dap_size))
-    pred = predict(model, cfg, name, sequence, args.msa, args.recycles)
+    pred = predict(model, cfg, name, sequence, args.msa, args.recycles, templates)
     if not is_main_process():
         return
     paths = write_prediction(pred, sequence, name, resolve(args.out))

@@ -13,9 +13,9 @@ Layout differences handled here: the invariant point attention stores point coor
 coordinate-major (x of every point, then y, then z) and concatenates its outputs as [scalar,
 x, y, z, norms, pair]; and AlphaFold's code computes the incoming triangle update as
 sum_k left_kj * right_ki, so its left/right projections are this model's b/a. The template stack
-(params_model_1/2) is not part of this model: its keys are returned as unused, and the model predicts
-as AlphaFold does for a query without template hits. The `_ptm` files' PAE head needs
-`model.pae_head: true`.
+of params_model_1/2 maps with `model.templates: true` (model/template.py); without it its keys are
+returned as unused, and the model predicts as AlphaFold does for a query without template hits.
+The `_ptm` files' PAE head needs `model.pae_head: true`.
 """
 from __future__ import annotations
 
@@ -93,6 +93,13 @@ def _block(prefix: str, key: str, block, extra: bool) -> dict:
     m |= _linear(f"{prefix}.opm.b", op + "/right_projection", block.opm.b)
     m[f"{prefix}.opm.o.weight"] = (op + "//output_w", lambda w: w.reshape(-1, w.shape[-1]).T)
     m[f"{prefix}.opm.o.bias"] = (op + "//output_b", None)
+    return m | _pair_ops(prefix, key, block)
+
+
+def _pair_ops(prefix: str, key: str, block) -> dict:
+    """Triangle multiplications, triangle attentions and the pair transition of an Evoformer or
+    template pair block (the same Haiku names in both stacks)."""
+    m = {}
     for name, direction in (("tri_mul_out", "outgoing"), ("tri_mul_in", "incoming")):
         tk, mod = f"{key}/triangle_multiplication_{direction}", getattr(block, name)
         a, b = ("left", "right") if direction == "outgoing" else ("right", "left")
@@ -153,6 +160,19 @@ def _structure(model: AlphaFold) -> dict:
     return m
 
 
+def _templates(model: AlphaFold) -> dict:
+    """The template stack of params_model_1/2 (its pair-stack blocks: af2_mapping)."""
+    te = ROOT + "evoformer/template_embedding"
+    emb = model.template_embedder
+    m = _linear("template_embedder.pair_embedding", te + "/single_template_embedding/embedding2d", emb.pair_embedding)
+    m |= _norm("template_embedder.pair_stack.norm", te + "/single_template_embedding/output_layer_norm")
+    m |= _attention("template_embedder.pointwise", te + "/attention", emb.pointwise)
+    m |= _linear("template_angle_embedder.fc1", ROOT + "evoformer/template_single_embedding",
+                 model.template_angle_embedder.fc1)
+    m |= _linear("template_angle_embedder.fc2", ROOT + "evoformer/template_projection", model.template_angle_embedder.fc2)
+    return m
+
+
 def af2_mapping(model: AlphaFold) -> dict[str, tuple[str, Convert | None, int | None]]:
     """{parameter name: (AlphaFold key, conversion, index into the stacked blocks or None)}."""
     ev = ROOT + "evoformer"
@@ -180,6 +200,11 @@ def af2_mapping(model: AlphaFold) -> dict[str, tuple[str, Convert | None, int | 
     if heads.pae is not None:
         flat |= _linear("heads.pae", ROOT + "predicted_aligned_error_head/logits", heads.pae)
     flat |= _structure(model)
+    if model.cfg.templates:
+        flat |= _templates(model)
+        te = ev + "/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state"
+        for i, block in enumerate(model.template_embedder.pair_stack.blocks):
+            m |= {k: (v[0], v[1], i) for k, v in _pair_ops(f"template_embedder.pair_stack.blocks.{i}", te, block).items()}
     m |= {k: (key, conv, None) for k, (key, conv) in flat.items()}
     for stack, key, extra in (("evoformer", ev + "/evoformer_iteration", False),
                               ("extra_msa_stack", ev + "/extra_msa_stack", True)):
@@ -194,8 +219,8 @@ TEMPLATE_KEYS = (ROOT + "evoformer/template_embedding/", ROOT + "evoformer/templ
 
 def load_af2_params(model: AlphaFold, path: str | Path) -> list[str]:
     """Fill `model` from an AlphaFold 2 .npz; returns the file's keys this model has no use for
-    (the template stack of params_model_1/2: this model then predicts as AlphaFold does for a
-    query without template hits)."""
+    (the template stack of params_model_1/2 when `model.templates` is off: the model then predicts
+    as AlphaFold does for a query without template hits)."""
     path = existing_file(path)
     with np.load(path) as npz:
         params = {k: npz[k] for k in npz.files}
@@ -235,7 +260,9 @@ def load_mapped_state(model: AlphaFold, params: dict, mapping: dict, path: Path,
             depth[key] = max(depth.get(key, 0), index + 1)
     for name, (key, convert, index) in mapping.items():
         if key not in params:
-            raise KeyError(f"{path} lacks {key!r} (for {name}): not {kind} of this architecture")
+            hint = (": the file has no template stack (params_model_3/4/5): set model.templates=false"
+                    if "template" in name else "")
+            raise KeyError(f"{path} lacks {key!r} (for {name}): not {kind} of this architecture{hint}")
         value = np.asarray(params[key])
         if index is not None:
             if value.shape[0] != depth[key]:
@@ -289,6 +316,8 @@ def _source_shape(key: str, value: np.ndarray, model: AlphaFold) -> tuple[int, .
     cfg = model.cfg.evoformer
     leaf = key.split("/")[-1]
     heads = cfg.heads_pair if "/triangle_attention" in key else cfg.heads_msa
+    if "/template_embedding/" in key:   # the template pair stack's triangle attention and the pointwise attention
+        heads = model.cfg.template.heads
     if leaf in ("query_w", "gating_w"):
         return (value.shape[1], heads, value.shape[0] // heads)
     if leaf == "gating_b":

@@ -49,11 +49,21 @@ _TOP = {"input_embedder.m_target": "input_embedder.linear_tf_m", "input_embedder
         "structure_module.angles.inp_initial": "structure_module.angle_resnet.linear_initial",
         "structure_module.angles.out": "structure_module.angle_resnet.linear_out"}
 # Names of OpenFold releases before the multimer refactor -> today's (the facts its own converter applies).
-_V1_NAMES = (("template_angle_embedder", "template_single_embedder"), ("core.msa_transition", "msa_transition"),
+_V1_NAMES = (("core.msa_transition", "msa_transition"),
              ("core.outer_product_mean", "outer_product_mean"), ("core.tri_", "pair_stack.tri_"),
              ("core.pair_transition", "pair_stack.pair_transition"))
 TEMPLATE_PREFIXES = ("template_embedder.", "template_angle_embedder.", "template_pair_embedder.",
                      "template_pair_stack.", "template_pointwise_att.", "template_single_embedder.")
+# Releases before the refactor kept the template modules at the top level (and called the angle
+# embedder template_angle_embedder); today they live under template_embedder.
+_V1_TEMPLATE_PREFIXES = (("template_angle_embedder.", "template_embedder.template_single_embedder."),
+                         ("template_pair_embedder.", "template_embedder.template_pair_embedder."),
+                         ("template_pair_stack.", "template_embedder.template_pair_stack."),
+                         ("template_pointwise_att.", "template_embedder.template_pointwise_att."))
+_TEMPLATE_TOP = {"template_embedder.pair_embedding": "template_embedder.template_pair_embedder.linear",
+                 "template_embedder.pair_stack.norm": "template_embedder.template_pair_stack.layer_norm",
+                 "template_angle_embedder.fc1": "template_embedder.template_single_embedder.linear_1",
+                 "template_angle_embedder.fc2": "template_embedder.template_single_embedder.linear_2"}
 
 
 def _block_modules(extra: bool) -> dict[str, str]:
@@ -83,7 +93,15 @@ def _module_name(module: str) -> str:
     """OpenFold's name of one of this model's modules (raises for a module OpenFold lacks)."""
     if module in _TOP:
         return _TOP[module]
+    if module in _TEMPLATE_TOP:
+        return _TEMPLATE_TOP[module]
     parts = module.split(".")
+    if module.startswith("template_embedder.pointwise."):
+        return f"template_embedder.template_pointwise_att.mha.{_ATTN[parts[-1]]}"
+    if module.startswith("template_embedder.pair_stack.blocks."):
+        # OpenFold's template pair block holds the pair operations directly (no pair_stack.)
+        inner = _block_modules(False)[".".join(parts[4:])].removeprefix("pair_stack.")
+        return f"template_embedder.template_pair_stack.blocks.{parts[3]}.{inner}"
     if parts[0] in ("evoformer", "extra_msa_stack") and parts[1] == "blocks":
         inner = _block_modules(parts[0] == "extra_msa_stack")[".".join(parts[3:])]
         return f"{parts[0]}.blocks.{parts[2]}.{inner}"
@@ -135,6 +153,9 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
             key = key[len(prefix):] if key.startswith(prefix) else key
         for old, new in _V1_NAMES:
             key = key.replace(old, new)
+        for old, new in _V1_TEMPLATE_PREFIXES:
+            if key.startswith(old):
+                key = new + key[len(old):]
         if key.endswith(("ipa.linear_q_points.weight", "ipa.linear_q_points.bias", "ipa.linear_kv_points.weight",
                          "ipa.linear_kv_points.bias")):
             stem, _, leaf = key.rpartition(".")
@@ -145,7 +166,7 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def load_openfold_params(model: AlphaFold, path: str | Path) -> list[str]:
     """Fill `model` from an OpenFold .pt; returns the file's keys this model has no use for (the
-    template stack: the model then predicts as without template hits)."""
+    template stack when `model.templates` is off: the model then predicts as without template hits)."""
     path = existing_file(path)
     params = {k: v.detach().float().numpy() for k, v in _state_dict(path).items() if isinstance(v, torch.Tensor)}
     mapping = openfold_mapping(model)

@@ -1,6 +1,7 @@
-"""AlphaFold 2 without templates: embedders, recycling, extra-MSA stack, Evoformer, structure
-module and heads (pLDDT, distogram, masked MSA, experimentally resolved, and with `pae_head` the
-predicted aligned error of the `_ptm` models). Algorithm 2 of the AlphaFold 2 supplement.
+"""AlphaFold 2: embedders, recycling, templates (`model.templates`, `model/template.py`), extra-MSA
+stack, Evoformer, structure module and heads (pLDDT, distogram, masked MSA, experimentally
+resolved, and with `pae_head` the predicted aligned error of the `_ptm` models). Algorithm 2 of
+the AlphaFold 2 supplement.
 
 The Evoformer and extra-MSA stacks run under an `Axial` (one process, or Dynamic Axial
 Parallelism over a group); embedders, structure module and heads run on whole tensors on every
@@ -16,8 +17,10 @@ from torch import nn
 from apps.protein import constants as rc
 from apps.protein.model.dap import Axial
 from apps.protein.model.evoformer import EvoformerConfig, EvoformerStack
-from apps.protein.model.primitives import LayerNorm, fp32, in_fp32, linear
+from apps.protein.model.primitives import LayerNorm, fp32, in_fp32, linear, lower_edge_one_hot
 from apps.protein.model.structure import StructureConfig, StructureModule
+from apps.protein.model.template import (TEMPLATE_KEYS, TemplateAngleEmbedder, TemplateConfig,
+                                           TemplateEmbedder)
 from apps.protein.sidechains import ideal_tables, pseudo_beta
 
 DISTOGRAM_BINS = 64          # 2.3125 .. 21.6875 Angstrom, as AlphaFold
@@ -43,6 +46,9 @@ class ModelConfig:
                                      # into the MSA; a toy-scale aid, see crop_position_one_hot
     recycles: int = 3                # extra passes through the network (training samples 0..recycles)
     pae_head: bool = False           # the predicted-aligned-error (pTM) head of AlphaFold's params_model_*_ptm
+    templates: bool = False          # the template stack of AlphaFold's params_model_1/2 (template pair stack,
+                                     # pointwise attention, torsion-angle MSA rows): model/template.py
+    template: TemplateConfig = field(default_factory=TemplateConfig)
     evoformer: EvoformerConfig = field(default_factory=EvoformerConfig)
     structure: StructureConfig = field(default_factory=StructureConfig)
 
@@ -53,20 +59,10 @@ class ModelConfig:
         return self
 
 
-def distance_bin_index(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """[.., i, j]: how many of `edges` (Angstrom, increasing) the distance between points i and j of
-    x [.., L, 3] exceeds (squared-distance comparison, as AlphaFold). The one binning of distances:
-    the distogram target takes it as the class, the recycling embedder as lower edges."""
-    d2 = ((x[..., :, None, :] - x[..., None, :, :]) ** 2).sum(-1, keepdim=True)
-    return (d2 > edges.to(x.device, x.dtype) ** 2).sum(-1)
-
-
 def recycling_distance_one_hot(x: torch.Tensor) -> torch.Tensor:
     """[.., i, j, 15]: AlphaFold's recycled distogram of points x [.., L, 3]; a pair closer than
     the first lower edge (3.25 A) gets no bin at all."""
-    low, high, n = RECYCLE_LOWER_EDGES
-    index = distance_bin_index(x, torch.linspace(low, high, n))
-    return torch.nn.functional.one_hot(index, n + 1)[..., 1:].to(x.dtype)
+    return lower_edge_one_hot(x, *RECYCLE_LOWER_EDGES)
 
 
 def crop_position_one_hot(residue_index: torch.Tensor, bins: int) -> torch.Tensor:
@@ -157,6 +153,9 @@ class AlphaFold(nn.Module):
         self.cfg = cfg.synced()
         self.input_embedder = InputEmbedder(cfg)
         self.recycling_embedder = RecyclingEmbedder(cfg)
+        if cfg.templates:
+            self.template_embedder = TemplateEmbedder(cfg.template, cfg.evoformer, cfg.c_z)
+            self.template_angle_embedder = TemplateAngleEmbedder(cfg.c_m)
         self.extra_msa_embedder = linear(25, cfg.c_e)
         self.extra_msa_stack = EvoformerStack(cfg.evoformer, cfg.extra_msa_blocks, c_m=cfg.c_e, global_column=True)
         self.evoformer = EvoformerStack(cfg.evoformer, cfg.evoformer_blocks)
@@ -197,11 +196,20 @@ class AlphaFold(nn.Module):
                 aatype, recycles: int | None = None, **labels) -> dict[str, torch.Tensor]:
         """recycles: extra passes (default cfg.recycles); all but the last run without gradients.
         `labels`: a training batch's ground truth, passed along with the inputs and not used; any
-        other keyword is a mistake and stops here."""
-        unknown = sorted(set(labels) - LABEL_KEYS)
+        other keyword is a mistake and stops here. With `model.templates` the template inputs
+        (`template_*`, apps.protein.templates) are used when given; without them the prediction is
+        AlphaFold's for a query without template hits."""
+        unknown = sorted(set(labels) - LABEL_KEYS - set(TEMPLATE_KEYS))
         if unknown:
             raise TypeError(f"AlphaFold.forward got unknown inputs {unknown}: the inputs are the features of "
                             "apps.protein.features.make_features (and recycles=)")
+        templates = {k: labels[k] for k in TEMPLATE_KEYS if k in labels}
+        if templates and not self.cfg.templates:
+            raise ValueError("the batch has template features but the model has no template stack: set "
+                             "model.templates=true (or build the features without templates)")
+        if templates and len(templates) != len(TEMPLATE_KEYS):
+            raise ValueError(f"template inputs {sorted(set(TEMPLATE_KEYS) - set(templates))} are missing: pass all of "
+                             "apps.protein.templates.template_features' arrays")
         recycles = self.cfg.recycles if recycles is None else recycles
         # Features (one-hots, profiles, 0/1 masks: exact in bf16) in the weights' dtype.
         dtype = self.compute_dtype
@@ -215,19 +223,27 @@ class AlphaFold(nn.Module):
         for cycle in range(recycles + 1):
             last = cycle == recycles
             with torch.set_grad_enabled(last and torch.is_grad_enabled()):
-                out = self.iteration(*inputs, prev_m0, prev_z, prev_x)
+                out = self.iteration(*inputs, prev_m0, prev_z, prev_x, templates or None)
             prev_m0, prev_z = out["msa_first_row"].detach(), out["pair"].detach()
             prev_x = pseudo_beta(out["atom37"], aatype).detach()
         return out
 
     def iteration(self, target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask,
-                  aatype, prev_m0, prev_z, prev_x) -> dict[str, torch.Tensor]:
+                  aatype, prev_m0, prev_z, prev_x, templates=None) -> dict[str, torch.Tensor]:
         ax = self.axial
         pair_mask = seq_mask[:, :, None] * seq_mask[:, None, :]
         m, z = self.input_embedder(target_feat, residue_index, msa_feat)
         dm0, dz = self.recycling_embedder(prev_m0, prev_z, prev_x)
         m = torch.cat([m[:, :1] + dm0[:, None], m[:, 1:]], 1)
         z = z + dz
+        n_seq = m.shape[1]
+        if templates is not None:
+            # Algorithm 2: the templates' pair embedding joins z before the extra-MSA stack; their
+            # torsion-angle rows join the MSA (after the extra-MSA stack, which does not see them).
+            # Whole tensors on every rank, like the other embedders.
+            z = z + self.template_embedder(z, templates, pair_mask)
+            rows, row_mask = self.template_angle_embedder(templates, m.dtype)
+            m, msa_mask = torch.cat([m, rows], 1), torch.cat([msa_mask, row_mask], 1)
         # Split for the stacks: MSA by rows, pair by its first residue axis.
         z = ax.scatter(z, 1)
         e = ax.scatter(self.extra_msa_embedder(extra_msa_feat), 1)
@@ -236,7 +252,7 @@ class AlphaFold(nn.Module):
         # Whole tensors again for the structure module and heads (run on every rank).
         first_row = ax.gather(ax.transpose(m, 2, 1)[:, 0], 1)
         z = ax.gather(z, 1)
-        msa_logits = fp32(ax.gather(self.heads.masked_msa(m), 1))
+        msa_logits = fp32(ax.gather(self.heads.masked_msa(m), 1))[:, :n_seq]   # not of the template rows
         s = self.single(first_row)
         # The structure module and the heads are fp32 islands of a bf16 model (AlphaFold casts the
         # Evoformer's outputs to fp32 before them): z cast once for both.

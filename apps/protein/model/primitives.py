@@ -31,6 +31,22 @@ def chunked(fn, rows: int, chunk_size: int | None, dim: int = 1) -> torch.Tensor
     return torch.cat(outs, dim)
 
 
+def distance_bin_index(x: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+    """[.., i, j]: how many of `edges` (Angstrom, increasing) the distance between points i and j of
+    x [.., L, 3] exceeds (squared-distance comparison, as AlphaFold). The one binning of distances:
+    the distogram target takes it as the class, the recycling and template embedders as lower edges."""
+    d2 = ((x[..., :, None, :] - x[..., None, :, :]) ** 2).sum(-1, keepdim=True)
+    return (d2 > edges.to(x.device, x.dtype) ** 2).sum(-1)
+
+
+def lower_edge_one_hot(x: torch.Tensor, low: float, high: float, n: int) -> torch.Tensor:
+    """[.., i, j, n]: AlphaFold's distogram feature of points x [.., L, 3] (`dgram_from_positions`):
+    n bins with lower edges linspace(low, high, n), the last open-ended; a pair closer than `low`
+    is in no bin (an all-zero one-hot)."""
+    index = distance_bin_index(x, torch.linspace(low, high, n))
+    return torch.nn.functional.one_hot(index, n + 1)[..., 1:].to(x.dtype)
+
+
 def fp32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 when it is in a 16-bit dtype, else unchanged (fp32 and fp64 models keep their
     dtype): the entry to an fp32 island of a bf16 model (softmax inputs, counts, geometry)."""

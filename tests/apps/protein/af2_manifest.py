@@ -256,6 +256,15 @@ _OF_LEAF = {"weights": "weight", "bias": "bias", "scale": "weight", "offset": "b
             "value_w": "linear_v.weight", "gating_w": "linear_g.weight", "gating_b": "linear_g.bias",
             "trainable_point_weights": "head_weights"}
 _OF_ATTN_LEAVES = {"query_w", "key_w", "value_w", "gating_w", "gating_b"}
+# The template stack (OpenFold's import table for model_1/2; its modules under template_embedder).
+_TEMPLATE_STACK = "evoformer/template_embedding/single_template_embedding/template_pair_stack/__layer_stack_no_state"
+_OF_TEMPLATE = {"evoformer/template_embedding/single_template_embedding/embedding2d":
+                "template_embedder.template_pair_embedder.linear",
+                "evoformer/template_embedding/single_template_embedding/output_layer_norm":
+                "template_embedder.template_pair_stack.layer_norm",
+                "evoformer/template_embedding/attention": "template_embedder.template_pointwise_att.mha",
+                "evoformer/template_single_embedding": "template_embedder.template_single_embedder.linear_1",
+                "evoformer/template_projection": "template_embedder.template_single_embedder.linear_2"}
 
 
 def openfold_name(key: str, block: int | None = None) -> str:
@@ -270,6 +279,11 @@ def openfold_name(key: str, block: int | None = None) -> str:
     for stack, of in (("evoformer/evoformer_iteration", "evoformer"), ("evoformer/extra_msa_stack", "extra_msa_stack")):
         if module.startswith(stack + "/"):
             return f"{of}.blocks.{block}.{_OF_BLOCK[module[len(stack) + 1:]]}.{leaf}"
+    if module.startswith(_TEMPLATE_STACK + "/"):   # a template pair block holds the pair operations directly
+        inner = _OF_BLOCK[module[len(_TEMPLATE_STACK) + 1:]].removeprefix("pair_stack.")
+        return f"template_embedder.template_pair_stack.blocks.{block}.{inner}.{leaf}"
+    if module in _OF_TEMPLATE:
+        return f"{_OF_TEMPLATE[module]}.{leaf}"
     if module.startswith("structure_module/fold_iteration/"):
         return f"structure_module.{_OF_FOLD[module[len('structure_module/fold_iteration/'):]]}.{leaf}"
     return f"{_OF_TOP[module]}.{leaf}"
@@ -288,14 +302,19 @@ def openfold_layout(key: str, value):
     return value
 
 
+def is_stacked(key: str) -> bool:
+    """Whether an AlphaFold array stacks the blocks of a stack on its first axis."""
+    return "/evoformer_iteration/" in key or "/extra_msa_stack/" in key or "/__layer_stack_no_state/" in key
+
+
 def openfold_arrays(af2: dict[str, list[int]]) -> dict[str, list[int]]:
-    """{OpenFold state-dict name: torch shape} of the arrays of a template-free AlphaFold file; the
+    """{OpenFold state-dict name: torch shape} of the arrays of an AlphaFold file; the
     blocks of a stack are written once, as `blocks.{i}.` (their count is the AlphaFold stack's)."""
     import numpy as np
 
     out = {}
     for key, shape in af2.items():
-        stacked = "/evoformer_iteration/" in key or "/extra_msa_stack/" in key
+        stacked = is_stacked(key)
         one = np.empty(shape[1:] if stacked else shape, dtype=np.int8)
         out[openfold_name(key, "{i}" if stacked else None)] = list(openfold_layout(key, one).shape)
     return out
@@ -328,8 +347,10 @@ def manifest(d: Dims | None = None) -> dict:
     of_base = openfold_arrays(parts["base"])
     return {"source": "AlphaFold 2 monomer model config and OpenFold's weight-import table (facts: names, shapes)",
             "dims": asdict(d), "parts": parts, "variants": variants,
-            "openfold": {"blocks": {"evoformer": d.evoformer_blocks, "extra_msa_stack": d.extra_blocks},
-                         "base": of_base, "ptm": openfold_arrays(parts["ptm"])}}
+            "openfold": {"blocks": {"evoformer": d.evoformer_blocks, "extra_msa_stack": d.extra_blocks,
+                                    "template_embedder": d.template_blocks},
+                         "base": of_base, "ptm": openfold_arrays(parts["ptm"]),
+                         "templates": openfold_arrays(parts["templates"])}}
 
 
 def variant_arrays(m: dict, variant: str) -> dict[str, list[int]]:
@@ -340,10 +361,10 @@ def variant_arrays(m: dict, variant: str) -> dict[str, list[int]]:
     return out
 
 
-def openfold_variant(m: dict, ptm: bool) -> dict[str, list[int]]:
-    """OpenFold's {name: shape} of a template-free checkpoint, with or without the pTM head."""
+def openfold_variant(m: dict, ptm: bool, templates: bool = False) -> dict[str, list[int]]:
+    """OpenFold's {name: shape} of a checkpoint, with or without the pTM head and the template stack."""
     of = m["openfold"]
-    return expand_blocks(of["base"] | (of["ptm"] if ptm else {}), of["blocks"])
+    return expand_blocks(of["base"] | (of["ptm"] if ptm else {}) | (of["templates"] if templates else {}), of["blocks"])
 
 
 if __name__ == "__main__":

@@ -39,15 +39,20 @@ def tiny_model(seed: int = 0, dropout: bool = False, **overrides) -> AlphaFold:
     return model
 
 
-def real_batch(crop: int = 16, clusters: int = 4, extra: int = 4, batch: int = 2, seed: int = 0):
-    """A batch of `batch` crops of 2q2k chain A with its real Stockholm MSA."""
+def real_batch(crop: int = 16, clusters: int = 4, extra: int = 4, batch: int = 2, seed: int = 0,
+               templates: int = 0):
+    """A batch of `batch` crops of 2q2k chain A with its real Stockholm MSA; with `templates` > 0
+    also template inputs in that many slots, the chain itself (aligned residue to residue) in the first."""
+    from apps.protein.templates import self_template
+
     chain = read_structure(structure_path("2q2k"), "A")
     alignment = read_msa(msa_path("2q2k_A/uniref90_hits.sto"))
-    cfg = FeatureConfig(crop_size=crop, max_msa_clusters=clusters, max_extra_msa=extra)
+    cfg = FeatureConfig(crop_size=crop, max_msa_clusters=clusters, max_extra_msa=extra, max_templates=max(templates, 1))
     samples = []
     for i in range(batch):
         rng = np.random.default_rng(seed + i)
-        samples.append(make_features(chain, alignment, cfg, rng, crop_window(chain, crop, rng)))
+        samples.append(make_features(chain, alignment, cfg, rng, crop_window(chain, crop, rng),
+                                     templates=[self_template(chain)] if templates else None))
     from phalanx.train.data import default_collate
     return default_collate(samples)
 
@@ -61,7 +66,8 @@ def loss_and_outputs(model, batch):
     return loss, out
 
 
-def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None, dropout: bool = False) -> dict:
+def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None, dropout: bool = False,
+              templates: int = 0) -> dict:
     """On every rank: the one-process result, then the same model under DAP over all ranks (its
     Evoformer blocks chunked `dap_chunk` rows at a time when given; with AlphaFold's dropout when
     `dropout`, both runs starting from the same random state). Returns both (loss, outputs,
@@ -70,10 +76,14 @@ def dap_ranks(crop: int, clusters: int, extra: int, dap_chunk: int | None = None
 
     from apps.protein.model.dap import Axial, DapAxial
 
-    batch = real_batch(crop, clusters, extra)
+    batch = real_batch(crop, clusters, extra, templates=templates)
     results = {}
     for name, axial in (("one", Axial()), ("dap", DapAxial())):
-        model = tiny_model(dropout=dropout).use_axial(axial)  # seeds torch: both runs draw the same masks
+        extra_cfg = {}
+        if templates:
+            from apps.protein.model.template import TemplateConfig
+            extra_cfg = {"templates": True, "template": TemplateConfig(c_t=8, blocks=1, heads=2, c_hidden_mul=8)}
+        model = tiny_model(dropout=dropout, **extra_cfg).use_axial(axial)  # seeds torch: both runs draw the same masks
         if name == "dap" and dap_chunk is not None:
             for block in model.modules():
                 if hasattr(block, "chunk_size"):
@@ -125,3 +135,24 @@ def predict_dap_ranks(length: int, chunk: int | None, precision: str = "fp32") -
         model.eval().use_axial(axial)
         results[name] = predict(model, cfg, "query", sequence, msa, 1)
     return results
+
+
+# tiny.yaml with the template stack at toy sizes (test_protein_templates.py)
+TEMPLATE_OVERRIDES = ["model.templates=true", "model.template.c_t=8", "model.template.blocks=1",
+                      "model.template.heads=2", "model.template.c_hidden_mul=8", "model.evoformer_blocks=1",
+                      "model.structure.layers=2", "data.max_templates=2", "data.crop_size=16",
+                      "data.max_msa_clusters=4", "data.max_extra_msa=4"]
+
+
+def train_templates_rank(output_dir: str):
+    """Rank body: tiny.yaml with templates (each crop its own structure as template), 3 steps
+    through fit, a checkpoint and an eval at the end. Returns (losses, last eval)."""
+    from apps.protein.config import load_recipe
+    from apps.protein.train import train
+
+    cfg = load_recipe("apps/protein/configs/tiny.yaml", [
+        *TEMPLATE_OVERRIDES, "max_train_chains=2", "eval_heldout=false", "train.micro_batch_size=2",
+        "train.max_steps=3", "train.eval_every=3", "train.save_every=3", "train.log_every=1",
+        "train.progress_bar=false", "train.plot=false", f"train.output_dir={output_dir}"])
+    result, _ = train(cfg)
+    return result.losses, result.last_eval

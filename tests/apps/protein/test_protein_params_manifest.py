@@ -3,8 +3,8 @@
 public model definition by af2_manifest.py) maps to one parameter of this model at AF2's sizes
 (built on the meta device: no memory), and small synthetic files in that naming load and run.
 
-Models 1 and 2 (and their _ptm files) also hold a template stack, which this model lacks: for them
-the tests check that the template arrays are exactly what stays unused."""
+Models 1 and 2 (and their _ptm files) also hold a template stack: with `model.templates` every one
+of its arrays maps too; without it the template arrays are exactly what stays unused."""
 from __future__ import annotations
 
 import json
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from af2_manifest import (FIXTURE, TEMPLATE_VARIANTS, VARIANTS, Dims, af2_arrays, manifest, openfold_layout,
-                          openfold_name, openfold_variant, variant_arrays)
+from af2_manifest import (FIXTURE, TEMPLATE_VARIANTS, VARIANTS, Dims, af2_arrays, is_stacked, manifest,
+                          openfold_layout, openfold_name, openfold_variant, variant_arrays)
 from apps.protein.model import AlphaFold, ModelConfig
 from apps.protein.model.evoformer import EvoformerConfig
 from apps.protein.model.structure import StructureConfig
+from apps.protein.model.template import TemplateConfig
 from apps.protein.weights import af2_mapping, load_af2_params, load_params, save_af2_params
 from apps.protein.weights_openfold import load_openfold_params, openfold_mapping
 from protein_tiny import real_batch
@@ -25,10 +26,12 @@ from protein_tiny import real_batch
 MANIFEST = json.loads(FIXTURE.read_text())
 
 
-def config_for(d: Dims, ptm: bool) -> ModelConfig:
+def config_for(d: Dims, ptm: bool, templates: bool = False) -> ModelConfig:
     """This recipe's config of a network with AlphaFold's layout at the sizes `d`."""
     return ModelConfig(c_m=d.c_m, c_z=d.c_z, c_e=d.c_e, c_s=d.c_s, evoformer_blocks=d.evoformer_blocks,
-                       extra_msa_blocks=d.extra_blocks, pae_head=ptm,
+                       extra_msa_blocks=d.extra_blocks, pae_head=ptm, templates=templates,
+                       template=TemplateConfig(c_t=d.c_t, blocks=d.template_blocks, heads=d.heads_template,
+                                               c_hidden_mul=d.c_mul_template, transition_n=d.transition_template),
                        evoformer=EvoformerConfig(heads_msa=d.heads_msa, c_hidden_msa=d.c_m // d.heads_msa,
                                                  heads_pair=d.heads_pair, c_hidden_pair=d.c_z // d.heads_pair,
                                                  c_hidden_mul=d.c_mul, c_hidden_opm=d.c_opm,
@@ -42,12 +45,12 @@ def real_size_models():
     """AlphaFold 2's sizes from the alphafold2.yaml config, on the meta device."""
     from apps.protein.config import load_recipe
 
-    cfg = load_recipe("apps/protein/configs/alphafold2.yaml", [])
     models = {}
     for ptm in (False, True):
-        cfg.model.pae_head = ptm
-        with torch.device("meta"):
-            models[ptm] = AlphaFold(cfg.model)
+        for templates in (False, True):
+            cfg = load_recipe("apps/protein/configs/alphafold2.yaml", [f"model.pae_head={ptm}", f"model.templates={templates}"])
+            with torch.device("meta"):
+                models[ptm, templates] = AlphaFold(cfg.model)
     return models
 
 
@@ -85,19 +88,20 @@ def _check_af2_mapping(model: AlphaFold, arrays: dict[str, list[int]]) -> set[st
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_array_of_the_alphafold_file_maps_to_one_parameter(variant, real_size_models):
-    model = real_size_models[variant.endswith("_ptm")]
+    """Models 1-2 with model.templates: every array, the template stack's too; the others without."""
+    templates = variant in TEMPLATE_VARIANTS
     arrays = variant_arrays(MANIFEST, variant)
-    unused = _check_af2_mapping(model, arrays)
-    if variant in TEMPLATE_VARIANTS:  # the template stack this model lacks, and nothing else
+    assert _check_af2_mapping(real_size_models[variant.endswith("_ptm"), templates], arrays) == set()
+    if templates:  # a model without the stack leaves exactly the template arrays unused
+        unused = _check_af2_mapping(real_size_models[variant.endswith("_ptm"), False], arrays)
         assert unused == set(MANIFEST["parts"]["templates"])
-    else:
-        assert unused == set()
 
 
 @pytest.mark.parametrize("ptm", [False, True])
-def test_every_openfold_tensor_maps_to_one_parameter(ptm, real_size_models):
-    model = real_size_models[ptm]
-    tensors = openfold_variant(MANIFEST, ptm)
+@pytest.mark.parametrize("templates", [False, True])
+def test_every_openfold_tensor_maps_to_one_parameter(ptm, templates, real_size_models):
+    model = real_size_models[ptm, templates]
+    tensors = openfold_variant(MANIFEST, ptm, templates)
     params = dict(model.named_parameters())
     mapping = openfold_mapping(model)
     assert set(mapping) == set(params)
@@ -121,8 +125,7 @@ def _as_openfold(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """The same arrays in OpenFold's names and layouts (as its import converts them)."""
     out = {}
     for key, value in arrays.items():
-        stacked = "/evoformer_iteration/" in key or "/extra_msa_stack/" in key
-        for b, v in (enumerate(value) if stacked else [(None, value)]):
+        for b, v in (enumerate(value) if is_stacked(key) else [(None, value)]):
             out[openfold_name(key, b)] = torch.from_numpy(np.ascontiguousarray(openfold_layout(key, v)))
     return out
 
@@ -155,6 +158,58 @@ def test_synthetic_files_load_run_and_export(tmp_path):
     assert sorted(back.files) == sorted(arrays)
     for key, value in arrays.items():
         assert np.array_equal(back[key], value), key
+
+
+V1_TEMPLATE_NAMES = (("template_embedder.template_single_embedder.", "template_angle_embedder."),
+                     ("template_embedder.", ""))   # OpenFold before its multimer refactor
+
+
+@pytest.mark.parametrize("variant", ["model_1", "model_2_ptm"])
+def test_synthetic_template_files_load_run_and_export(variant, tmp_path):
+    """Random params_model_1/2 files (every array of the manifest, the template stack included)
+    load from .npz, from an OpenFold .pt and from an OpenFold .pt in the pre-refactor names into
+    identical models with model.templates, which run on a batch with a template (the template
+    changes the prediction); the exporter writes the .npz back array for array."""
+    arrays = _random_file(variant, seed=3)
+    np.savez(tmp_path / "p.npz", **arrays)
+    state = _as_openfold(arrays)
+    torch.save(state, tmp_path / "new.pt")
+    old = {}
+    for k, v in state.items():
+        for new, former in V1_TEMPLATE_NAMES:
+            if k.startswith(new):
+                k = former + k[len(new):]
+                break
+        old[k] = v
+    assert any(k.startswith("template_angle_embedder.linear_1") for k in old)
+    torch.save(old, tmp_path / "old.pt")
+    cfg = config_for(TINY, ptm=variant.endswith("_ptm"), templates=True)
+    models = [AlphaFold(cfg) for _ in range(3)]
+    for model, name in zip(models, ("p.npz", "new.pt", "old.pt"), strict=True):
+        assert load_params(model, tmp_path / name) == []
+    for (name, a), b, c in zip(models[0].named_parameters(), models[1].parameters(), models[2].parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    # The pointwise attention's key: head 1, channel 3 of template channel 5 is row 1 * 4 + 3, column 5.
+    kw = arrays["alphafold/alphafold_iteration/evoformer/template_embedding/attention//key_w"]
+    k = models[0].template_embedder.pointwise.k.weight.detach().numpy()
+    assert k.shape == (8, 8) and np.allclose(k[1 * 4 + 3, 5], kw[5, 1, 3])
+    batch = real_batch(crop=12, clusters=3, extra=4, batch=1, templates=2)
+    with torch.no_grad():
+        outs = [m.eval()(**batch) for m in models]
+        plain = models[0](**{k: v for k, v in batch.items() if not k.startswith("template_")})
+    assert torch.equal(outs[0]["atom37"], outs[1]["atom37"]) and torch.equal(outs[0]["atom37"], outs[2]["atom37"])
+    assert (outs[0]["pair"] - plain["pair"]).abs().max() > 1e-3    # the template reached the pair representation
+    back = np.load(save_af2_params(models[0], tmp_path / "export.npz"))
+    assert sorted(back.files) == sorted(arrays)
+    for key, value in arrays.items():
+        assert np.array_equal(back[key], value), key
+    with pytest.raises(KeyError, match="no template stack .*model.templates=false"):
+        load_params(AlphaFold(cfg), _save(tmp_path / "model_3.npz", _random_file("model_3")))
+
+
+def _save(path, arrays):
+    np.savez(path, **arrays)
+    return path
 
 
 def test_template_files_load_without_their_template_stack(tmp_path):

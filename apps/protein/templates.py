@@ -1,0 +1,229 @@
+"""Template features from structures aligned to the query (AlphaFold 2 supplement 1.2.3, 1.7.1).
+
+A template is a protein chain of an mmCIF file (read with biotite, `io.read_structure`) and an
+alignment of the query to it. Two ways to give the alignment:
+
+- an HHsearch `.hhr` hits file (`read_hhr`): each hit `No N` / `>1abc_A ...` with its `Q <query>`
+  and `T 1abc_A` alignment lines; the hit name is `<PDB id>_<author chain>` and its mmCIF is looked
+  up as `<template_dir>/<id>.cif[.gz]` (lower- or upper-case id). Template residue numbers are
+  1-based positions in the chain's deposited sequence (mmCIF entity_poly, pdb70's SEQRES), and the
+  aligned template letters must be that sequence's (checked; a mismatch is an error naming the
+  residue);
+- no alignment (`align_to_chain`): the query is aligned to the chain's sequence with biotite
+  (Smith-Waterman, BLOSUM62, gap open -10 / extend -1) -- what `predict --template 1abc.cif:A` does.
+
+`template_features(length, templates)` lays each template out on the query's residues:
+`template_aatype` [T, L] (20 residues, X, 21 = gap where no template residue aligns),
+`template_all_atom_positions` [T, L, 37, 3] and `template_all_atom_mask` [T, L, 37],
+`template_pseudo_beta` (+ `_mask`), `template_mask` [T] (1 for a template, 0 for padding), and the
+torsion angles of the template's atoms in query order (`template_torsion_sin_cos`, its
+pi-periodic alternative and `template_torsion_mask`: omega and phi need the previous query
+residue's template atoms, as in AlphaFold). The pair features (distogram, unit vectors, masks,
+residue-type one-hots) are computed inside the model (`model/template.py`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from apps.protein import constants as rc
+from apps.protein.io import ProteinChain, ProteinInputError, _text, read_structure
+from apps.protein.model.template import TEMPLATE_KEYS
+from apps.protein.sidechains import atom37_to_atom14, pseudo_beta, true_torsions
+
+GAP_AATYPE = 21
+
+
+@dataclass
+class TemplateHit:
+    """One alignment of the query to a template chain: aligned strings of equal length (gaps '-'),
+    each starting at a 1-based residue number of its own sequence."""
+    name: str
+    query_start: int
+    query_aligned: str
+    template_start: int
+    template_aligned: str
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """[(query index, template index)], 0-based, for every column where both have a residue."""
+        if len(self.query_aligned) != len(self.template_aligned):
+            raise ProteinInputError(f"hit {self.name}: query and template alignment rows differ in length "
+                                    f"({len(self.query_aligned)} vs {len(self.template_aligned)})")
+        out, q, t = [], self.query_start - 1, self.template_start - 1
+        for a, b in zip(self.query_aligned, self.template_aligned, strict=True):
+            if a != "-" and b != "-":
+                out.append((q, t))
+            q += a != "-"
+            t += b != "-"
+        return out
+
+
+@dataclass
+class Template:
+    """A template chain and the query residues its residues align to."""
+    chain: ProteinChain
+    pairs: list[tuple[int, int]]     # (query index, template index), 0-based
+
+    @property
+    def name(self) -> str:
+        return self.chain.name
+
+
+_ALIGN_LINE = re.compile(r"^([QT]) (\S+)\s+(\d+) ([A-Za-z\-.]+)\s+(\d+) \((\d+)\)")
+_NOT_SEQUENCE = {"ss_pred", "ss_conf", "ss_dssp", "Consensus"}
+
+
+def read_hhr(path: str | Path) -> list[TemplateHit]:
+    """The hits of an HHsearch/HHblits `.hhr` file, in file order (their alignment blocks joined)."""
+    path = Path(path)
+    hits: list[TemplateHit] = []
+    current: dict | None = None
+
+    def close():
+        if current is not None:
+            if not current["q"] or not current["t"]:
+                raise ProteinInputError(f"{path}: hit {current['name']} has no 'Q <query> ...' / 'T <template> ...' "
+                                        "alignment lines; is this an .hhr file?")
+            hits.append(TemplateHit(current["name"], current["q_start"], "".join(current["q"]), current["t_start"],
+                                    "".join(current["t"])))
+
+    for line in _text(path).splitlines():
+        if line.startswith("No "):
+            close()
+            current = {"name": None, "q": [], "t": [], "q_start": None, "t_start": None}
+        elif current is not None and line.startswith(">") and current["name"] is None:
+            current["name"] = line[1:].split()[0]
+        elif current is not None and (match := _ALIGN_LINE.match(line)):
+            side, name, start, seq = match.group(1), match.group(2), int(match.group(3)), match.group(4)
+            if name in _NOT_SEQUENCE:
+                continue
+            key = side.lower()
+            if current[f"{key}_start"] is None:
+                current[f"{key}_start"] = start
+            current[key].append(seq.upper().replace(".", "-"))
+    close()
+    if not hits:
+        raise ProteinInputError(f"{path}: no hit ('No 1' block with a '>name' line and Q/T alignment lines): "
+                                "give an HHsearch .hhr file")
+    return hits
+
+
+def align_to_chain(query: str, chain: ProteinChain) -> TemplateHit:
+    """The query aligned to the chain's sequence (biotite: local alignment, BLOSUM62, gaps -10/-1)."""
+    from biotite.sequence import ProteinSequence
+    from biotite.sequence.align import SubstitutionMatrix, align_optimal
+
+    def seq(s):
+        return ProteinSequence("".join(a if a in rc.RESTYPES else "X" for a in s))
+    alignment = align_optimal(seq(query), seq(chain.sequence), SubstitutionMatrix.std_protein_matrix(),
+                              gap_penalty=(-10, -1), local=True, max_number=1)[0]
+    trace = alignment.trace
+    q_rows, t_rows = [], []
+    for qi, ti in trace:
+        q_rows.append(query[qi] if qi >= 0 else "-")
+        t_rows.append(chain.sequence[ti] if ti >= 0 else "-")
+    first = trace[0]
+    return TemplateHit(chain.name, int(first[0]) + 1, "".join(q_rows), int(first[1]) + 1, "".join(t_rows))
+
+
+def find_structure(hit_name: str, template_dir: str | Path) -> tuple[Path, str]:
+    """(mmCIF path, author chain) of a hit named `<PDB id>_<chain>` under `template_dir`."""
+    if "_" not in hit_name:
+        raise ProteinInputError(f"template hit {hit_name!r}: expected a name <PDB id>_<chain> (e.g. 1aki_A)")
+    stem, chain = hit_name.rsplit("_", 1)
+    directory = Path(template_dir)
+    for name in (stem, stem.lower(), stem.upper()):
+        for ext in (".cif.gz", ".cif"):
+            if (directory / f"{name}{ext}").is_file():
+                return directory / f"{name}{ext}", chain
+    raise ProteinInputError(f"template hit {hit_name}: no {stem}.cif or {stem}.cif.gz in {directory}; download the "
+                            "mmCIF there or pass --template-dir")
+
+
+def template_from_hit(hit: TemplateHit, query: str, chain: ProteinChain, where: str = "") -> Template:
+    """Check the hit's letters against the query and the chain's sequence, and keep its pairs."""
+    pairs = hit.pairs()
+    for q, t in pairs:
+        if not 0 <= q < len(query):
+            raise ProteinInputError(f"{where}hit {hit.name}: query residue {q + 1} is beyond the query's {len(query)}")
+        if not 0 <= t < len(chain.sequence):
+            raise ProteinInputError(f"{where}hit {hit.name}: template residue {t + 1} is beyond {chain.name}'s "
+                                    f"{len(chain.sequence)}-residue sequence")
+    q_letters = [a for a in hit.query_aligned if a != "-"]
+    for k, a in enumerate(q_letters):
+        q = hit.query_start - 1 + k
+        if a not in "X" and q < len(query) and query[q] not in ("X", a):
+            raise ProteinInputError(f"{where}hit {hit.name}: query residue {q + 1} is {a} in the alignment but "
+                                    f"{query[q]} in the query sequence: the hits were searched with another sequence")
+    t_letters = [a for a in hit.template_aligned if a != "-"]
+    for k, a in enumerate(t_letters):
+        t = hit.template_start - 1 + k
+        if t < len(chain.sequence) and a != "X" and chain.sequence[t] not in ("X", a):
+            raise ProteinInputError(f"{where}hit {hit.name}: template residue {t + 1} is {a} in the alignment but "
+                                    f"{chain.sequence[t]} in {chain.name}'s mmCIF sequence: the alignment numbers "
+                                    "residues of another sequence (give the template's entity_poly/SEQRES numbering)")
+    return Template(chain, pairs)
+
+
+def templates_from_hhr(path: str | Path, query: str, template_dir: str | Path, max_templates: int,
+                       exclude: tuple[str, ...] = ()) -> list[Template]:
+    """The first `max_templates` hits of an .hhr file whose mmCIF is in `template_dir` (hits named
+    in `exclude`, e.g. the query's own PDB entry, skipped)."""
+    out = []
+    for hit in read_hhr(path):
+        if len(out) == max_templates:
+            break
+        if hit.name.split("_")[0].lower() in {e.lower() for e in exclude}:
+            continue
+        file, chain_id = find_structure(hit.name, template_dir)
+        chain = read_structure(file, chain_id)
+        out.append(template_from_hit(hit, query, chain, f"{path}: "))
+    return out
+
+
+def self_template(chain: ProteinChain) -> Template:
+    """The chain as its own template (every residue aligned to itself): for tests and for
+    exercising the path; a model trained with it learns to copy."""
+    return Template(chain, [(i, i) for i in range(len(chain.sequence))])
+
+
+def template_features(length: int, templates: list[Template], max_templates: int) -> dict[str, torch.Tensor]:
+    """The template inputs of a query of `length` residues, [max_templates, length, ...] (absent
+    templates zero, `template_mask` 0)."""
+    if max_templates < 1:
+        raise ValueError(f"max_templates={max_templates}: template features need room for at least one template "
+                         "(data.max_templates)")
+    templates = templates[:max_templates]
+    t_count = max_templates
+    aatype = np.full((t_count, length), GAP_AATYPE, np.int64)
+    xyz = np.zeros((t_count, length, 37, 3), np.float32)
+    mask = np.zeros((t_count, length, 37), np.float32)
+    present = np.zeros(t_count, np.float32)
+    for k, template in enumerate(templates):
+        if not template.pairs:
+            continue
+        q, t = np.array(template.pairs).T
+        aatype[k, q] = template.chain.aatype[t]
+        xyz[k, q] = template.chain.atom37[t]
+        mask[k, q] = template.chain.atom37_mask[t]
+        present[k] = 1.0
+    aatype_t, xyz_t, mask_t = torch.as_tensor(aatype), torch.as_tensor(xyz), torch.as_tensor(mask)
+    pb, pb_mask = pseudo_beta(xyz_t, aatype_t, mask_t)
+    as_residue = aatype_t.clamp(max=rc.UNK)                 # a gap has no atoms: treat as X for the tables
+    sin_cos, alt, tmask = [], [], []
+    for k in range(t_count):
+        atom14, mask14 = atom37_to_atom14(xyz_t[k], mask_t[k], as_residue[k])
+        a, b, c = true_torsions(atom14, mask14, as_residue[k])
+        sin_cos.append(a)
+        alt.append(b)
+        tmask.append(c)
+    out = {"template_aatype": aatype_t, "template_all_atom_positions": xyz_t, "template_all_atom_mask": mask_t,
+           "template_mask": torch.as_tensor(present), "template_pseudo_beta": pb, "template_pseudo_beta_mask": pb_mask,
+           "template_torsion_sin_cos": torch.stack(sin_cos), "template_alt_torsion_sin_cos": torch.stack(alt),
+           "template_torsion_mask": torch.stack(tmask)}
+    assert set(out) == set(TEMPLATE_KEYS)
+    return out
