@@ -22,10 +22,16 @@ def parameter_numels(spec: ModelSpec, tp: int = 1) -> list[int]:
     vocab = -(-spec.vocab_size // tp)
     out = [vocab * h] + ([spec.position_table * h] if spec.position_table else [])
     for i in range(spec.num_layers):
-        for rows, bias in ((q, spec.qkv_bias), (kv, spec.qkv_bias), (kv, spec.qkv_bias)):
-            out += [rows * h] + ([rows] if bias else [])
-        out += [q * h] + ([h] if spec.o_bias else [])
-        out += [hd, hd] if spec.qk_norm else []
+        if getattr(spec, "mla", False):  # multi-head latent attention: its projections and two norms
+            from phalanx.plan.lora import attention_shapes
+
+            out += [fan_in * fan_out for fan_in, fan_out in attention_shapes(spec, tp).values()]
+            out += ([spec.q_lora_rank] if spec.q_lora_rank else []) + [spec.kv_lora_rank]
+        else:
+            for rows, bias in ((q, spec.qkv_bias), (kv, spec.qkv_bias), (kv, spec.qkv_bias)):
+                out += [rows * h] + ([rows] if bias else [])
+            out += [q * h] + ([h] if spec.o_bias else [])
+            out += [hd, hd] if spec.qk_norm else []
         if spec.sparse_layers[i]:
             out += _expert_block_numels(spec)
         else:
@@ -55,11 +61,15 @@ def chunked_numel(numels: list[int], chunk: int, world: int) -> int:
     return sum(numels) + padding(list(numels), chunk, world)
 
 
-def gemini_chunks(spec: ModelSpec, world: int, itemsize: int, chunk_mb: float | None, tp: int = 1) -> tuple[int, int]:
-    """(chunk size in elements, elements of all chunks with padding) for Gemini on `world` ranks."""
+def gemini_chunks(spec: ModelSpec, world: int, itemsize: int, chunk_mb: float | None, tp: int = 1,
+                  numels: list[int] | None = None) -> tuple[int, int]:
+    """(chunk size in elements, elements of all chunks with padding) for Gemini on `world` ranks;
+    `numels`: the tensors that go into chunks when not every parameter does (LoRA: the adapters)."""
     from phalanx.gemini.chunk import search_chunk_size
 
-    numels = parameter_numels(spec, tp)
+    numels = parameter_numels(spec, tp) if numels is None else numels
+    if not numels:
+        return max(world, 1), 0
     if chunk_mb is not None:
         chunk = max(world, int(chunk_mb * 2**20) // itemsize)
     else:

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve", default="2GiB", help="device memory not modelled (CUDA context, NCCL, fragmentation)")
     ap.add_argument("--loss", default="fused", choices=("fused", "hf"),
                     help="fused: phalanx.train's chunked loss; hf: the model's own (full fp32 logits)")
+    ap.add_argument("--lora-rank", type=int, default=None,
+                    help="LoRA adapters of this rank instead of full fine-tuning (frozen base in --dtype)")
+    ap.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                    help="comma-separated linear layers that take adapters (default q_proj,k_proj,v_proj,o_proj)")
     ap.add_argument("--show", type=int, default=15, help="rows per section (0: all)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per layout instead of the table")
     return ap
@@ -52,12 +56,15 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.peak_tflops == "measure":
         args.peak_tflops = _measured_peak_tflops(args.dtype)
         print(f"measured matmul peak: {args.peak_tflops:.3g} TFLOP/s ({args.dtype})")
+    lora = None
+    if args.lora_rank is not None:
+        lora = dict(rank=args.lora_rank, target_modules=[t.strip() for t in args.lora_targets.split(",") if t.strip()])
+    options = dict(host_memory=args.host_memory, seq=args.seq, micro_batch=args.micro_batch,
+                   global_batch=args.global_batch, dtype=args.dtype, peak_tflops=args.peak_tflops,
+                   efficiency=args.efficiency, bandwidth=args.bandwidth, host_bandwidth=args.host_bandwidth,
+                   reserve=args.reserve, loss=args.loss, lora=lora)
     try:
-        estimates = plan(args.model, args.world_size, args.device_memory, host_memory=args.host_memory,
-                         seq=args.seq, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                         dtype=args.dtype, peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-                         bandwidth=args.bandwidth, host_bandwidth=args.host_bandwidth, reserve=args.reserve,
-                         loss=args.loss)
+        estimates = plan(args.model, args.world_size, args.device_memory, **options)
     except ValueError as exc:
         print(f"phalanx plan: {exc}", file=sys.stderr)
         return 2
@@ -68,16 +75,26 @@ def plan_main(argv: list[str] | None = None) -> int:
                               "device_bytes": e.memory.device_total if e.memory else None,
                               "device": e.memory.device if e.memory else None,
                               "host": e.memory.host if e.memory else None,
-                              "step_s": e.time.total if e.time else None}))
+                              "step_s": e.time.total if e.time else None,
+                              "all_to_all_s": e.time.ep_comm if e.time else None}))
         return 0
+    from phalanx.plan.lora import LoRA, adapter_params
     from phalanx.plan.model import load_spec
+    from phalanx.plan.planner import suggest_fix
     spec = load_spec(args.model)
     active = (f", {spec.active_params() / 1e9:.3g}B active: {spec.num_experts} experts, top-{spec.experts_per_token}"
               if spec.is_moe else "")
     ranks = f"{args.world_size} rank{'s' if args.world_size != 1 else ''}"
+    tuning = "AdamW"
+    if lora:
+        adapters = LoRA.of(lora)
+        tuning = f"{adapters.describe()} ({adapter_params(spec, adapters) / 1e6:.3g}M trainable), AdamW"
     header = (f"phalanx plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters{active}), {ranks} × "
-              f"{args.device_memory}, seq {args.seq}, micro batch {args.micro_batch}, {args.dtype}, AdamW")
-    print(format_plan(estimates, header, show=args.show or None))
+              f"{args.device_memory}, seq {args.seq}, micro batch {args.micro_batch}, {args.dtype}, {tuning}")
+    fix = None
+    if not any(e.fits for e in estimates):
+        fix = suggest_fix(estimates, args.model, args.world_size, args.device_memory, **options)
+    print(format_plan(estimates, header, show=args.show or None, fix=fix))
     return 0 if any(e.fits for e in estimates) else 1
 
 

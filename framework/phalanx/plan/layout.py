@@ -1,20 +1,55 @@
 """Parallel layouts the planner considers, and the list of them for a world size."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
-from phalanx.layout import Layout  # the value lives below booster and plan (re-exported here)
+from phalanx.layout import Layout as _BaseLayout  # the value lives below booster and plan
 from phalanx.models import ModelSpec, head_problem
 
 PLUGINS = ("ddp", "zero", "fsdp", "gemini", "hybrid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(_BaseLayout):
+    """`phalanx.layout.Layout` with expert parallelism: ep, the hybrid plugin's `ep_size` (the
+    routed experts of a mixture of experts split over groups of ep data-parallel ranks; ep divides
+    dp, docs/moe.md). ep = 1 is the base layout unchanged."""
+    ep: int = 1
+
+    @classmethod
+    def of(cls, layout: _BaseLayout, ep: int | None = None) -> "Layout":
+        """The planner's Layout of a plugin's (`Plugin.plan_layout`), with `ep` if given."""
+        fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(_BaseLayout)}
+        return cls(**fields, ep=ep if ep is not None else getattr(layout, "ep", 1))
+
+    @property
+    def expert_shard_group(self) -> int:
+        """Ranks an expert's optimizer state is sharded over: its replicas, dp / ep."""
+        return max(1, self.shard_group // self.ep)
+
+    def name(self) -> str:
+        text = super().name()
+        if self.ep > 1:
+            head, _, rest = text.partition(" ")  # "hybrid tp2+pp2 …" → "hybrid tp2+pp2+ep4 …"
+            dims, _, rest = rest.partition(" ")
+            dims = f"ep{self.ep}" if dims == "dp" else f"{dims}+ep{self.ep}"
+            text = " ".join(x for x in (head, dims, rest) if x)
+        return text
+
+    def plugin_options(self) -> dict:
+        out = super().plugin_options()
+        if self.ep > 1:
+            out["ep_size"] = self.ep
+        return out
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def structural_problem(layout: Layout, spec: ModelSpec, seq: int) -> str | None:
-    """Why the layout cannot be built for this model at all (heads, layers, sequence), or None."""
+def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int, lora: bool = False) -> str | None:
+    """Why the layout cannot be built for this model at all (heads, layers, sequence, experts), or None."""
     t, p, s = layout.tp, layout.pp, layout.sp
     if layout.world % (t * p * s):
         return f"tp×pp×sp = {t * p * s} does not divide the world size {layout.world}"
@@ -30,12 +65,35 @@ def structural_problem(layout: Layout, spec: ModelSpec, seq: int) -> str | None:
             return f"Ulysses needs the {spec.num_heads // t} heads per tp rank divisible by sp={s}"
     if layout.sp_mode == "split_gather" and seq % t:
         return f"sequence {seq} does not divide by tp={t} (split-gather)"
+    ep = getattr(layout, "ep", 1)
+    if ep > 1:  # HybridParallelPlugin's own checks (docs/moe.md)
+        if layout.plugin != "hybrid":
+            return f"ep={ep}: expert parallelism is the hybrid plugin's (ep_size); {layout.plugin} has none"
+        if not spec.is_moe:
+            return f"ep={ep}: {spec.name} has no experts to split"
+        if layout.dp % ep:
+            return f"ep={ep} must divide the data-parallel size {layout.dp}: choose ep in {_divisors(layout.dp)}"
+        if spec.num_experts % ep:
+            return f"ep={ep} must divide the {spec.num_experts} experts: choose ep in {_divisors(spec.num_experts)}"
+        if s > 1 or layout.sp_mode:
+            return f"ep={ep} is not combined with sequence parallelism yet (HybridParallelPlugin)"
+        if lora:
+            return (f"LoRA with expert parallelism (ep={ep}) is not supported by HybridParallelPlugin yet: "
+                    "use ep 1 (tp/pp split the model) or fsdp")
     return None
+
+
+def _expert_sizes(world: int, spec: ModelSpec) -> list[int]:
+    """ep sizes worth trying for a mixture of experts: the divisors > 1 of the experts (each also
+    dividing the data-parallel size of the layout: checked per layout)."""
+    return [e for e in _divisors(spec.num_experts) if 1 < e <= world] if spec.is_moe else []
 
 
 def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8) -> Iterator[Layout]:
     """Every layout worth estimating for `world` ranks: the plain plugins, and hybrid with each
-    tp (≤ max_tp, dividing the heads) × pp × Ulysses sp, with and without activation checkpointing."""
+    tp (≤ max_tp, dividing the heads) × pp × Ulysses sp, with and without activation checkpointing;
+    for a mixture of experts also hybrid with each ep dividing both dp and the experts (no sp)."""
+    eps = _expert_sizes(world, spec)
     for ckpt in (False, True):
         yield Layout("ddp", world, checkpointing=ckpt)
         for stage in (1, 2):
@@ -49,12 +107,15 @@ def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8)
                 continue
             for p in _divisors(world // t):
                 for s in _divisors(world // (t * p)):
-                    if t == p == s == 1:
-                        continue  # plain data parallel: the zero/ddp rows above
                     if s > 1 and p > 1:
                         continue  # Ulysses/ring do not compose with pp
+                    dp = world // (t * p * s)
+                    ep_choices = [1] + ([e for e in eps if dp % e == 0] if s == 1 else [])
                     modes = ["ulysses"] if s > 1 else ([None, "split_gather"] if t > 1 else [None])
-                    for mode in modes:
-                        for stage in (1, 2) if p == 1 else (1,):
-                            yield Layout("hybrid", world, zero_stage=stage, tp=t, pp=p, sp=s, sp_mode=mode,
-                                         checkpointing=ckpt)
+                    for ep in ep_choices:
+                        if t == p == s == ep == 1:
+                            continue  # plain data parallel: the zero/ddp rows above
+                        for mode in modes if ep == 1 else [None]:
+                            for stage in (1, 2) if p == 1 else (1,):
+                                yield Layout("hybrid", world, zero_stage=stage, tp=t, pp=p, sp=s, sp_mode=mode,
+                                             checkpointing=ckpt, ep=ep)

@@ -34,8 +34,10 @@ def _quiesce() -> None:
 
 def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, steps: int,
                  peak=None, seed: int = 0) -> list[float]:
-    """Build `config`'s Llama, boost it with make_plugin(**plugin_kwargs), train `steps` AdamW
-    steps on random tokens with the model's own loss; sample `peak` at every module's forward and backward."""
+    """Build `config`'s model, boost it with make_plugin(**plugin_kwargs), train `steps` AdamW
+    steps on random tokens with the model's own loss; sample `peak` at every module's forward and
+    backward. plugin_kwargs may hold "lora": {rank, target_modules} (adapters through
+    `booster.enable_lora`, the optimizer built after them)."""
     from transformers import AutoModelForCausalLM
 
     from phalanx.booster import Booster
@@ -44,14 +46,20 @@ def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, s
     kwargs = dict(plugin_kwargs)
     name = kwargs.pop("name")
     checkpointing = kwargs.pop("checkpointing", False)
+    lora = kwargs.pop("lora", None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     if checkpointing and name != "hybrid":
         model.activation_checkpointing_enable()
     if name == "hybrid":
         kwargs["gradient_checkpointing"] = checkpointing
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     booster = Booster(plugin=make_plugin(name, **kwargs))
+    if lora:
+        import peft
+
+        model = booster.enable_lora(model, peft.LoraConfig(r=lora["rank"], lora_alpha=2 * lora["rank"],
+                                                           target_modules=list(lora["target_modules"])))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt, *_ = booster.boost(model, opt)
     g = torch.Generator().manual_seed(1)  # the same tokens on every rank (tp ranks must see the same batch)
     handles = []
@@ -80,22 +88,40 @@ def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, s
     return losses
 
 
+def _config(config_kwargs: dict) -> Any:
+    """A transformers config: a LlamaConfig's fields, or any family's with "model_type"."""
+    from transformers import AutoConfig, LlamaConfig
+
+    kwargs = {"attn_implementation": "sdpa", **config_kwargs}
+    model_type = kwargs.pop("model_type", "llama")
+    return LlamaConfig(**kwargs) if model_type == "llama" else AutoConfig.for_model(model_type, **kwargs)
+
+
+def _warm_up_config(config_kwargs: dict) -> dict:
+    """The warm-up model: the measured model's family (a mixture of experts keeps its experts, so
+    an expert-parallel plugin can split them) at the warm-up size."""
+    if config_kwargs.get("model_type", "llama") == "llama":
+        return dict(_WARM_UP_CONFIG)
+    small = dict(config_kwargs, **_WARM_UP_CONFIG)
+    if "moe_intermediate_size" in small:
+        small["moe_intermediate_size"] = _WARM_UP_CONFIG["intermediate_size"]
+    return small
+
+
 def measure_training_peak(plugin_kwargs: dict, config_kwargs: dict, seq: int, micro_batch: int,
                           steps: int = 3) -> dict:
     """Per rank (call on every rank, e.g. through phalanx.testing.spawn): peak memory of
     `steps` training steps above the baseline, by kind ("anon" device, "shmem" host pool,
     "total"), in bytes. `plugin_kwargs`: make_plugin's arguments with "name" (and optionally
-    "checkpointing"); `config_kwargs`: a LlamaConfig's."""
-    from transformers import LlamaConfig
-
+    "checkpointing", "lora"); `config_kwargs`: a LlamaConfig's, or another family's with "model_type"."""
     from phalanx.observe.memory import PeakResident, resident_bytes
 
     if not follow_live_memory():
         return {"skip": "resident memory follows live memory only with glibc's mallopt"}
     # warm-up: the same plugin on a tiny model, so per-process first-use memory is in the baseline
-    _train_steps(plugin_kwargs, LlamaConfig(**_WARM_UP_CONFIG), 16, 1, 2)
+    _train_steps(plugin_kwargs, _config(_warm_up_config(config_kwargs)), 16, 1, 2)
     _quiesce()
-    config = LlamaConfig(**{"attn_implementation": "sdpa", **config_kwargs})
+    config = _config(config_kwargs)
     base = resident_bytes()
     with PeakResident() as peak:
         losses = _train_steps(plugin_kwargs, config, seq, micro_batch, steps, peak=peak)

@@ -27,43 +27,105 @@ ADAM_TEMPS = 2   # torch's single-tensor Adam makes about two parameter-sized te
 
 @dataclasses.dataclass(frozen=True)
 class LocalModel:
-    """This rank's share of the model under tp and pp (the largest pipeline stage)."""
+    """This rank's share of the model under tp, pp and ep (the largest pipeline stage)."""
     params: int        # parameters this rank holds
     layers: int        # decoder layers on this rank's stage
     layer: int         # parameters of one (tp-split) layer
     root: int          # embedding + final norm + LM head held by this rank
     largest: int       # largest single parameter tensor (optimizer temporaries)
     has_head: bool     # this (worst) stage runs the LM head and loss
+    experts: int = 0   # routed-expert parameters among `params` (sharded over their dp/ep replicas)
+    adapters: int = 0  # LoRA: trainable adapter parameters on this rank (the rest is frozen)
+    largest_adapter: int = 0
 
 
-def _local_mlp(spec: ModelSpec, i: int, t: int) -> int:
+def _ep(layout: Layout) -> int:
+    return getattr(layout, "ep", 1)
+
+
+def _local_attention(spec: ModelSpec, t: int) -> int:
+    """Attention parameters on one tp rank: heads split, key/value heads split or replicated (the
+    head rule). Multi-head latent attention (DeepSeek): the per-head projections (q_proj or q_b_proj,
+    kv_b_proj, o_proj) split by heads, the low-rank ones and their norms whole (the family's shard
+    policy). Another layout ModelSpec counts differently is taken as split evenly over tp."""
+    from phalanx.plan.lora import attention_shapes
+
+    if getattr(spec, "mla", False):
+        shapes = attention_shapes(spec, t)
+        n = sum(fan_in * fan_out for fan_in, fan_out in shapes.values())
+        rq, rkv, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+        n += (rq if rq else 0) + rkv  # q_a_layernorm, kv_a_layernorm (whole)
+        if spec.o_bias:  # q_a_proj, kv_a_proj_with_mqa (whole) and o_proj biases
+            n += (rq if rq else 0) + rkv + rope + spec.hidden_size
+        return n
+    h, hd = spec.hidden_size, spec.head_dim
+
+    def llama_layout(t: int) -> int:
+        q = spec.q_dim // t
+        kv = kv_weight_heads(spec.heads, t) * hd  # replicated key/value heads: whole on every rank
+        n = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
+        return n + (2 * hd if spec.qk_norm else 0)
+
+    if llama_layout(1) != spec.attention_params():
+        return math.ceil(spec.attention_params() / t)
+    return llama_layout(t)
+
+
+def shared_expert_split(spec: ModelSpec) -> bool:
+    """Whether the family's shard policy splits the shared expert over tp (DeepSeek's shared
+    experts are column/row parallel like a dense MLP; Qwen2-MoE's stays whole with the block)."""
+    if not spec.shared_expert_size:
+        return False
+    try:
+        from phalanx.models import family_of
+
+        policy = family_of(spec.family).policy
+    except ValueError:
+        return False
+    return any("shared" in name for name in (*policy.mlp_column, *policy.mlp_row))
+
+
+def _routed_expert_params(spec: ModelSpec) -> int:
+    """All routed experts of one sparse layer (ModelSpec's own count: router and shared expert apart)."""
+    return spec.num_experts * spec.expert_params()
+
+
+def _local_mlp(spec: ModelSpec, i: int, t: int, ep: int = 1) -> int:
     """MLP parameters of layer i on one tensor-parallel rank: a dense MLP is split over tp; an
-    expert block (router, experts, shared expert) is whole on every rank, as the mixture-of-experts
-    shard policies keep it (no expert parallelism yet)."""
+    expert block (router, experts, shared expert) is whole on every tp rank, as the
+    mixture-of-experts shard policies keep it, with the routed experts split over ep."""
     if spec.sparse_layers[i]:
-        return spec.moe_params()
+        routed, shared = _routed_expert_params(spec), spec.shared_expert_params()
+        local_shared = math.ceil(shared / t) if t > 1 and shared_expert_split(spec) else shared
+        return spec.moe_params() - routed + routed // ep - shared + local_shared
     h, fl = spec.hidden_size, spec.intermediate_size // t
     return (3 if spec.gated_mlp else 2) * h * fl + (((2 if spec.gated_mlp else 1) * fl + h) if spec.mlp_bias else 0)
 
 
-def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
-    """Mixtures of experts: memory counts every expert (total parameters); a pipeline stage is
-    sized by the largest layer (an expert block where the model mixes dense and sparse layers)."""
-    t, pp = layout.tp, layout.pp
-    h, f, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q = spec.q_dim // t
-    kv = kv_weight_heads(spec.heads, t) * hd  # replicated key/value heads: whole on every rank
-    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
-    attn += 2 * hd if spec.qk_norm else 0
-    layers = [attn + _local_mlp(spec, i, t) + 2 * spec.norm_params() for i in range(spec.num_layers)]
+def local_model(spec: ModelSpec, layout: Layout, lora=None) -> LocalModel:
+    """Mixtures of experts: memory counts every expert this rank holds (all of them, or E/ep under
+    expert parallelism); a pipeline stage is sized by the largest layer (an expert block where the
+    model mixes dense and sparse layers). `lora` (a `phalanx.plan.lora.LoRA`): the adapters this
+    rank holds, beside the frozen base."""
+    from phalanx.plan.lora import adapter_numels, layer_adapter_params
+
+    t, pp, ep = layout.tp, layout.pp, _ep(layout)
+    h, f = spec.hidden_size, spec.intermediate_size
+    attn = _local_attention(spec, t)
+    layers = [attn + _local_mlp(spec, i, t, ep) + 2 * spec.norm_params() for i in range(spec.num_layers)]
     layer = max(layers)
+    expert_layer = _routed_expert_params(spec) // ep
     vocab_rows = math.ceil(spec.vocab_size / t)
     embed = vocab_rows * spec.embedding_width + spec.position_table * h + spec.projection_params()
     head = vocab_rows * spec.embedding_width
-    largest = max(embed, h * f // t, 2 * spec.num_experts * spec.expert_size * h)  # experts' fused gate_up
+    largest = max(embed, h * f // t, 2 * (spec.num_experts // ep) * spec.expert_size * h)  # experts' fused gate_up
+    adapters = [layer_adapter_params(spec, lora, i, t, ep) for i in range(spec.num_layers)] if lora else []
+    largest_adapter = max(adapter_numels(spec, lora, t), default=0) if lora else 0
+    sparse = sum(spec.sparse_layers)
     if pp == 1:
         root = embed + spec.final_norm_params() + (0 if spec.tie_word_embeddings else head)
-        return LocalModel(root + sum(layers), spec.num_layers, layer, root, largest, True)
+        return LocalModel(root + sum(layers), spec.num_layers, layer, root, largest, True,
+                          experts=sparse * expert_layer, adapters=sum(adapters), largest_adapter=largest_adapter)
     base, rem = divmod(spec.num_layers, pp)
     first = base * layer + embed
     last = base * layer + head + spec.final_norm_params()  # a tied head is a second copy on the last stage
@@ -71,12 +133,14 @@ def local_model(spec: ModelSpec, layout: Layout) -> LocalModel:
     if pp == 2 and rem:
         last += layer  # 2 stages: the extra layer goes to one of them
     worst = max(first, last, middle)
-    return LocalModel(worst, base + (1 if rem else 0), layer, embed if worst == first else head, largest,
-                      worst == last)
+    stage_layers = base + (1 if rem else 0)
+    return LocalModel(worst, stage_layers, layer, embed if worst == first else head, largest, worst == last,
+                      experts=min(stage_layers, sparse) * expert_layer,
+                      adapters=stage_layers * max(adapters, default=0), largest_adapter=largest_adapter)
 
 
 # ---------------------------------------------------------------------------- activations
-def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) -> float:
+def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lora=None) -> float:
     """Bytes autograd saves per token in one decoder layer (HF Llama forward with SDPA, no
     attention mask; p = bytes of the compute dtype):
       each RMSNorm: its fp32 input, the fp32 reciprocal RMS, the normalised value and the output
@@ -88,7 +152,8 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) ->
     Parts computed on 1/tp of the heads or features are divided by tp; norms are not, unless
     split-gather sequence parallelism splits them. Checked exactly against the saved tensors of
     a transformers Llama (tests/framework/test_plan.py). Mixtures of experts: the MLP term of a
-    sparse layer is an estimate, not checked against saved tensors (`_moe_mlp_bytes_per_token`)."""
+    sparse layer is an estimate (`_moe_mlp_bytes_per_token`). `lora`: frozen weights need no
+    saved inputs (`_lora_activation_change`)."""
     t = layout.tp
     h, f = spec.hidden_size, spec.intermediate_size
     q = spec.q_dim / t
@@ -103,15 +168,65 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) ->
         sparse = sum(spec.sparse_layers)
         block = _moe_mlp_bytes_per_token(spec, p) / (t if layout.sp_mode == "split_gather" else 1)
         mlp = (mlp * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
-    return 2 * norm + attention + mlp
+    change = _lora_activation_change(spec, layout, p, lora) if lora is not None else 0.0
+    return 2 * norm + attention + mlp + change
+
+
+def _lora_activation_change(spec: ModelSpec, layout: Layout, p: int, lora) -> float:
+    """What LoRA changes in a layer's saved tensors, per token (averaged over dense and sparse
+    layers): autograd saves a linear layer's input, and a norm's normalised value, only for the
+    weight's gradient, so with the base frozen
+      each norm's normalised value goes (−ph each);
+      a norm's output stays only where an adapter reads it (attention's if q/k/v is adapted, the
+        MLP's if gate/up of a dense MLP or of the shared expert is): −ph each otherwise;
+      the down projection's input goes unless down_proj is adapted (−pf; the shared expert's −pI_s);
+      the routed experts (frozen, without `target_parameters`) keep no gathered input and no
+        down-projection input: −k·p(h + I);
+      every adapter keeps its A's output: +p·r per adapted module.
+    Checked exactly against the saved tensors of transformers Llama, Mixtral and Qwen2-MoE
+    layers under PEFT (tests/framework/test_plan_moe.py)."""
+    from phalanx.plan.lora import ATTENTION, MLA, MLP
+
+    t = layout.tp
+    split = layout.sp_mode == "split_gather"
+    h, r = spec.hidden_size, lora.rank
+    targets = set(lora.target_modules)
+    normed = p * h / t if split else p * h
+    change = -2 * normed + p * r * len(targets & set(ATTENTION + MLA))
+    if not targets & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"}:
+        change -= p * h
+    reads_mlp_input = bool(targets & {"gate_proj", "up_proj"})
+    dense = p * r * len(targets & set(MLP)) - (0 if reads_mlp_input else p * h)
+    dense -= 0 if "down_proj" in targets else p * spec.intermediate_size / t
+    if not spec.is_moe:
+        return change + dense
+    shared = spec.shared_expert_size
+    block = p * r * len(targets & set(MLP)) if shared else 0
+    if not ((shared and reads_mlp_input) or lora.target_parameters):
+        block -= p * h  # the MLP norm's output: the router and experts are frozen
+    if shared and "down_proj" not in targets:
+        block -= p * shared
+    if not lora.target_parameters:
+        block -= spec.experts_per_token * p * (h + spec.expert_size)
+    block /= t if split else 1
+    sparse = sum(spec.sparse_layers)
+    return change + (dense * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
 
 
 def _moe_mlp_bytes_per_token(spec: ModelSpec, p: int) -> float:
     """An expert block, per token (estimate): the router's fp32 logits and probabilities (8·E),
-    for each of its top-k experts the gathered input and the SwiGLU's four tensors (k·p(h + 4I)),
-    and the shared expert's SwiGLU plus its gate (4p·I_shared + p)."""
-    routed = spec.experts_per_token * p * (spec.hidden_size + 4 * spec.expert_size)
-    shared = 4 * p * spec.shared_expert_size + (p if spec.shared_expert_gate else 0)
+    for each of its top-k experts the gathered input, the SwiGLU's four tensors and the expert's
+    output kept for the routing weight's product (k·p(2h + 4I): transformers' loop over experts and
+    the expert-parallel grouped path save the same), and the shared expert's SwiGLU plus, with its
+    sigmoid gate, the gate's output and the shared expert's output kept for their product
+    (4p·I_shared + p + ph); the routing's int64 indices (each assignment's token and slot, the
+    top-k indices: 24·k) and, where the top-k weights are renormalised, the fp32 weights and their
+    sum (4k + 4). Against the saved tensors of transformers' Mixtral and Qwen2-MoE layers (fp32 and
+    bf16, with and without LoRA) it is 8.25 bytes per token short (0.2-0.4% of the layer;
+    tests/framework/test_plan_moe.py)."""
+    k = spec.experts_per_token
+    routed = k * p * (2 * spec.hidden_size + 4 * spec.expert_size) + 24 * k + ((4 * k + 4) if spec.norm_topk_prob else 0)
+    shared = 4 * p * spec.shared_expert_size + ((p + p * spec.hidden_size) if spec.shared_expert_gate else 0)
     return 2 * FP32 * spec.num_experts + routed + shared
 
 
@@ -130,7 +245,7 @@ def activation_bytes(spec: ModelSpec, layout: Layout, work: Workload, local: Loc
     """{"activations": saved tensors at the start of backward, "loss": the head's working set}."""
     p = work.p
     tokens = work.micro_batch * work.seq / (layout.sp if layout.sp_mode == "ulysses" else 1)
-    per_layer = layer_activation_bytes_per_token(spec, layout, p)
+    per_layer = layer_activation_bytes_per_token(spec, layout, p, work.lora)
     if layout.checkpointing:
         kept = p * spec.hidden_size / (layout.tp if layout.sp_mode == "split_gather" else 1)
         one_microbatch = tokens * (local.layers * kept + per_layer)
@@ -197,10 +312,21 @@ def _replicated(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
     return out
 
 
+def zero_shard(local: LocalModel, layout: Layout) -> int:
+    """Elements of this rank's ZeRO partition: the dense parameters over dp × sp; under expert
+    parallelism the routed experts over their own replicas, dp / ep ranks (`ExpertZeroOptimizer`'s
+    twin optimizer, docs/moe.md)."""
+    ep = _ep(layout)
+    if ep == 1 or not local.experts:
+        return math.ceil(local.params / layout.shard_group)
+    return (math.ceil((local.params - local.experts) / layout.shard_group)
+            + math.ceil(local.experts / max(1, layout.shard_group // ep)))
+
+
 def _zero(local: LocalModel, layout: Layout, work: Workload) -> _Parts:
-    """ZeRO-1/2 (ZeroPlugin, or the hybrid plugin's zero_stage over dp × sp)."""
+    """ZeRO-1/2 (ZeroPlugin, or the hybrid plugin's zero_stage over dp × sp; experts over dp/ep)."""
     n, p = local.params, work.p
-    shard = math.ceil(n / layout.shard_group)
+    shard = zero_shard(local, layout)
     out = _Parts()
     out.device["parameters"] = p * n
     if layout.zero_stage == 1:
@@ -278,13 +404,33 @@ def _fsdp_backward_peak(spec: ModelSpec, local: LocalModel, layout: Layout, work
     return max(start, through, end, key=lambda moment: moment[0][1] + moment[1])
 
 
+def _fsdp_lora(local: LocalModel, layout: Layout, work: Workload, act: dict) -> _Parts:
+    """FSDP2 with LoRA: every parameter sharded in fp32 (the frozen base too), gathered per block
+    in the compute dtype; gradients, their reduce-scatter and the optimizer state are the adapters'
+    alone. Backward's peak: the saved activations (or the adapters' gradient shards) with the root
+    and two blocks gathered."""
+    world, p = layout.world, work.p
+    out = _Parts()
+    out.device["parameters"] = FP32 * math.ceil((local.params + local.adapters) / world)
+    out.device["optimizer"] = ADAM_STATES * FP32 * math.ceil(local.adapters / world)
+    out.built = FP32 * math.ceil(local.adapters / world)
+    saved = act["activations"] + act["loss"]
+    out.backward_floor = ("activations", saved) if saved >= out.built else ("gradients", out.built)
+    out.backward_extra = p * local.root + 2 * p * local.layer + FP32 * local.adapters / max(1, local.layers)
+    out.step_extra = ADAM_TEMPS * FP32 * math.ceil(local.largest_adapter / world)
+    return out
+
+
 def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) -> _Parts:
     """Gemini (static placement): compute-dtype shards, fp32 master (the shard itself in fp32 when
-    both share a tier)/moments/gradient per chunk, all with the chunks' padding."""
+    both share a tier)/moments/gradient per chunk, all with the chunks' padding. With LoRA only the
+    adapters go into chunks (the frozen base stays on the device, counted by the caller)."""
     from phalanx.plan.chunks import gemini_chunks
+    from phalanx.plan.lora import adapter_numels
 
     p = work.p
-    chunk_numel, padded = gemini_chunks(spec, layout.world, p, work.gemini_chunk_mb, layout.tp)
+    numels = adapter_numels(spec, work.lora, layout.tp) if work.lora else None
+    chunk_numel, padded = gemini_chunks(spec, layout.world, p, work.gemini_chunk_mb, layout.tp, numels=numels)
     shard, chunk = padded // layout.world, chunk_numel * p  # elements per rank (padding included); bytes
     out = _Parts()
     (out.host if layout.offload_param else out.device)["parameters"] = p * shard
@@ -296,8 +442,8 @@ def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) 
     side["gradients"] = FP32 * shard  # fp32 gradient shards, allocated at boost
     # at the start of backward: the LM head's chunks (held by the root from the first forward until
     # their gradient is reduced) and their gradient buffer, and one chunk gathered ahead
-    head = p * spec.vocab_size * spec.hidden_size / layout.tp
-    out.backward_extra = min(p * local.params, 2 * head + chunk)
+    head = 0 if work.lora else p * spec.vocab_size * spec.hidden_size / layout.tp  # LoRA: the head is frozen
+    out.backward_extra = min(p * padded, 2 * head + chunk)
     chunk_shard = min(shard, chunk / p / layout.world)
     # Gemini's Adam makes one temporary per chunk (the denominator)
     if layout.offload_optim:
@@ -309,21 +455,31 @@ def _gemini(spec: ModelSpec, local: LocalModel, layout: Layout, work: Workload) 
 
 
 def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatches: int = 1) -> MemoryEstimate:
-    """Per-rank peak of `layout` (see the module docstring for the phases)."""
-    local = local_model(spec, layout)
+    """Per-rank peak of `layout` (see the module docstring for the phases). With `work.lora` the
+    plugin's terms are those of the adapters (the trainable parameters) and the frozen base is
+    added in the compute dtype (FSDP: sharded in fp32 like every parameter)."""
+    local = local_model(spec, layout, work.lora)
     act = activation_bytes(spec, layout, work, local, microbatches)
+    trainable = local
+    if work.lora:  # the plugins see the adapters only (Booster.boost drops the frozen base from the optimizer)
+        trainable = dataclasses.replace(local, params=local.adapters, layer=local.adapters // max(1, local.layers),
+                                        root=0, largest=local.largest_adapter, experts=0)
     if layout.plugin == "ddp" or (layout.plugin == "hybrid" and layout.zero_stage == 0):
-        parts = _replicated(local, layout, work)
+        parts = _replicated(trainable, layout, work)
     elif layout.plugin in ("zero", "hybrid"):
-        parts = _zero(local, layout, work)
+        parts = _zero(trainable, layout, work)
     elif layout.plugin == "fsdp":
-        parts = _fsdp(spec, local, layout, work, act)
+        parts = _fsdp_lora(local, layout, work, act) if work.lora else _fsdp(spec, local, layout, work, act)
     elif layout.plugin == "gemini":
-        parts = _gemini(spec, local, layout, work)
+        parts = _gemini(spec, trainable, layout, work)
     else:
         raise ValueError(f"unknown plugin {layout.plugin!r}")
+    if work.lora and layout.plugin != "fsdp":  # the frozen base, whole on the rank in the compute dtype
+        parts.device["parameters"] += work.p * local.params
     if layout.tp > 1 or layout.pp > 1:  # all-reduce / send-recv buffers of one activation
         parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.hidden_size
+    if _ep(layout) > 1:  # one all-to-all's send and receive buffers: the rank's k assignments per token
+        parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.experts_per_token * spec.hidden_size
 
     saved = act["activations"] + act["loss"]
     if parts.backward_floor is None:

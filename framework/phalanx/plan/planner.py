@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from phalanx.amp.precision import Precision
 from phalanx.plan.layout import Layout, candidate_layouts, structural_problem
 from phalanx.plan.memory import MemoryEstimate, estimate_memory
 from phalanx.plan.model import ModelSpec, load_spec
@@ -56,7 +57,7 @@ def _schedule_problem(layout: Layout, m: int) -> str | None:
 
 def estimate_layout(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware) -> LayoutEstimate:
     """Estimate one layout (also for layouts the candidate list does not hold)."""
-    problem = structural_problem(layout, spec, work.seq)
+    problem = structural_problem(layout, spec, work.seq, lora=work.lora is not None)
     if problem:
         return LayoutEstimate(layout, 0, None, None, False, problem)
     try:
@@ -81,7 +82,8 @@ def rank(estimates: list[LayoutEstimate]) -> list[LayoutEstimate]:
     def key(e: LayoutEstimate):
         if e.fits:
             l = e.layout
-            moving_parts = _COMPLEXITY[l.plugin] + l.offload_optim + l.offload_param + l.checkpointing
+            moving_parts = (_COMPLEXITY[l.plugin] + l.offload_optim + l.offload_param + l.checkpointing
+                            + (getattr(l, "ep", 1) > 1))
             return (0, -float(f"{e.time.tokens_per_s:.3g}"), moving_parts, e.device_bytes)
         return (1 if e.memory else 2, e.device_bytes, e.name)
     return sorted(estimates, key=key)
@@ -91,19 +93,73 @@ def plan(model: str | Path | dict | ModelSpec, world_size: int, device_memory: s
          host_memory: str | int | None = None, seq: int = 2048, micro_batch: int = 1,
          global_batch: int | None = None, dtype: str | Precision = "bf16", peak_tflops: str | float = 989,
          efficiency: float = 0.45, bandwidth: str | float = "100GB/s", host_bandwidth: str | float = "25GB/s",
-         reserve: str | int = "2GiB", loss: str = "fused", max_tp: int = 8) -> list[LayoutEstimate]:
+         reserve: str | int = "2GiB", loss: str = "fused", max_tp: int = 8, lora=None) -> list[LayoutEstimate]:
     """Every candidate layout for `world_size` ranks, estimated and ranked (see rank()).
 
     model: a preset name, an HF directory or config.json, a config dict or a ModelSpec;
     device_memory / host_memory: per rank ("80GiB"); peak_tflops: one device's dense peak in the
-    compute dtype (a number is TFLOP/s); bandwidth: per-rank collective bandwidth ("200GB/s")."""
+    compute dtype (a number is TFLOP/s); bandwidth: per-rank collective bandwidth ("200GB/s");
+    lora: adapters instead of full fine-tuning ({rank, target_modules}, a `phalanx.plan.lora.LoRA`
+    or a recipe's `lora:` section)."""
+    spec, work, hw = _inputs(model, world_size, device_memory, host_memory=host_memory, seq=seq,
+                             micro_batch=micro_batch, global_batch=global_batch, dtype=dtype,
+                             peak_tflops=peak_tflops, efficiency=efficiency, bandwidth=bandwidth,
+                             host_bandwidth=host_bandwidth, reserve=reserve, loss=loss, lora=lora)
+    return _plan(spec, world_size, work, hw, max_tp)
+
+
+def _inputs(model, world_size, device_memory, *, host_memory, seq, micro_batch, global_batch, dtype, peak_tflops,
+            efficiency, bandwidth, host_bandwidth, reserve, loss, lora) -> tuple[ModelSpec, Workload, Hardware]:
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")
     spec = load_spec(model)
-    work = Workload(seq=seq, micro_batch=micro_batch, global_batch=global_batch, dtype=dtype, loss=loss)
+    work = Workload(seq=seq, micro_batch=micro_batch, global_batch=global_batch, dtype=dtype, loss=loss, lora=lora)
     hw = Hardware(device_memory=parse_bytes(device_memory, "device_memory"),
                   host_memory=None if host_memory is None else parse_bytes(host_memory, "host_memory"),
                   peak_flops=parse_flops(peak_tflops), efficiency=efficiency,
                   bandwidth=parse_rate(bandwidth), host_bandwidth=parse_rate(host_bandwidth, "host_bandwidth"),
                   reserve=parse_bytes(reserve, "reserve"))
-    return rank([estimate_layout(spec, layout, work, hw) for layout in candidate_layouts(world_size, spec, seq, max_tp=max_tp)])
+    return spec, work, hw
+
+
+def _plan(spec: ModelSpec, world: int, work: Workload, hw: Hardware, max_tp: int = 8) -> list[LayoutEstimate]:
+    return rank([estimate_layout(spec, layout, work, hw) for layout in candidate_layouts(world, spec, work.seq, max_tp=max_tp)])
+
+
+def suggest_fix(estimates: list[LayoutEstimate], model, world_size: int, device_memory: str | int, *,
+                max_world: int | None = None, **options) -> str:
+    """When no layout fits: what would. The smallest world size (doubling, up to 16× or
+    `max_world`) at which a layout fits with the same devices and the same batch per rank (a fixed
+    global batch grows with the world), the device memory the layout that misses by device memory
+    alone by the least needs on today's world, and LoRA for a full fine-tuning; `options` as
+    plan()'s. "" when nothing helps."""
+    spec, work, hw = _inputs(model, world_size, device_memory, **{**_PLAN_DEFAULTS, **options})
+    fixes = []
+    closest = min((e for e in estimates if e.memory is not None and "device memory" in (e.reason or "")),
+                  key=lambda e: e.device_bytes, default=None)
+    if closest is not None:  # the layout that misses by device memory alone, by the least
+        need = closest.memory.device_total + hw.reserve
+        fixes.append(f"devices of at least {gib(need)} ({closest.name} on {world_size} "
+                     f"rank{'s' if world_size != 1 else ''})")
+    world = world_size * 2
+    while world <= (max_world or 16 * world_size):
+        global_batch = work.global_batch
+        try:
+            scaled = (dataclasses.replace(work, global_batch=global_batch * world // world_size)
+                      if global_batch else work)
+            best = next((e for e in _plan(spec, world, scaled, hw) if e.fits), None)
+        except ValueError:
+            best = None
+        if best is not None:
+            fixes.insert(0, f"--world-size {world} ({best.name}, {gib(best.memory.device_total)} per rank"
+                            + (f", global batch {scaled.global_batch}" if global_batch else "") + ")")
+            break
+        world *= 2
+    if work.lora is None:
+        fixes.append("LoRA (--lora-rank) instead of full fine-tuning")
+    return "Fix: " + "; or ".join(fixes) if fixes else ""
+
+
+_PLAN_DEFAULTS = dict(host_memory=None, seq=2048, micro_batch=1, global_batch=None, dtype="bf16", peak_tflops=989,
+                      efficiency=0.45, bandwidth="100GB/s", host_bandwidth="25GB/s", reserve="2GiB", loss="fused",
+                      lora=None)

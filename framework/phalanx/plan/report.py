@@ -14,7 +14,7 @@ def _why_fastest(best: LayoutEstimate, fitting: list[LayoutEstimate]) -> str:
     return "; ".join(parts)
 
 
-def format_plan(estimates: list[LayoutEstimate], header: str, show: int | None = 15) -> str:
+def format_plan(estimates: list[LayoutEstimate], header: str, show: int | None = 15, fix: str | None = None) -> str:
     fitting = [e for e in estimates if e.fits]
     rejected = [e for e in estimates if not e.fits]
     lines = [header, ""]
@@ -36,8 +36,13 @@ def format_plan(estimates: list[LayoutEstimate], header: str, show: int | None =
                         f"step: {best.microbatches}" if best.microbatches > 1 else ""))
         parts = ", ".join(f"{k} {gib(v)}" for k, v in best.memory.device.items() if v)
         lines.append(f"  per rank: {parts}")
+        if best.time.ep_comm:
+            lines.append(f"  expert all-to-all: {seconds(best.time.ep_comm)} of the {seconds(best.time.total)} step "
+                         f"({best.time.ep_comm / best.time.total:.1%})")
     else:
         lines.append("No layout fits. The closest ones and what they need are below.")
+        if fix:
+            lines.append(fix)
     if rejected:
         lines.append("")
         lines.append(f"Rejected ({len(rejected)}):")

@@ -2,6 +2,7 @@
 measured peak: `estimate_for_run(model, plugin, seq, micro_batch, world)`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from phalanx.plan.layout import Layout
@@ -20,31 +21,50 @@ def layout_of(plugin: Any, world: int) -> tuple[Layout, dict]:
     if not callable(getattr(plugin, "plan_layout", None)):
         raise ValueError(f"estimate_for_run does not know plugin {type(plugin).__name__}: pass a Booster plugin "
                          "(DDPPlugin, FSDPPlugin, ZeroPlugin, GeminiPlugin, HybridParallelPlugin) or a TrainConfig")
-    return plugin.plan_layout(world)
+    layout, extra = plugin.plan_layout(world)
+    # the planner's Layout carries expert parallelism (HybridParallelPlugin's ep_size)
+    return Layout.of(layout, ep=max(getattr(layout, "ep", 1), getattr(plugin, "ep_size", 1) or 1)), extra
+
+
+def lora_of(model: Any):
+    """The LoRA of a `peft.PeftModel` (its active adapter's rank and targets), else None."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    config = configs.get(getattr(model, "active_adapter", None)) or next(iter(configs.values()))
+    if not hasattr(config, "r"):
+        return None
+    targets = config.target_modules or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+    params = config.target_parameters or ()
+    return dict(rank=config.r, target_modules=targets, target_parameters=tuple(params))
 
 
 def estimate_for_run(model: Any, plugin: Any, seq: int, micro_batch: int, world: int, *,
                      loss: str = "fused", checkpointing: bool | None = None,
-                     microbatches: int | None = None) -> LayoutEstimate:
+                     microbatches: int | None = None, lora=None) -> LayoutEstimate:
     """Estimate the per-rank peak of training `model` (an HF model, its config, a config dict or
     a preset name) under `plugin` (a Booster plugin or a TrainConfig) with `micro_batch` samples
     of `seq` tokens per rank. `loss`: "fused" for phalanx.train.fit's loss, "hf" for the model's
-    own. The estimate's `memory.device_total` is what to print beside the measured peak."""
+    own. `lora`: the run's adapters ({rank, target_modules}, a recipe's `lora:` section, or None
+    for full fine-tuning). The estimate's `memory.device_total` is what to print beside the measured peak."""
     from phalanx.plan.model import load_spec
 
     spec = load_spec(getattr(model, "config", model))
     layout, extra = layout_of(plugin, world)
+    if lora is None:
+        lora = lora_of(model)
     if checkpointing is not None:
-        layout = Layout(**{**layout.__dict__, "checkpointing": checkpointing})
+        layout = dataclasses.replace(layout, checkpointing=checkpointing)
     dtype = extra.pop("dtype")
     from_plugin = extra.pop("microbatches", 1)
     m = microbatches or from_plugin
     if layout.pp > 1:  # the pipeline cuts the rank's batch into m microbatches
         per_microbatch = max(1, micro_batch // m)
         work = Workload(seq=seq, micro_batch=per_microbatch, global_batch=per_microbatch * m * layout.dp,
-                        dtype=dtype, loss=loss, **extra)
+                        dtype=dtype, loss=loss, lora=lora, **extra)
     else:
-        work = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype, loss=loss, **extra)
+        work = Workload(seq=seq, micro_batch=micro_batch, dtype=dtype, loss=loss, lora=lora, **extra)
     return estimate_layout(spec, layout, work, Hardware(device_memory=2**62, reserve=0))
 
 

@@ -12,13 +12,18 @@ from phalanx.models import ModelSpec
 from phalanx.plan.workload import Hardware, Workload
 
 
-def training_flops_per_token(spec: ModelSpec, seq: int, checkpointing: bool) -> float:
+def training_flops_per_token(spec: ModelSpec, seq: int, checkpointing: bool, lora=None) -> float:
     """6·N (forward 2·N, backward 4·N over the matmul parameters) plus causal attention
     (QKᵀ and AV: 2·seq·q_dim per token and layer forward, ×3 with backward); activation
-    checkpointing runs the forward once more (8·N + 8·L·seq·q_dim)."""
+    checkpointing runs the forward once more (8·N + 8·L·seq·q_dim). With LoRA the frozen base
+    needs no weight gradients: 4·N for the base (forward, input gradients), 6·N_adapters."""
     dense = spec.matmul_params()
     attention = spec.num_layers * seq * spec.q_dim
     factor = 8 if checkpointing else 6
+    if lora is not None:
+        from phalanx.plan.lora import adapter_params
+
+        return (factor - 2) * dense + factor * adapter_params(spec, lora) + factor * attention
     return factor * dense + factor * attention
 
 
@@ -31,10 +36,11 @@ class StepTime:
     pp_comm: float       # activations between stages
     offload: float       # device↔host copies
     tokens: int          # tokens per optimizer step, all ranks
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (dispatch + combine, forward and backward)
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.offload
+        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.offload + self.ep_comm
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,16 +51,37 @@ def _ring(g: int) -> float:
     return (g - 1) / g if g > 1 else 0.0
 
 
+def all_to_all_seconds(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware, microbatches: int) -> float:
+    """Expert parallelism's exchanges per step on one rank: in each sparse layer of its stage a
+    dispatch and a combine forward and both again in backward (4; 6 with activation checkpointing,
+    which repeats the forward), each moving the rank's tokens × top-k × hidden × p bytes, of which
+    (ep − 1)/ep leave the rank (balanced routing), at the collective bandwidth."""
+    ep = getattr(layout, "ep", 1)
+    if ep == 1 or not spec.is_moe:
+        return 0.0
+    sparse = sum(spec.sparse_layers) / spec.num_layers  # the stage's share of sparse layers
+    layers = local_model(spec, layout).layers * sparse
+    exchanges = 6 if layout.checkpointing else 4
+    per_exchange = work.micro_batch * work.seq * spec.experts_per_token * spec.hidden_size * work.p * _ring(ep)
+    return microbatches * layers * exchanges * per_exchange / hw.bandwidth
+
+
 def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware, microbatches: int) -> StepTime:
-    local = local_model(spec, layout)
-    n, p, m = local.params, work.p, microbatches
+    local = local_model(spec, layout, work.lora)
+    p, m = work.p, microbatches
     tokens_per_dp = m * work.micro_batch * work.seq
     tokens = tokens_per_dp * layout.dp
-    flops = tokens * training_flops_per_token(spec, work.seq, layout.checkpointing)
+    flops = tokens * training_flops_per_token(spec, work.seq, layout.checkpointing, work.lora)
     compute = flops / layout.world / (hw.peak_flops * hw.efficiency)
     bubble = compute * (layout.pp - 1) / m if layout.pp > 1 else 0.0
 
     g = layout.shard_group if layout.plugin == "hybrid" else layout.dp
+    ep = getattr(layout, "ep", 1)
+    # what data parallelism moves: the trainable parameters (LoRA: the adapters), the routed experts
+    # over their own dp/ep replicas (counted as the same bytes over a ring of g/ep ranks)
+    trainable = local.adapters if work.lora else local.params
+    experts = 0 if work.lora or ep == 1 else local.experts
+    n = trainable - experts + experts * _ring(max(1, g // ep)) / _ring(g) if g > 1 else trainable
     ring = _ring(g)
     plugin, stage = layout.plugin, layout.zero_stage
     offload_bytes = 0.0
@@ -64,7 +91,8 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
         dp_bytes = (2 if stage == 1 else 1) * ring * p * n + ring * p * n  # reduce + all-gather
         offload_bytes = 2 * p * n / g if layout.offload_optim else 0.0
     elif plugin == "fsdp":
-        dp_bytes = ring * (2 * p + 4) * n  # two all-gathers, a fp32 reduce-scatter
+        gathered = local.params + local.adapters if work.lora else n  # LoRA: the frozen base is gathered too
+        dp_bytes = ring * (2 * p * gathered + 4 * n)  # two all-gathers, a fp32 reduce-scatter
     else:  # gemini
         dp_bytes = ring * 3 * p * n
         offload_bytes = (2 * p * n / g if layout.offload_optim else 0.0) + (2 * p * n / g if layout.offload_param else 0.0)
@@ -85,4 +113,5 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
         tp_bytes += m * local.layers * 2 * _ring(layout.sp) * per_layer
     pp_bytes = 2 * m * activation if layout.pp > 1 else 0.0
     return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_bytes / hw.bandwidth,
-                    pp_comm=pp_bytes / hw.bandwidth, offload=offload_bytes / hw.host_bandwidth, tokens=tokens)
+                    pp_comm=pp_bytes / hw.bandwidth, offload=offload_bytes / hw.host_bandwidth, tokens=tokens,
+                    ep_comm=all_to_all_seconds(spec, layout, work, hw, m))

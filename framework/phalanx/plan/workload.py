@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from phalanx.amp.precision import BF16, Precision, precision_named
+from phalanx.plan.lora import LoRA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,7 +15,10 @@ class Workload:
     its name (bf16/fp16 keep fp32 masters; no `auto`: the planner sizes other machines); loss:
     "hf" (the model's own loss, full fp32 logits) or "fused" (phalanx.train's chunked head +
     cross-entropy: no full logits); bucket_mb: ZeRO's reduce bucket; gemini_chunk_mb:
-    Gemini's chunk size (MiB of the compute dtype)."""
+    Gemini's chunk size (MiB of the compute dtype); lora: low-rank adapters instead of full
+    fine-tuning (a `phalanx.plan.lora.LoRA`, a dict {rank, target_modules} or a recipe's `lora:`
+    section; None: every parameter trains): gradients and optimizer state are the adapters', the
+    frozen base is held in the compute dtype, activations are unchanged."""
     seq: int = 2048
     micro_batch: int = 1
     global_batch: int | None = None
@@ -22,9 +26,11 @@ class Workload:
     loss: str = "fused"
     bucket_mb: float = 25.0
     gemini_chunk_mb: float | None = None  # None: searched as GeminiPlugin does
+    lora: LoRA | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", precision_named(self.dtype))  # a name becomes its Precision
+        object.__setattr__(self, "lora", LoRA.of(self.lora))
         if self.loss not in ("hf", "fused"):
             raise ValueError(f"loss={self.loss!r}: use 'hf' or 'fused'")
         if self.seq < 1 or self.micro_batch < 1:
