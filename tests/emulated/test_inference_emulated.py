@@ -28,6 +28,7 @@ NODE_IDS = [
     SAMPLER + "test_banned_tokens_and_logprobs",
     SAMPLER + "test_presence_and_frequency_penalties_follow_openai_rule_by_hand",
     SAMPLER + "test_a_batch_of_sampled_rows_syncs_with_the_host_once",
+    SAMPLER + "test_speculative_acceptance_of_a_whole_batch_at_once",
     "tests/framework/test_inference_tp.py::test_tp2_matches_tp1",
     "tests/framework/test_inference_server.py::test_completion_matches_the_engine",
     "tests/framework/test_openai_client.py::test_completion_greedy_equals_the_engine",
@@ -36,6 +37,8 @@ NODE_IDS = [
     "tests/framework/test_inference_structured.py::test_json_object_and_streaming_over_http",
     # LoRA: base and two adapters in one batch, the batched low-rank deltas on the device
     "tests/framework/test_inference_lora.py::test_a_mixed_batch_equals_each_adapters_merged_model",
+    "tests/framework/test_inference_lora.py::test_the_fused_low_rank_stack_adds_each_tokens_own_adapter",
+    "tests/framework/test_inference_lora.py::test_tensor_parallel_adapters_equal_the_merged_model",
     # the one decoder definition, run with the compiled step's pieces (spies: nothing compiles)
     "tests/framework/test_inference_speed_paths.py::test_compiled_step_runs_the_one_decoder_with_its_pieces",
 ]

@@ -24,11 +24,12 @@ ADAPTERS = {  # name -> LoraConfig fields: different targets, ranks and scalings
 }
 
 
-def make_adapter(directory, seed: int, **fields):
-    """A PEFT adapter on the tiny Llama with random (non-zero) B, saved to `directory`; returns
-    the adapter's merged model (peft's merge_and_unload) in fp32."""
+def make_adapter(directory, seed: int, base_overrides: dict | None = None, **fields):
+    """A PEFT adapter on the tiny Llama (its config changed by `base_overrides`) with random
+    (non-zero) B, saved to `directory`; returns the adapter's merged model (peft's
+    merge_and_unload) in fp32."""
     torch.manual_seed(seed)
-    model = peft.get_peft_model(im.make_model("llama"), peft.LoraConfig(**fields))
+    model = peft.get_peft_model(im.make_model("llama", **(base_overrides or {})), peft.LoraConfig(**fields))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -134,10 +135,64 @@ def test_requests_pick_adapters_by_name_and_the_registry_refuses_by_name(models,
         engine.load_lora_adapter("none", tmp_path)
 
 
-def test_lora_refuses_tensor_parallelism_and_a_plain_engine(models):
+def tp_lora_generate(cases: list[dict]) -> list[dict]:
+    """Rank function: a TP=2 engine with the case's adapters loaded on every rank, one mixed batch."""
+    results = []
+    for case in cases:
+        eng = lora_engine(case["path"], case["adapters"], tp_size=2)
+        params = [SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1, lora_name=n)
+                  for n in case["names"]]
+        outs = eng.generate(case["prompts"], params)
+        stacks = eng.lora.layers[0].stacks
+        results.append({"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
+                        "shapes": {k: (tuple(v.a.shape), tuple(v.b.shape)) for k, v in stacks.items()}})
+    return results
+
+
+@pytest.mark.slow  # two ranks, two engines: ~20-60 s on 2 busy cores
+def test_tensor_parallel_adapters_equal_the_merged_model(models, tmp_path):
+    """TP=2 (gloo): each rank holds its part of every adapter, split as the base weight is (B by
+    output rows for q/k/v/gate/up, A by input columns for o/down, the partial deltas summed in the
+    layer's all-reduce); key/value heads split (2 KV heads) and replicated (1 KV head). A batch
+    mixing base and adapter requests gives the merged models' greedy tokens and the TP=1 engine's
+    log-probs."""
+    from phalanx.testing import Diff, spawn
+
+    base_dir, dirs, refs = models
+    one_kv = {"num_key_value_heads": 1}
+    mqa_dir, _ = im.save_model(tmp_path / "mqa", "llama", **one_kv)
+    mqa_ref = make_adapter(tmp_path / "m1", 5, one_kv, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    prompts = im.mixed_prompts(3, seed=6, low=3, high=30)
+    cases = [{"path": str(base_dir), "adapters": {k: str(v) for k, v in dirs.items()}, "prompts": prompts,
+              "names": ["a1", None, "a2"], "new_tokens": 8},
+             {"path": str(mqa_dir), "adapters": {"m1": str(tmp_path / "m1")}, "prompts": prompts[:2],
+              "names": ["m1", "m1"], "new_tokens": 8}]
+    ranks = spawn(tp_lora_generate, 2, cases, timeout=300)
+    assert ranks[0] == ranks[1], "TP ranks returned different outputs"
+    merged = [{n: refs[n] for n in (None, "a1", "a2")}, {"m1": mqa_ref}]
+    for case, result, ref in zip(cases, ranks[0], merged, strict=True):
+        for prompt, name, tokens in zip(case["prompts"], case["names"], result["tokens"], strict=True):
+            assert tokens == im.hf_greedy(ref[name], prompt, case["new_tokens"]), (case["path"], name)
+        one = lora_engine(case["path"], case["adapters"])
+        want = one.generate(case["prompts"], [SamplingParams(max_new_tokens=case["new_tokens"], temperature=0,
+                                                             logprobs=1, lora_name=n) for n in case["names"]])
+        with torch.no_grad():
+            scale = max(ref[n](torch.tensor([p])).logits.abs().max().item()
+                        for p, n in zip(case["prompts"], case["names"], strict=True))
+        for i, (a, b) in enumerate(zip(result["logprobs"], [o.logprobs for o in want], strict=True)):
+            worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            check(Diff(worst / scale, f"prompt {i}"), rounding_rtol(torch.float32, im.VOCAB), "TP=2 log-probs vs TP=1")
+    # hidden 64, 4 heads of 16: o's A holds half the input columns, q/k/v's B half the heads' columns
+    # (2 KV heads split: 32 + 16 + 16; 1 KV head replicated: 32 + 16 + 16 as well)
+    shapes = ranks[0][0]["shapes"]
+    assert shapes["o"] == ((2, 8, 32), (2, 8, 64)) and shapes["qkv"] == ((2, 24, 64), (2, 24, 64))
+
+
+def test_lora_refuses_a_draft_model_and_a_plain_engine(models, tmp_path):
     base_dir, dirs, _ = models
-    with pytest.raises(ValueError, match="tp_size=2 are not supported yet.*merge"):
-        LLM(str(base_dir), enable_lora=True, tp_size=2)
+    with pytest.raises(ValueError, match="draft model.*not supported yet"):
+        LLM(str(base_dir), enable_lora=True, draft_model=str(base_dir))
     plain = LLM(str(base_dir), dtype="float32", num_blocks=32, block_size=8, max_model_len=64)
     with pytest.raises(LoraError, match="enable_lora=True"):
         plain.load_lora_adapter("a1", dirs["a1"])
@@ -253,3 +308,70 @@ def test_serve_reads_lora_flags():
     assert lora_modules(args) == {"a": "/x", "b": "/y", "c": "runs/sft"} and args.max_lora_rank == 32
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_modules(build_parser().parse_args(["base", "--lora", "justapath"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_low_rank_stack_adds_each_tokens_own_adapter(dtype):
+    """One fused matmul of three pieces (q, k, v of different widths), three slots of ranks 2, 4
+    and 3 (one adapting no k), tokens of every slot and of the base: `add_delta` (one x·Aᵀ for all
+    pieces, the slot mask, one block-diagonal B matmul; the oneDNN-packed factors in bf16 on a CPU
+    with native bf16) equals, token by token, y + B_{s,p} A_{s,p} x in each piece's columns; steps
+    using fewer slots (a smaller `hi`) and an unloaded slot too."""
+    from phalanx.inference.lora import LowRankStack, Piece, StepSlots
+    from phalanx_kernels.accelerator import current_device
+
+    dev = current_device()
+    torch.manual_seed(0)
+    pieces, fan_in = [(0, 12), (12, 4), (16, 4)], 10
+    stack = LowRankStack(pieces, fan_in, slots=3, rank=4, dtype=dtype, device=dev)
+    factors = {}
+    for slot, r in ((1, 2), (2, 4), (3, 3)):
+        for p, (_, width) in enumerate(pieces):
+            if (slot, p) != (1, 1):
+                a, b = torch.randn(r, fan_in).to(dtype).float(), torch.randn(width, r).to(dtype).float()
+                stack.put(slot, Piece(0, "qkv", p, a.to(dev), b.to(dev)))
+                factors[slot, p] = (a, b)
+
+    def run(token_slots):
+        x = torch.randn(len(token_slots), fan_in).to(dtype).float()
+        y = torch.randn(len(token_slots), 20).to(dtype).float()
+        want = y.clone()
+        for t, s in enumerate(token_slots):
+            for p, (first, width) in enumerate(pieces):
+                if (s, p) in factors:
+                    a, b = factors[s, p]
+                    want[t, first:first + width] += b @ (a @ x[t])
+        step = StepSlots()
+        step.set(token_slots, dtype, dev)
+        got = stack.add_delta(x.to(dev, dtype), y.to(dev, dtype), step).float().cpu()
+        check(rel_diff(got, want), rounding_rtol(dtype, fan_in), f"deltas of slots {token_slots}")
+        return got, y
+
+    run([0, 1, 2, 3, 2, 0, 1, 3])
+    run([2, 0, 1, 1])  # hi = 2: the first two slots' factors only (packed once more)
+    run([3, 3, 0])
+    stack.clear(3)
+    for p in range(3):
+        factors.pop((3, p))
+    got, y = run([3, 1, 0])  # an unloaded slot adds nothing
+    assert torch.equal(got[0], y[0].to(dtype).float())
+
+
+def test_http_load_and_unload_are_refused_under_tensor_parallelism():
+    """Over HTTP only rank 0 would load the adapter while the other ranks run steps: refused (400
+    naming --lora at start) with tp_size > 1, before the engine is called; allowed at tp_size 1."""
+    import asyncio
+    import types
+
+    from phalanx.inference import openai_protocol as api
+    from phalanx.inference.server_routes import Routes
+
+    calls = []
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(tp_size=2), load=lambda *a: calls.append(a))
+    routes = Routes(types.SimpleNamespace(engine=engine))
+    with pytest.raises(api.RequestError, match="--tp-size 2: give them at start \\(--lora NAME=PATH\\)") as err:
+        asyncio.run(routes.lora_call(engine.load, "x", "/p", param="lora_path"))
+    assert err.value.status == 400 and calls == []
+    engine.config.tp_size = 1
+    asyncio.run(routes.lora_call(engine.load, "x", "/p", param="lora_path"))
+    assert calls == [("x", "/p")]

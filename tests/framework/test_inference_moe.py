@@ -94,8 +94,11 @@ def test_moe_checks_name_the_problem(models, tmp_path):
 
 @pytest.mark.slow  # two ranks, two models: ~30-60 s on 2 busy cores
 def test_moe_tp2_matches_transformers(models):
-    """TP=2: each rank holds half of every expert's width (and of the shared expert's), the router
-    whole; the partial sums meet in the layer's one all-reduce. Tokens equal transformers'."""
+    """TP=2: each rank holds half of every expert's width (gate/up by columns, down by rows; and of
+    the shared expert's), the router whole; the partial sums meet in the layer's one all-reduce.
+    Tokens equal transformers', log-probs the TP=1 engine's (within fp32 rounding over the
+    vocabulary, in units of the logits' magnitude)."""
+    from phalanx.testing import Diff, check, rounding_rtol
     prompts = im.mixed_prompts(3, seed=13, low=3, high=40)
     families = ["mixtral", "qwen2_moe"]
     cases = [{"path": models[f][0], "prompts": prompts, "new_tokens": 12} for f in families]
@@ -104,3 +107,12 @@ def test_moe_tp2_matches_transformers(models):
     for family, result in zip(families, ranks[0], strict=True):
         model = models[family][1]
         assert result["tokens"] == [im.hf_greedy(model, p, 12) for p in prompts], family
+        one = LLM(models[family][0], num_blocks=64, block_size=8, dtype="float32")
+        want = one.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, logprobs=1))
+        assert result["tokens"] == [o.token_ids for o in want], family
+        with torch.no_grad():
+            scale = max(model(input_ids=torch.tensor([p])).logits.abs().max().item() for p in prompts)
+        for i, (a, b) in enumerate(zip(result["logprobs"], [o.logprobs for o in want], strict=True)):
+            worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            check(Diff(worst / scale, f"prompt {i}"), rounding_rtol(torch.float32, im.VOCAB),
+                  f"{family}: TP=2 log-probs")

@@ -114,6 +114,51 @@ def test_speculative_rejection_sampling_keeps_the_target_distribution():
     assert 0 < spec.acceptance_rate < 1
 
 
+def test_speculative_acceptance_of_a_whole_batch_at_once(monkeypatch):
+    """Five sequences verified in one call, with outcomes that do not depend on the draws: greedy
+    accepting one, rejecting one (the proposal after it would pass: acceptance stops at the first
+    rejection) and correcting, greedy accepting all then the bonus, sampled accepting
+    (p >= q) then rejecting (p = 0) and drawing from the residual max(p - q, 0), whose only mass is
+    where p holds 10%, sampled with no proposal,
+    sampled accepting then drawing a one-hot bonus. The acceptance is computed for every position
+    at once: no value is read back to the host inside it (one transfer after it)."""
+    from phalanx.inference.sequence import Sequence
+    from phalanx.inference.speculative import SpeculativeDecoder
+
+    def one_hot(t, high=1.0):
+        row = torch.full((5,), (1 - high) / 4)
+        row[t] = high
+        return row
+
+    greedy, sampled = SamplingParams(temperature=0, max_new_tokens=8), SamplingParams(temperature=1.0, max_new_tokens=8)
+    seqs = [Sequence(f"s{i}", [1, 2, 3], p, generator=new_generator(DEV).manual_seed(i))
+            for i, p in enumerate([greedy, sampled, sampled, greedy, sampled])]
+    drafts = [[2, 1, 4], [1, 2], [], [0, 1], [3]]
+    target = [one_hot(2, .6), one_hot(3, .6), one_hot(4, .6), one_hot(0, .6),  # s0: 2 accepted, 1 corrected to 3
+              torch.tensor([.1, .6, .1, .1, .1]), torch.tensor([0, 0, 0, .1, .9]), one_hot(0, .5),  # s1: 1; 2 (p=0)
+              one_hot(4),  # s2: no proposal, draws 4
+              one_hot(0, .6), one_hot(1, .6), one_hot(2, .6),  # s3: all accepted, bonus 2
+              one_hot(3), one_hot(0)]  # s4: 3 accepted (p = q = 1), bonus 0
+    draft = [[one_hot(2, .4)] * 3, [torch.tensor([.2, .3, .2, .2, .1]), torch.tensor([0, 0, .1, 0, .9])], [],
+             [one_hot(0, .4)] * 2,
+             [one_hot(3)]]
+    target_probs = torch.stack(target).to(DEV)
+    draft_probs = [[q.to(DEV) for q in qs] for qs in draft]
+    rows = [RowContext(s.params, s.generator) for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+    spec = SpeculativeDecoder(None, None, num_tokens=3)
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _m=method, _n=name: reads.append(_n) or _m(self, *a))
+    n_acc, last = spec._verify(seqs, drafts, draft_probs, rows, target_probs)
+    assert reads == [], f"values read back to the host while verifying: {reads}"
+    monkeypatch.undo()
+    assert n_acc.tolist() == [1, 1, 0, 2, 1] and last.tolist() == [3, 3, 4, 2, 0]
+    out = spec._accept(seqs, drafts, draft_probs, rows, target_probs.clamp_min(1e-9).log(), target_probs)
+    assert [[e.token_id for e in o] for o in out] == [[2, 3], [1, 3], [4], [0, 1, 2], [3, 0]]
+    assert (spec.num_proposed, spec.num_accepted) == (8, 5)
+
+
 def test_logit_bias_and_repetition_penalty_match_transformers_processors():
     """logit_bias is HF's SequenceBiasLogitsProcessor with one-token sequences, applied before the
     repetition penalty (HF's order), then temperature / top-k / top-p."""

@@ -79,12 +79,8 @@ _LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank")
 
 
 def _check_lora_layout(tp_size: int, draft_model) -> None:
-    """LoRA adapters run on one rank without a draft model (refused here, before any work)."""
-    if tp_size > 1:
-        raise ValueError(f"LoRA adapters with tp_size={tp_size} are not supported yet (the adapters are not sharded "
-                         "over the tensor-parallel ranks): serve them with tp_size=1, or merge the adapter into the "
-                         "base (booster.save_lora_as_pretrained(..., merge=True), peft's merge_and_unload) and serve "
-                         "the merged model with tensor parallelism")
+    """LoRA adapters run without a draft model (refused here, before any work); with tensor
+    parallelism each rank holds its part of every adapter (`lora._place`)."""
     if draft_model is not None:
         raise ValueError("LoRA adapters with a draft model (speculative decoding) are not supported yet: drop "
                          "draft_model (--draft-model), or serve a merged model with it")
@@ -202,7 +198,9 @@ class LLM:
     def load_lora_adapter(self, name: str, path: str | Path) -> dict:
         """Load the PEFT adapter saved in `path` (adapter_config.json + adapter_model.safetensors)
         under `name`; requests choose it with `SamplingParams(lora_name=name)`. Safe to call from
-        another thread while the engine steps. `LoraError` (a ValueError) names what is wrong."""
+        another thread while the engine steps. `LoraError` (a ValueError) names what is wrong.
+        With tp_size > 1 call it on every rank with the same arguments (as `generate`): each rank
+        keeps its part of the adapter, in the same slot."""
         adapter = self._lora_registry().load(name, path)
         return {"name": adapter.name, "path": adapter.path, "rank": adapter.rank, "slot": adapter.slot}
 

@@ -7,24 +7,36 @@ request, several of them in one batch.
 
 How a batch runs every adapter at once. Each adapted matmul of a decoder layer (the fused q/k/v,
 o, the fused gate/up, down) keeps the adapters' low-rank factors stacked by *slot*: A as
-[slots, pieces, r_max, in] and, per output piece (q, k, v of the fused q/k/v), B·scaling as
-[slots, r_max, width]. A step gives every token the slot of its request (0: the base model), and
-the layer's call `base(x) + delta(x)` computes the delta of every token with two dense matmuls
-over the slots the step uses: x @ A[:hi]ᵀ gives each token every adapter's r_max lanes, a one-hot
-mask of the token's slot keeps its own adapter's lanes (the others become exact zeros), and the
-masked lanes @ B add `scaling · B_s A_s x` to the token's output columns. One forward per batch,
-no Python loop over adapters, the same shapes whichever adapters the tokens use; the cost over the
-base matmul is (slots used · r_max) / width, a few percent for a handful of rank-16 adapters. A
-rank below r_max is zero-padded (the padding adds exact zeros).
+[slots, pieces·r_max, in] (the pieces' A one above the other) and B·scaling as
+[slots, pieces·r_max, out], block-diagonal over the pieces (piece p's lanes reach only its own
+output columns). A step gives every token the slot of its request (0: the base model), and the
+layer's call `base(x) + delta(x)` computes the delta of every token with three operations over
+the slots the step uses (`LowRankStack.add_delta`): x @ A[:hi]ᵀ gives each token every adapter's
+lanes for every piece, a one-hot mask of the token's slot keeps its own adapter's lanes (the
+others become exact zeros), and one accumulating matmul of the masked lanes with B[:hi] adds
+`scaling · B_s A_s x` to each piece's output columns. One forward per batch, no Python loop over
+adapters or pieces, the same shapes whichever adapters the tokens use. A rank below r_max is
+zero-padded (the padding adds exact zeros). Where the base weights are packed for oneDNN (bf16 on
+a CPU with native bf16) the stacked factors of the slots a step uses are packed too (again when a
+step uses more or fewer slots, or after a load or unload): an unpacked bf16 matmul re-lays its
+weight out on every call.
+
+Under tensor parallelism each rank keeps its part of every adapter, split as the base weight is
+(`_place`, through the model's `role_target`): B by output rows for the column-parallel q/k/v and
+gate/up (A whole), A by input columns for the row-parallel o and down (B whole), whose partial
+deltas join the base's partial sums in the layer's existing all-reduce. Every rank must load the
+same adapters in the same order (`LLM.load_lora_adapter` on every rank, as `generate`); each
+step's token slots travel in the step's broadcast.
 
 The wrapper replaces the layer's `linear` (the call every matmul of the decoder goes through,
 whatever computes it: F.linear, a packed oneDNN weight) after the weights are loaded, so the base
 path is untouched and the adapters add to whatever it returns.
 
-Limits, each refused by name: tensor parallelism (the adapters are not sharded yet), a draft model,
-DoRA, adapters on embeddings or the LM head, `modules_to_save`, trained LoRA biases, adapters on
-expert layers. Prefix caching keeps working: a request's cached blocks are keyed by its adapter
-(`Sequence.cache_salt`), so base and adapter requests never share keys and values.
+Limits, each refused by name: a draft model, DoRA, adapters on embeddings or the LM head,
+`modules_to_save`, trained LoRA biases, adapters on expert layers; loading or unloading over HTTP
+while serving with tensor parallelism (the other ranks are busy running steps). Prefix caching
+keeps working: a request's cached blocks are keyed by its adapter (`Sequence.cache_salt`), so
+base and adapter requests never share keys and values.
 """
 from __future__ import annotations
 
@@ -37,6 +49,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from phalanx.inference import packed_linear
 
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 16
@@ -188,15 +202,35 @@ def _place(model, module: str, a: torch.Tensor, b: torch.Tensor, name: str) -> l
             raise LoraError(f"adapter {name!r} adapts {module!r} (role {role.role}), which this engine cannot adapt "
                             "(expert layers and shared experts take no adapter): serve a merged model")
         linear, piece = where
-        first, width = output_pieces(layer, linear)[piece]
-        offset = role.offset(model.spec) if linear == "qkv" or linear == "gate_up" else 0
-        fan_in = getattr(layer, f"{linear}_weight").shape[1]
-        if a.shape[1] != fan_in or b.shape[0] < offset + width or (len(roles) == 1 and b.shape[0] != width):
+        width = output_pieces(layer, linear)[piece][1]  # this rank's
+        fan_in = getattr(layer, f"{linear}_weight").shape[1]  # this rank's
+        # this rank's part, as the base weight is split: rows of B for a column-parallel piece (q, k,
+        # v, gate, up: its output columns, offset in a fused source such as GPT-2's c_attn), columns
+        # of A for a row-parallel one (o, down: its input rows; the partial deltas meet in the
+        # layer's all-reduce with the base's partial sums)
+        offset = role.offset(model.spec) if linear in ("qkv", "gate_up") else 0
+        target = model.role_target(role.role, "weight", index, offset)
+        row_parallel = target.dim == 1
+        full_in = fan_in * model.tp_size if row_parallel else fan_in
+        full_out = _full_width(model, role.role, width)
+        if (a.shape[1] != full_in or b.shape[0] < offset + full_out
+                or (len(roles) == 1 and b.shape[0] != full_out)):
             raise LoraError(f"adapter {name!r} does not fit this base model at {module!r}: lora_A {list(a.shape)} and "
-                            f"lora_B {list(b.shape)}, the layer maps {fan_in} inputs to {width} outputs; "
+                            f"lora_B {list(b.shape)}, the layer maps {full_in} inputs to {full_out} outputs; "
                             "was it trained on another base model?")
-        out.append(Piece(index, linear, piece, a, b[offset:offset + width]))
+        if row_parallel:
+            out.append(Piece(index, linear, piece, a.narrow(1, target.start, target.length).contiguous(), b))
+        else:
+            out.append(Piece(index, linear, piece, a, b.narrow(0, target.start, target.length)))
     return out
+
+
+def _full_width(model, role: str, local: int) -> int:
+    """The whole model's output width of `role` (`local`: this rank's): key/value heads may be
+    replicated over the ranks rather than split."""
+    if role in ("k", "v"):
+        return model.spec.num_kv_heads * model.spec.head_dim
+    return local * (model.tp_size if role in ("q", "gate", "up") else 1)
 
 
 # -- the batched low-rank matmul -------------------------------------------------------------------
@@ -208,45 +242,61 @@ class StepSlots:
         self.hi = 0
         self.mask: torch.Tensor | None = None
 
-    def set(self, token_slots: list[int], dtype: torch.dtype, device: torch.device) -> None:
-        self.hi = max(token_slots, default=0)
+    def set(self, token_slots: list[int] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        slots = torch.as_tensor(token_slots, dtype=torch.long)  # on the host
+        self.hi = int(slots.max()) if slots.numel() else 0
         if self.hi == 0:
             self.mask = None
             return
-        one_hot = F.one_hot(torch.tensor(token_slots, dtype=torch.long), self.hi + 1)[:, 1:]
-        self.mask = one_hot.to(dtype).to(device)
+        self.mask = F.one_hot(slots, self.hi + 1)[:, 1:].to(dtype).to(device)
 
 
 class LowRankStack:
-    """The stacked factors of every slot for one fused matmul: A [slots, pieces, r_max, in] and,
-    per output piece, B·scaling as [slots, r_max, width]."""
+    """The stacked factors of every slot for one fused matmul, laid out for two matmuls per step:
+    A as [slots, pieces·r_max, in] (every piece's A stacked, so one x·Aᵀ gives all of a slot's
+    lanes) and B·scaling as [slots, pieces·r_max, out], block-diagonal over the pieces (piece p's
+    r_max rows are non-zero only in its own output columns), so one matmul adds every piece's
+    delta to the fused output. Where the base weights are packed for oneDNN (bf16 on a CPU with
+    native bf16, `packed_linear`), the factors of the first `hi` slots a step uses are packed too,
+    and kept until a step uses another `hi` or an adapter is loaded or unloaded."""
 
     def __init__(self, pieces: list[tuple[int, int]], fan_in: int, slots: int, rank: int, dtype, device) -> None:
-        self.pieces = pieces
-        self.a = torch.zeros(slots, len(pieces), rank, fan_in, dtype=dtype, device=device)
-        self.b = [torch.zeros(slots, rank, width, dtype=dtype, device=device) for _, width in pieces]
+        self.pieces, self.rank = pieces, rank
+        out = pieces[-1][0] + pieces[-1][1]
+        self.a = torch.zeros(slots, len(pieces) * rank, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, len(pieces) * rank, out, dtype=dtype, device=device)
+        self.packs = packed_linear.can_pack(self.a[0])
+        self._packed: tuple | None = None  # (hi, packed A[:hi], packed B[:hi]ᵀ)
         self.calls = 0  # batched deltas computed (one per layer call of a step with adapter tokens)
 
     def clear(self, slot: int) -> None:
         self.a[slot - 1].zero_()
-        for b in self.b:
-            b[slot - 1].zero_()
+        self.b[slot - 1].zero_()
+        self._packed = None
 
     def put(self, slot: int, piece: Piece) -> None:
-        r = piece.a.shape[0]
-        self.a[slot - 1, piece.piece, :r].copy_(piece.a)
-        self.b[piece.piece][slot - 1, :r].copy_(piece.b.t())
+        r, lane = piece.a.shape[0], piece.piece * self.rank
+        first, width = self.pieces[piece.piece]
+        self.a[slot - 1, lane:lane + r].copy_(piece.a)
+        self.b[slot - 1, lane:lane + r, first:first + width].copy_(piece.b.t())
+        self._packed = None
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor, step: StepSlots) -> torch.Tensor:
-        """y (= base(x), [N, out]) plus every token's own adapter delta, in place."""
+        """y (= base(x), [N, out]) plus every token's own adapter delta, in place: three operations
+        (every used slot's lanes, the slot mask, one accumulating matmul) whatever the pieces."""
         self.calls += 1
         hi, n = step.hi, x.shape[0]
-        _, num_pieces, rank, fan_in = self.a.shape
-        lanes = F.linear(x, self.a[:hi].reshape(hi * num_pieces * rank, fan_in))
-        lanes = lanes.view(n, hi, num_pieces, rank) * step.mask[:, :, None, None]
-        for p, (first, width) in enumerate(self.pieces):
-            y[:, first:first + width] += lanes[:, :, p].reshape(n, hi * rank) @ self.b[p][:hi].reshape(hi * rank, width)
-        return y
+        _, per_slot, fan_in = self.a.shape
+        a, b = self.a[:hi].view(hi * per_slot, fan_in), self.b[:hi].view(hi * per_slot, -1)
+        if not self.packs:
+            lanes = F.linear(x, a)
+            lanes.view(n, hi, per_slot).mul_(step.mask[:, :, None])
+            return y.addmm_(lanes, b)
+        if self._packed is None or self._packed[0] != hi:
+            self._packed = (hi, packed_linear.pack(a), packed_linear.pack(b.t()))
+        lanes = packed_linear.linear(x, a, packed=self._packed[1])
+        lanes.view(n, hi, per_slot).mul_(step.mask[:, :, None])
+        return y.add_(packed_linear.linear(lanes, b.t(), packed=self._packed[2]))
 
 
 class LoraLayer:
@@ -357,6 +407,6 @@ class LoraAdapters:
                                                           self.max_lora_rank, self.dtype, self.device)
         return stack
 
-    def set_step(self, token_slots: list[int]) -> None:
+    def set_step(self, token_slots: list[int] | torch.Tensor) -> None:
         """The adapter slot of every token of the next forward, in the order of its rows."""
         self.step.set(token_slots, self.dtype, self.device)

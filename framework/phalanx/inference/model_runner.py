@@ -218,17 +218,15 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             end = row_start[i] + lens[i]
             logits_rows.extend(range(end - c.num_logits, end))
-        if self.lora is not None:
-            self.lora.set_step(lora_slots)
         header = [_CMD_STEP, len(ids), len(groups), q_len, len(tables), len(ctx_lens), len(prefill),
                   len(prefill_tables), len(logits_rows)]
         return torch.tensor(header + ids + positions + slots + group_info + tables + ctx_lens + segments
-                            + prefill_tables + logits_rows, dtype=torch.long)
+                            + prefill_tables + logits_rows + (lora_slots if self.lora is not None else []),
+                            dtype=torch.long)
 
-    @staticmethod
-    def _payload_size(header: list[int]) -> int:
+    def _payload_size(self, header: list[int]) -> int:
         _, n, g, _, t, s, p, pt, nl = header
-        return 3 * n + 2 * g + t + s + 4 * p + pt + nl
+        return 3 * n + 2 * g + t + s + 4 * p + pt + nl + (n if self.lora is not None else 0)
 
     def _unpack(self, packed: torch.Tensor):
         _, n, g, q_len, t, num_seqs, p, pt, nl = packed[:_HEADER].tolist()
@@ -237,6 +235,9 @@ class ModelRunner:
         at = 3 * n + 2 * g + t + num_seqs  # the prefill segments, read here on the host (not back from the device)
         segment_list = body[at:at + 4 * p].view(p, 4).tolist()
         sizes = [n, n, n, 2 * g, t, num_seqs, 4 * p, pt, nl]
+        if self.lora is not None:  # every token's adapter slot, last (read on the host, on every TP rank)
+            self.lora.set_step(body[sum(sizes):sum(sizes) + n])
+            body = body[:sum(sizes)]
         parts = torch.split(body.to(self.device), sizes)
         ids, positions, slots, _, tables, ctx_lens, _, prefill_tables, logits_rows = parts
         batch = AttentionBatch(slot_mapping=slots, block_size=self.block_size)

@@ -90,7 +90,12 @@ class Routes:
 
     async def lora_call(self, call, *args, param: str) -> None:
         """`call` off the event loop (it reads files and waits for the engine's step to end);
-        its `LoraError` answered with its status (404: no such adapter)."""
+        its `LoraError` answered with its status (404: no such adapter). Refused under tensor
+        parallelism: the other ranks, busy running steps, would not load the adapter."""
+        if self.engine.config.tp_size > 1:
+            raise api.RequestError(400, f"adapters cannot be loaded or unloaded while serving with --tp-size "
+                                        f"{self.engine.config.tp_size}: give them at start (--lora NAME=PATH), "
+                                        "or serve with --tp-size 1", param=param)
         try:
             await asyncio.to_thread(call, *args)
         except LoraError as exc:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.inference.model_runner import Chunk, ModelRunner
-from phalanx.inference.sampler import RowContext, apply_penalties, draw, raw_logprobs, sampling_probs
+from phalanx.inference.sampler import RowContext, apply_penalties, raw_logprobs, sampling_probs
 from phalanx.inference.sequence import Sequence
 
 
@@ -84,41 +84,22 @@ class SpeculativeDecoder:
         return drafts, draft_probs
 
     def _accept(self, seqs, drafts, draft_probs, rows, raw, target_probs) -> list[list[Emitted]]:
-        """Accept each sequence's proposals left to right, then its correction or bonus token."""
+        """Accept each sequence's proposals left to right, then its correction or bonus token:
+        every position of every sequence at once on the device (each sampled sequence draws its k
+        uniforms and its last token with its own generator), read back in one transfer."""
+        n_acc, last = self._verify(seqs, drafts, draft_probs, rows, target_probs)
+        host = torch.cat((n_acc, last)).tolist()
         emitted: list[list[int]] = []
         emitted_rows: list[int] = []
-        # greedy rows accept by the target's argmax: read for every row in one transfer
-        argmax = target_probs.argmax(dim=-1).tolist() if any(s.params.greedy for s in seqs) else None
         base = 0
-        for b, s in enumerate(seqs):
-            k = len(drafts[b])
-            out: list[int] = []
-            generator = rows[base].generator
-            for i, d in enumerate(drafts[b]):
-                p = target_probs[base + i]
-                if s.params.greedy:
-                    ok = argmax[base + i] == d
-                else:
-                    q = draft_probs[b][i]
-                    u = torch.rand((), generator=generator, device=p.device)
-                    ok = bool(u * q[d] < p[d])  # u < p/q without dividing by a zero q
-                if ok:
-                    out.append(d)
-                    continue
-                if s.params.greedy:
-                    out.append(argmax[base + i])
-                else:
-                    residual = (p - draft_probs[b][i]).clamp_min(0)
-                    out.append(draw(residual if residual.sum() > 0 else p, generator))
-                break
-            else:
-                p = target_probs[base + k]
-                out.append(argmax[base + k] if s.params.greedy else draw(p, generator))
-            self.num_proposed += k
-            self.num_accepted += len(out) - 1
+        for b, d in enumerate(drafts):
+            accepted = host[b]
+            out = d[:accepted] + [host[len(seqs) + b]]
+            self.num_proposed += len(d)
+            self.num_accepted += accepted
             emitted.append(out)
-            emitted_rows.extend(base + i for i in range(len(out)))
-            base += k + 1
+            emitted_rows.extend(range(base, base + len(out)))
+            base += len(d) + 1
 
         flat_rows = [rows[r] for r in emitted_rows]
         tokens = torch.tensor([t for out in emitted for t in out], device=raw.device)
@@ -129,3 +110,50 @@ class SpeculativeDecoder:
             result.append([Emitted(t, chosen[at + i], tops[at + i]) for i, t in enumerate(out)])
             at += len(out)
         return result
+
+    @staticmethod
+    def _verify(seqs, drafts, draft_probs, rows, target_probs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted proposals [B], the token after them [B]) as device tensors. Greedy sequences
+        accept d_i while it is the target's argmax and end with the argmax; sampled ones accept
+        while u_i · q(d_i) < p(d_i) (u_i < p/q without dividing by a zero q) and end with a draw
+        from the residual max(p - q, 0) at the first rejection (p where the residual is all zero),
+        or from p after the last proposal."""
+        device = target_probs.device
+        ks = [len(d) for d in drafts]
+        num, width = len(seqs), max(ks, default=0)
+        bases = [sum(k + 1 for k in ks[:b]) for b in range(num)]
+        greedy = [s.params.greedy for s in seqs]
+        greedy_t = torch.tensor(greedy, device=device)
+        k_t = torch.tensor(ks, device=device)
+        accept = torch.zeros(num, width, dtype=torch.bool, device=device)
+        q = None
+        if width:
+            seq_of = [b for b in range(num) for _ in range(ks[b])]
+            where = (torch.tensor(seq_of, device=device),
+                     torch.tensor([i for k in ks for i in range(k)], device=device))
+            target_rows = torch.tensor([bases[b] + i for b in range(num) for i in range(ks[b])], device=device)
+            tokens = torch.tensor([t for d in drafts for t in d], device=device)
+            p = target_probs[target_rows]  # [D, V]: each proposal's target distribution
+            ok = p.argmax(dim=-1) == tokens
+            if not all(greedy):
+                q = torch.stack([x for probs in draft_probs for x in probs])  # [D, V]
+                u = torch.cat([torch.rand(ks[b], generator=rows[bases[b]].generator, device=device)
+                               if not greedy[b] else torch.zeros(ks[b], device=device) for b in range(num)])
+                at = torch.arange(len(tokens), device=device)
+                ok = torch.where(greedy_t[where[0]], ok, u * q[at, tokens] < p[at, tokens])
+            accept[where] = ok
+        n_acc = accept.long().cumprod(dim=1).sum(dim=1)  # proposals before the first rejection
+        p_last = target_probs[torch.tensor(bases, device=device) + n_acc]  # [B, V]
+        last = p_last.argmax(dim=-1)
+        if not all(greedy):
+            dist = p_last
+            if q is not None:  # a rejected sequence draws from its residual
+                firsts = torch.tensor([sum(ks[:b]) for b in range(num)], device=device)
+                q_at = q[(firsts + n_acc.clamp(max=k_t - 1).clamp_min(0)).clamp(max=len(q) - 1)]
+                residual = (p_last - q_at).clamp_min(0)
+                use = (n_acc < k_t)[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
+                dist = torch.where(use, residual, p_last)
+            last = torch.stack([last[b] if greedy[b] else
+                                torch.multinomial(dist[b], 1, generator=rows[bases[b]].generator)[0]
+                                for b in range(num)])
+        return n_acc, last
