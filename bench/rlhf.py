@@ -6,6 +6,7 @@
     python bench/rlhf.py --shared-prompt-forward false --skip-trl  # Phalanx without the shared-prompt forward
     python bench/rlhf.py --profile-update                # CPU time of one policy update, packed vs unshared
     python bench/rlhf.py --lora                          # peak memory of LoRA GRPO against full GRPO
+    python bench/rlhf.py --rollout ray --max-staleness 1 # time per step: colocated vs Ray staleness 0 vs 1
 
 Prints step time and its split (generate / score / train / weight sync), rollout tokens/s, the
 ratio of step throughputs, and one JSON line. The first step of each (warm-up) is not counted.
@@ -17,6 +18,11 @@ q/k/v/o_proj), each in a fresh process, with the KL term on (`--kl-coef`, 0.05) 
 reference: a frozen copy of the policy for the full run, the same model with its adapter off for LoRA.
 It prints each run's peak resident memory (VmHWM; the peak allocated device memory on a GPU) and the
 ratio LoRA / full.
+`--rollout ray` measures decoupled rollouts instead (no TRL): the same GRPO run colocated, with
+`rollout.mode=ray` and max_staleness 0 (the rollout waits for its worker), and with `--max-staleness`
+k (generation of the next rollouts overlaps training); the time per step is the wall time from the
+step's rollout request to the end of its weight broadcast (`time_step_s`), median over the steps after
+the first. The Ray instance is local (`--ray-cpus`, default: every core), one worker of 1 CPU.
 Phalanx's policy update runs the shared-prompt forward (`grpo.shared_prompt_forward`, on by default:
 each prompt's n samples packed into one row holding the prompt once; exact); `--shared-prompt-forward
 false` measures the unshared forward for comparison.
@@ -64,7 +70,10 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path, extra: lis
     from apps.chat_rlhf.grpo import encode_prompts
     run.loss.prompt_ids[:] = encode_prompts(run.tokenizer, records)
     t0 = time.perf_counter()
-    run.train()
+    try:
+        run.train()
+    finally:
+        run.close()  # the Ray rollout workers, if any
     total = time.perf_counter() - t0
     hist = run.hook.history[1:] or run.hook.history
     step = [r["time_generate_s"] + r["time_score_s"] + r["time_train_s"] + r["time_sync_s"] for r in hist]
@@ -73,7 +82,33 @@ def run_phalanx(model_dir: str, records: list[dict], args, out: Path, extra: lis
             "train_s": statistics.median(r["time_train_s"] for r in hist),
             "sync_s": statistics.median(r["time_sync_s"] for r in hist),
             "completion_tokens": statistics.median(r["completion_len"] for r in hist) * args.prompts * args.n,
-            "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in hist), "total_s": total}
+            "rollout_tokens_per_s": statistics.median(r["rollout_tokens_per_s"] for r in hist), "total_s": total,
+            "time_step_s": statistics.median(r["time_step_s"] for r in hist),
+            "wait_s": statistics.median(r["time_wait_s"] for r in hist),
+            "lags": [r["rollout_lag"] for r in run.hook.history]}
+
+
+def compare_rollouts(model_dir: str, records: list[dict], args, out: Path) -> dict:
+    """Time per step of the same GRPO run colocated, on Ray with staleness 0, and on Ray with
+    staleness `args.max_staleness` (if > 0); one local Ray instance for the Ray runs."""
+    import ray
+    runs = {"colocated": []}
+    runs["ray_staleness_0"] = ["rollout.mode=ray", "rollout.max_staleness=0"]
+    if args.max_staleness > 0:
+        runs[f"ray_staleness_{args.max_staleness}"] = ["rollout.mode=ray", f"rollout.max_staleness={args.max_staleness}"]
+    results = {}
+    ray.init(num_cpus=args.ray_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        for name, extra in runs.items():
+            results[name] = run_phalanx(model_dir, records, args, out / name, extra)
+            r = results[name]
+            print(f"{name:18s} step {r['time_step_s']:.2f} s (trainer waited {r['wait_s']:.2f} s for its rollout, "
+                  f"engine {r['generate_s']:.2f} s, train {r['train_s']:.2f} s, sync {r['sync_s']:.3f} s), lags "
+                  f"{r['lags']}", flush=True)
+    finally:
+        ray.shutdown()
+    base = results["colocated"]["time_step_s"]
+    return {"runs": results, "step_s_over_colocated": {k: v["time_step_s"] / base for k, v in results.items()}}
 
 
 def peak_memory() -> dict:
@@ -235,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
                              "(reference = a frozen copy), each in its own process, KL on (--kl-coef)")
     parser.add_argument("--kl-coef", type=float, default=0.05, help="with --lora: the KL term (builds the reference)")
     parser.add_argument("--memory-child", choices=["full", "lora"], help=argparse.SUPPRESS)
+    parser.add_argument("--rollout", default="colocated", choices=["colocated", "ray"],
+                        help="ray: time per step colocated vs rollout.mode=ray at staleness 0 and --max-staleness")
+    parser.add_argument("--max-staleness", type=int, default=1, help="with --rollout ray: the overlapped run's k")
+    parser.add_argument("--ray-cpus", type=int, default=0, help="with --rollout ray: the local Ray instance's CPUs")
     args = parser.parse_args(argv)
     sys.modules.setdefault("rlhf", sys.modules[__name__])
 
@@ -257,13 +296,23 @@ def main(argv: list[str] | None = None) -> None:
                           "max_new_tokens": args.max_new_tokens, "kl_coef": args.kl_coef, "loadavg_before": load,
                           "loadavg_after": load_after}))
         return
+    if args.rollout == "ray":
+        with tempfile.TemporaryDirectory() as tmp:
+            result = compare_rollouts(model_dir, records, args, Path(tmp))
+        load_after = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
+        print("time per step / colocated: " + ", ".join(f"{k} {v:.2f}x" for k, v in
+                                                        result["step_s_over_colocated"].items()))
+        print(json.dumps({"bench": "rlhf_ray_rollouts", **result, "prompts": args.prompts, "n": args.n,
+                          "max_new_tokens": args.max_new_tokens, "loadavg_before": load, "loadavg_after": load_after}))
+        return
     if args.profile_update:
         with tempfile.TemporaryDirectory() as tmp:
             print(json.dumps({"bench": "rlhf_update_profile", **profile_update(model_dir, records, args, Path(tmp))}))
         return
     with tempfile.TemporaryDirectory() as tmp:
         ours = run_phalanx(model_dir, records, args, Path(tmp) / "phalanx")
-        print("phalanx:", json.dumps({k: round(v, 3) for k, v in ours.items()}), flush=True)
+        print("phalanx:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in ours.items()}),
+              flush=True)
         theirs = None if args.skip_trl else run_trl(model_dir, records, args, Path(tmp) / "trl")
         if theirs:
             print("trl:    ", json.dumps({k: round(v, 3) for k, v in theirs.items()}), flush=True)

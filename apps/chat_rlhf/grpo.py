@@ -18,6 +18,10 @@ the new weights into the engine. The variants are options of `grpo:` (see `GRPOS
 Under `train.plugin=hybrid` (tensor parallelism, pp_size=1) the engine runs tensor-parallel over
 the trainer's tp group, the ranks of one tp group are one data replica (same prompts, same seeds,
 the same rollout), and every count is summed once per replica (`DataReplicas`).
+
+With `rollout.mode: ray` the engines run in Ray actors apart from the trainer (this process), weights
+are broadcast after each update, and `rollout.max_staleness: k` overlaps generation of the next
+rollouts with training, the lag corrected by the same importance weights (`ray_rollouts`).
 """
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ from .rewards import RewardSet
 from .rl_eval import heldout_scores, plot_rl_curves
 from .rl_logprobs import completion_logprobs
 from .rl_losses import overlong_shaping, tis_weights  # noqa: F401  (re-exported)
-from .rl_rollouts import (DataReplicas, DataSettings, EngineSettings, PromptIndices, build_engine,  # noqa: F401
-                          encode_prompts, engine_dtype, load_prompt_sets, mini_batch_order, refill_prompts, rollout_prompts,
-                          rollout_tp_size, sample_seed, seeded_rollouts)
+from .rl_rollouts import (DataReplicas, DataSettings, EngineSettings, PromptIndices, RolloutSettings,  # noqa: F401
+                          build_engine, encode_prompts, engine_dtype, load_prompt_sets, mini_batch_order, refill_prompts,
+                          rollout_engine, rollout_function, rollout_prompts, rollout_tp_size, sample_seed,
+                          seeded_rollouts)
 from .rl_step import ROLLOUT_METRICS, RLHook, RolloutLoss  # noqa: F401
 from .rollout import RolloutEngine, completion_batch, logprob_batch, padded
 
@@ -114,6 +119,7 @@ class GRPOConfig:
     data: DataSettings = field(default_factory=DataSettings)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)  # colocated engine, or Ray workers (ray_rollouts)
     train_layers: int = 0             # train only the top N blocks (+ final norm); 0: the whole model
     lora: LoRASettings = field(default_factory=LoRASettings)  # adapters only; reference = adapter off (adapters.py)
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (any plugin)
@@ -127,6 +133,8 @@ def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GR
     cfg.train.validate()
     cfg.lora.validate(cfg.train_layers)
     check_lora_layout(cfg.lora, cfg.train)
+    cfg.rollout.validate()
+    cfg.rollout.check_layout(cfg.train)
     s, t = cfg.grpo, cfg.train
     size = t.micro_batch_size * s.num_generations
     if s.steps_per_rollout > 1 and size % s.mini_batches:
@@ -185,11 +193,12 @@ class GRPOLoss(RolloutLoss):
         local_gap = float(((logp.detach() - engine_lp).abs() * raw_mask).sum())
         tokens, kept_tokens, kept_seqs, gap_sum = replicas.sum([raw_mask.sum().item(), mask.sum().item(),
                                                                 float(keep_seq.sum()), local_gap])
-        self.guard.check(gap_sum / max(tokens, 1.0), step)
+        self.guard.check(gap_sum / max(tokens, 1.0), step, rollout.lag)
 
         # The old policy is the trainer's own forward at rollout time (these very weights: one update
         # per rollout), so the ratio starts at 1 whatever the engine's rounding; what the engine's
-        # sampling distribution differs by is corrected by truncated importance sampling.
+        # sampling distribution differs by (rounding, or a Ray rollout's lag) is corrected by truncated
+        # importance sampling.
         tis = L.tis_weights(logp.detach(), engine_lp, raw_mask, s.tis_cap)
         loss, clip = L.policy_loss(logp, logp.detach(), adv.float().unsqueeze(1) * tis, mask, clip_low=s.clip_low,
                                    clip_high=s.clip_high, aggregation=s.aggregation,
@@ -248,7 +257,7 @@ class GRPOLoss(RolloutLoss):
         engine_lp = padded(rollout.engine_logprobs, old_logp.shape[1]).to(dev)
         local_gap = float(((old_logp - engine_lp).abs() * raw_mask).sum())
         tokens, gap_sum = replicas.sum([float(raw_mask.sum()), local_gap])
-        self.guard.check(gap_sum / max(tokens, 1.0), step)
+        self.guard.check(gap_sum / max(tokens, 1.0), step, rollout.lag)
         tis = L.tis_weights(old_logp, engine_lp, raw_mask, s.tis_cap)
         rows = {**tb, "old_logp": old_logp, "adv": adv.float(), "tis": tis, "keep": keep_seq}
         kl_sum = 0.0
@@ -313,6 +322,10 @@ class GRPORun:
         finally:
             self.hook.close()
 
+    def close(self) -> None:
+        """Stop the Ray rollout workers (rollout.mode=ray); nothing to do for a colocated engine."""
+        getattr(self.engine, "close", lambda: None)()
+
 
 
 def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
@@ -329,9 +342,9 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
     if not train_records:
         raise ValueError(f"no training prompts in {cfg.data.source!r}")
     train_ids, heldout_ids = encode_prompts(tokenizer, train_records), encode_prompts(tokenizer, heldout_records)
-    engine = build_engine(model, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
-                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
-                          dtype=engine_dtype(cfg.train))
+    engine = rollout_engine(model, tokenizer, s, e, cfg.rollout, seed=cfg.train.seed, tp_size=tp_size,
+                            prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
+                            dtype=engine_dtype(cfg.train))
     model = prepare(model, cfg.lora, cfg.activation_checkpointing, cfg.train.seed)  # after the engine: it holds the plain policy
     reference = None
     if s.kl_coef > 0 and cfg.lora.enabled:
@@ -340,7 +353,8 @@ def build_run(cfg: GRPOConfig, *, model=None, tokenizer=None) -> GRPORun:
         import copy
         # a frozen copy of the starting policy, on the run's device: it scores the device batches of the step
         reference = copy.deepcopy(model).to(run_device()).eval().requires_grad_(False)
-    rollout_fn = seeded_rollouts(engine, train_ids, s.num_generations, cfg.train.seed)
+    rollout_fn = rollout_function(engine, train_ids, s.num_generations, cfg.train.seed, cfg.rollout,
+                                  steps_per_rollout=s.steps_per_rollout)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loss = GRPOLoss(s, train_records, train_ids, rewards, rollout_fn, pad, reference=reference, seed=cfg.train.seed)
     loss.replicas = DataReplicas(tp_size)
@@ -352,7 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config_args("GRPO-family training with rollouts on the Phalanx engine", load_grpo_config, argv,
                                example="apps/chat_rlhf/configs/grpo_arithmetic.yaml")
     run = build_run(cfg)
-    result = run.train()
+    try:
+        result = run.train()
+    finally:
+        run.close()
     png = plot_rl_curves(cfg.train.output_dir) if (not dist.is_initialized() or dist.get_rank() == 0) else None
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"done: step {result.final_step}, held-out {result.last_eval}, curves {png}")

@@ -66,8 +66,9 @@ from .rewards import RewardSet
 from .rl_eval import (HELDOUT_DIR, TRAINED_DIR, both_evals, describe, heldout_report, heldout_scores,  # noqa: F401
                       paired_comparison, plot_ppo, plot_rl_curves)
 from .rl_losses import explained_variance, prompt_centred, standardize_over_ranks  # noqa: F401  (re-exported)
-from .rl_rollouts import (DataReplicas, EngineSettings, PromptIndices, build_engine, engine_dtype,
-                          mini_batch_order, rollout_prompts, rollout_tp_size, seeded_rollouts)
+from .rl_rollouts import (DataReplicas, EngineSettings, PromptIndices, RolloutSettings, build_engine,  # noqa: F401
+                          engine_dtype, mini_batch_order, rollout_engine, rollout_function, rollout_prompts,
+                          rollout_tp_size, seeded_rollouts)
 from .rl_step import RolloutLoss
 from .rollout import completion_batch, completion_logprobs, padded
 
@@ -142,6 +143,7 @@ class PPOConfig:
     data: PPODataSettings = field(default_factory=lambda: PPODataSettings(source="arithmetic"))
     ppo: PPOSettings = field(default_factory=PPOSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)  # colocated engine, or Ray workers (ray_rollouts)
     lora: LoRASettings = field(default_factory=LoRASettings)  # adapters on actor and critic; reference = actor's off
     eval_before: bool = False         # score the held-out prompts once before training (a fresh run only)
     eval_trained_prompts: bool = False  # every evaluation also scores greedy answers to the training prompts this
@@ -157,6 +159,8 @@ def load_ppo_config(path: str | None, overrides: list[str] | None = None) -> PPO
     cfg.train.validate()
     cfg.lora.validate(cfg.ppo.train_layers)
     check_lora_layout(cfg.lora, cfg.train)
+    cfg.rollout.validate()
+    cfg.rollout.check_layout(cfg.train)
     if cfg.lora.enabled and cfg.train.plugin in ("fsdp", "gemini"):
         raise ConfigError(f"PPO with lora.enabled runs under ddp, zero1, zero2 or hybrid, not train.plugin="
                           f"{cfg.train.plugin!r}: the reference is the actor called with its adapter off, outside the "
@@ -253,7 +257,7 @@ class PPOLoss(RolloutLoss):
         local_gap = float(((logp - engine_lp).abs() * mask).sum())
         sums = self.replicas.sum  # every data replica once (a tp group holds one rollout on each rank)
         tokens, gap_sum = sums([float(mask.sum()), local_gap])
-        self.guard.check(gap_sum / max(tokens, 1.0), step)
+        self.guard.check(gap_sum / max(tokens, 1.0), step, rollout.lag)
 
         raw_scores = scores
         if s.score_baseline == "prompt":
@@ -348,17 +352,18 @@ def build_ppo(cfg: PPOConfig):
     from phalanx.observe import get_logger
     train_records, heldout_records, train_ids, heldout_ids = load_ppo_prompts(cfg.data, tokenizer,
                                                                               get_logger("apps.chat_rlhf"))
-    engine = build_engine(actor, tokenizer, s, e, seed=cfg.train.seed, tp_size=tp_size,
-                          prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
-                          dtype=engine_dtype(cfg.train))
+    engine = rollout_engine(actor, tokenizer, s, e, cfg.rollout, seed=cfg.train.seed, tp_size=tp_size,
+                            prompts={"training prompt": train_ids, "held-out prompt": heldout_ids},
+                            dtype=engine_dtype(cfg.train))
     if cfg.lora.enabled:  # after the engine (peft adapts the modules in place): adapters on actor and critic;
         model.actor = prepare(model.actor, cfg.lora, False, cfg.train.seed)  # the reference is the actor
         model.critic = prepare(model.critic, cfg.lora, False, cfg.train.seed + 1)  # with its adapter off
         reference = DisabledAdapter(model.actor)
     if cfg.train.plugin == "hybrid":  # the actor splits over the tp group; critic and value head stay whole
         model.split_actor_only()
-    loss = PPOLoss(s, train_records, train_ids, rewards, seeded_rollouts(engine, train_ids, s.num_generations,
-                                                                         cfg.train.seed),
+    loss = PPOLoss(s, train_records, train_ids, rewards,
+                   rollout_function(engine, train_ids, s.num_generations, cfg.train.seed, cfg.rollout,
+                                    steps_per_rollout=s.steps_per_rollout),
                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, reference=reference,
                    seed=cfg.train.seed)
     loss.replicas = DataReplicas(tp_size)
@@ -379,7 +384,7 @@ def build_ppo(cfg: PPOConfig):
 
 def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
     from phalanx.checkpoint import latest_checkpoint
-    model, tokenizer, records, loss, hook, eval_fn, _ = build_ppo(cfg)
+    model, tokenizer, records, loss, hook, eval_fn, engine = build_ppo(cfg)
     if cfg.eval_before and eval_fn is not None and latest_checkpoint(cfg.train.output_dir) is None:
         hook.heldout_before = eval_fn(None, 0)  # the engine still holds the initial actor
         hook.log.info("before training: " + ", ".join(f"{k}={v:.4g}" for k, v in hook.heldout_before.items()))
@@ -396,6 +401,7 @@ def train_ppo(cfg: PPOConfig) -> tuple[Any, PPOHook]:
                      tokenizer=tokenizer, hooks=[hook, *exports])
     finally:
         hook.close()
+        getattr(engine, "close", lambda: None)()  # Ray rollout workers (rollout.mode=ray)
     return result, hook
 
 

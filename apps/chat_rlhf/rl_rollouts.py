@@ -36,6 +36,42 @@ class EngineSettings:
     kv_cache_memory_gib: float = 0.5  # KV-cache budget per rank on CPU
 
 
+@dataclass
+class RolloutSettings:
+    """Where rollouts run: `colocated` (an engine inside each training process, the default) or
+    `ray` (engine workers as Ray actors, `ray_rollouts.py`; Ray is an extra and only this mode
+    imports it)."""
+
+    mode: str = "colocated"      # colocated | ray
+    num_workers: int = 1         # ray: rollout workers (actors); a rollout's prompt groups are split over them
+    worker_cpus: float = 1.0     # ray: CPUs per worker (its torch threads)
+    worker_gpus: float = 0.0     # ray: GPUs per worker (0: the worker's engine runs on the CPU)
+    max_staleness: int = 0       # ray: rollouts sampled ahead; generation of step s+1 overlaps training of step s,
+                                 # each rollout at most this many policy versions behind (0: on-policy)
+    address: str = ""            # ray: the cluster to join ("" starts a local one unless ray.init ran already)
+
+    def validate(self) -> None:
+        if self.mode not in ("colocated", "ray"):
+            raise ConfigError(f"rollout.mode={self.mode!r}: choose colocated or ray")
+        if self.num_workers < 1 or self.worker_cpus <= 0 or self.worker_gpus < 0 or self.max_staleness < 0:
+            raise ConfigError(f"rollout: num_workers={self.num_workers} (>= 1), worker_cpus={self.worker_cpus} (> 0), "
+                              f"worker_gpus={self.worker_gpus} (>= 0), max_staleness={self.max_staleness} (>= 0)")
+        if self.mode == "colocated" and self.max_staleness:
+            raise ConfigError(f"rollout.max_staleness={self.max_staleness} needs rollout.mode=ray: a colocated engine "
+                              "shares its process with the trainer, so generation cannot overlap training")
+        if self.mode == "ray":
+            from .ray_rollouts import require_ray
+            require_ray()
+
+    def check_layout(self, train: TrainConfig) -> None:
+        """Ray mode's trainer is one process (the driver) with a tp_size-1 layout."""
+        if self.mode != "ray":
+            return
+        if train.plugin == "hybrid" and int(train.plugin_options.get("tp_size", 1)) > 1:
+            raise ConfigError("rollout.mode=ray with train.plugin_options.tp_size > 1: Ray rollout workers run whole "
+                              "engines fed full weights; use rollout.mode=colocated for a tensor-parallel trainer")
+
+
 
 # -- data ------------------------------------------------------------------------------------------
 def load_prompt_sets(data: DataSettings) -> tuple[list[dict], list[dict]]:
@@ -149,11 +185,12 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
     """The rollout's prompt groups `groups` (each its n rows), in that order."""
     rows = [g * rollout.n + j for g in groups for j in range(rollout.n)]
     return Rollout(*([getattr(rollout, f)[r] for r in rows] for f in ROLLOUT_ROWS), n=rollout.n,
-                   generate_s=rollout.generate_s)
+                   generate_s=rollout.generate_s, lag=rollout.lag)
 
 
 def concat_rollouts(a: Rollout, b: Rollout) -> Rollout:
-    return Rollout(*(getattr(a, f) + getattr(b, f) for f in ROLLOUT_ROWS), n=a.n, generate_s=a.generate_s + b.generate_s)
+    return Rollout(*(getattr(a, f) + getattr(b, f) for f in ROLLOUT_ROWS), n=a.n, generate_s=a.generate_s + b.generate_s,
+                   lag=max(a.lag, b.lag))
 
 
 ROLLOUT_ROWS = ("prompt_ids", "completion_ids", "engine_logprobs", "texts", "truncated")
@@ -200,6 +237,26 @@ def build_engine(policy: torch.nn.Module, tokenizer, sampling, e: EngineSettings
     for what, ids in prompts.items():
         engine.check_prompts(ids, what)
     return engine
+
+
+def rollout_engine(policy: torch.nn.Module, tokenizer, sampling, e: EngineSettings, r: RolloutSettings, *,
+                   seed: int, tp_size: int, prompts: dict[str, Sequence[list[int]]], dtype: str = "float32"):
+    """`build_engine`'s colocated engine, or under `rollout.mode=ray` the driver's handle on Ray
+    rollout workers (`RayRolloutEngine`: the same generate / sync / check_prompts)."""
+    if r.mode == "ray":
+        from .ray_rollouts import RayRolloutEngine
+        return RayRolloutEngine.build(policy, tokenizer, sampling, e, r, seed=seed, prompts=prompts, dtype=dtype)
+    return build_engine(policy, tokenizer, sampling, e, seed=seed, tp_size=tp_size, prompts=prompts, dtype=dtype)
+
+
+def rollout_function(engine, prompt_ids: Sequence[list[int]], n: int, seed: int, r: RolloutSettings, *,
+                     steps_per_rollout: int = 1) -> Callable[[list[int], int], Rollout]:
+    """`seeded_rollouts`, or with `rollout.max_staleness` k > 0 `PipelinedRollouts`: each rollout
+    asked for while the next k are already generating on the Ray workers."""
+    if r.mode == "ray" and r.max_staleness > 0:
+        from .ray_rollouts import PipelinedRollouts
+        return PipelinedRollouts(engine, prompt_ids, n, seed, r.max_staleness, steps_per_rollout)
+    return seeded_rollouts(engine, prompt_ids, n, seed)
 
 
 def seeded_rollouts(engine: RolloutEngine, prompt_ids: Sequence[list[int]], n: int, seed: int

@@ -26,7 +26,8 @@ class StepStats:
 
     KEYS = ("samples", "reward_sum", "reward_sq_sum", "groups", "zero_spread_groups", "completion_tokens",
             "truncated", "entropy_sum", "kl_sum", "tokens", "clipped_low", "clipped_high", "gap_sum",
-            "tis_capped", "tis_weight_sum", "refilled_groups", "generate_s", "score_s", "mb_tokens")
+            "tis_capped", "tis_weight_sum", "refilled_groups", "generate_s", "score_s", "mb_tokens", "lag",
+            "wait_s")
 
     def __init__(self) -> None:
         self.reset()
@@ -66,8 +67,14 @@ class RolloutLoss:
             self.stats.started = time.perf_counter()
         indices = batch["index"].tolist()
         step = self.step + 1
+        ahead = getattr(self.rollout_fn, "prompts_for", None)  # rollouts sampled ahead: their prompts are fixed
+        if ahead is not None:
+            indices = ahead(step, len(indices))
+        t0 = time.perf_counter()
         with torch.no_grad():
             rollout = self.rollout_fn(indices, step)
+        # the lag (updates between the sampling weights and these) and the time the trainer waited
+        self.stats.add(lag=rollout.lag, wait_s=time.perf_counter() - t0)
         t0 = time.perf_counter()
         scores = self.score(indices, rollout)
         if getattr(self.s, "dynamic_sampling", False):
@@ -139,7 +146,7 @@ class RLHook:
     def after_step(self, step: int) -> None:
         st = self.loss.stats
         elapsed = time.perf_counter() - (st.started or time.perf_counter())
-        train_s = elapsed - st.values["generate_s"] - st.values["score_s"]
+        train_s = elapsed - st.values["wait_s"] - st.values["score_s"]
         sync_s = self.engine.sync(self.model) if self.engine is not None else 0.0
         replicas = self.loss.replicas
         v = dict(zip(StepStats.KEYS, replicas.sum([st.values[k] for k in StepStats.KEYS])))
@@ -149,7 +156,7 @@ class RLHook:
         record = {"step": step, "new_rollout": v["samples"] > 0, "kl_coef": self.loss.kl.value,
                   # clipped tokens of the step's mini-batch (the whole rollout when on-policy)
                   "clip_frac_low": v["clipped_low"] / mb_tokens, "clip_frac_high": v["clipped_high"] / mb_tokens,
-                  "time_train_s": train_s, "time_sync_s": sync_s}
+                  "time_train_s": train_s, "time_sync_s": sync_s, "time_step_s": elapsed + sync_s}
         if v["samples"] > 0:  # a step that sampled a rollout (every step when on-policy)
             record.update({
                 "reward_mean": mean, "reward_std": max(v["reward_sq_sum"] / samples - mean ** 2, 0.0) ** 0.5,
@@ -160,7 +167,8 @@ class RLHook:
                 "logprob_gap": v["gap_sum"] / tokens, "tis_weight": v["tis_weight_sum"] / tokens,
                 "tis_capped_frac": v["tis_capped"] / tokens,
                 "rollout_tokens_per_s": v["completion_tokens"] / max(v["generate_s"], 1e-9),
-                "time_generate_s": v["generate_s"] / world, "time_score_s": v["score_s"] / world})
+                "time_generate_s": v["generate_s"] / world, "time_score_s": v["score_s"] / world,
+                "time_wait_s": v["wait_s"] / world, "rollout_lag": v["lag"] / world})
             self.loss.kl.update(record["kl"], int(v["samples"]))  # per-token KL; horizon in samples
         self.loss.step = step
         st.reset()
@@ -170,7 +178,7 @@ class RLHook:
         if v["samples"] > 0:
             line += (f" | reward {mean:.3f} | zero-spread {record['zero_spread_frac']:.2f} | len "
                      f"{record['completion_len']:.1f} | gap {record['logprob_gap']:.2e} | "
-                     f"gen {record['time_generate_s']:.1f}s")
+                     f"gen {record['time_generate_s']:.1f}s" + (f" | lag {record['rollout_lag']:g}" if v["lag"] else ""))
         self.log.info(line + f" | train {train_s:.1f}s sync {sync_s:.2f}s")
 
     def save(self, directory: Path) -> None:

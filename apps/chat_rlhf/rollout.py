@@ -54,6 +54,7 @@ class Rollout:
     truncated: list[bool]  # stopped by max_new_tokens rather than EOS
     n: int
     generate_s: float = 0.0
+    lag: int = 0  # weight updates the trainer is ahead of the weights that sampled it (decoupled rollouts)
 
     @property
     def num_tokens(self) -> int:
@@ -373,17 +374,25 @@ class LogProbGap:
         self.max_gap, self.jump, self.floor = max_gap, jump, floor
         self.history: list[float] = []
 
-    def check(self, gap: float, step: int) -> float:
+    def check(self, gap: float, step: int, lag: int = 0) -> float:
+        """`lag` > 0: the rollout was sampled on purpose by weights `lag` updates old (decoupled
+        rollouts, `max_staleness`), so the gap holds the policy's own change, not only rounding: only
+        `max_gap` applies, and the gap stays out of the running median of rounding noise."""
         if not math.isfinite(gap):
             raise StaleWeightsError(f"step {step}: the engine/trainer log-prob gap is {gap}")
-        typical = sorted(self.history)[len(self.history) // 2] if self.history else None
+        typical = sorted(self.history)[len(self.history) // 2] if self.history and not lag else None
         if gap > self.max_gap or (typical is not None and gap > self.floor and gap > self.jump * max(typical, 1e-8)):
             raise StaleWeightsError(
                 f"step {step}: mean |engine - trainer| log-prob of the sampled tokens is {gap:.3g}"
                 + (f" (typical so far {typical:.3g})" if typical is not None else "")
                 + f", above the guard (max_gap={self.max_gap}, jump x{self.jump}): the rollouts were generated with "
                 "other weights than the ones being trained (a missed weight sync, a wrong layout gather, or a "
-                "dtype mismatch between engine and trainer). Stopped before applying this step.")
+                "dtype mismatch between engine and trainer). Stopped before applying this step."
+                + (f" The rollout is {lag} update(s) behind by design (rollout.max_staleness): a gap above "
+                   "max_gap from that lag needs a lower learning rate, a lower max_staleness, or a higher "
+                   "grpo.max_logprob_gap." if lag else ""))
+        if lag:
+            return gap
         self.history.append(gap)
         self.history = self.history[-50:]
         return gap
