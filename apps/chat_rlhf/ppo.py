@@ -287,7 +287,8 @@ class PPOLoss(RolloutLoss):
             "residual_sum": float(residual.sum()), "residual_sq_sum": float((residual ** 2).sum()),
             "completion_tokens": float(lengths.sum()), "truncated": float(sum(rollout.truncated)),
             "kl_sum": float(kl.sum()), "rollout_tokens": float(mask.sum()), "gap_sum": local_gap,
-            "generate_s": rollout.generate_s, "score_s": score_s, "prepare_s": time.perf_counter() - t1}
+            "generate_s": rollout.generate_s, "score_s": score_s, "prepare_s": time.perf_counter() - t1,
+            "lag": float(rollout.lag)}
         if tis is not None:
             self.rollout_sums.update(tis_weight_sum=float((tis * mask).sum()),
                                      tis_capped=float(((tis >= s.tis_cap) * mask).sum()))

@@ -21,7 +21,8 @@ from .rollout import RolloutEngine
 
 ROLLOUT_SUMS = ("samples", "reward_sum", "reward_sq_sum", "within_sq_sum", "completion_tokens", "truncated",
                 "kl_sum", "rollout_tokens", "gap_sum", "generate_s", "score_s", "prepare_s",
-                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum", "tis_weight_sum", "tis_capped")
+                "return_sum", "return_sq_sum", "residual_sum", "residual_sq_sum", "tis_weight_sum", "tis_capped",
+                "lag")
 STEP_SUMS = ("tokens", "clipped_low", "clipped_high", "value_clipped", "approx_kl_sum", "ratio_dev_sum",
              "entropy_sum", "policy_loss_sum", "value_loss_sum")
 
@@ -91,7 +92,8 @@ class PPOHook(RLHook):
                 "tis_capped_frac": r["tis_capped"] / max(r["rollout_tokens"], 1.0),
                 "rollout_tokens_per_s": r["completion_tokens"] / max(r["generate_s"], 1e-9),
                 "time_generate_s": r["generate_s"] / world, "time_score_s": r["score_s"] / world,
-                "time_prepare_s": r["prepare_s"] / world})
+                "time_prepare_s": r["prepare_s"] / world,
+                "rollout_lag": r["lag"] / world})  # updates between the sampling weights and the trained ones (Ray)
         record["time_step_s"] = time.perf_counter() - (started or time.perf_counter())  # loss call to here
         loss.rollout_sums, loss.step_sums = {}, dict.fromkeys(STEP_SUMS, 0.0)
         loss.stats.reset()

@@ -163,6 +163,7 @@ def test_ppo_ray_staleness_0_equals_colocated(tiny_chat_model, tmp_path, ray_loc
     _, colocated = train_ppo(cfg(tmp_path / "colocated"))
     _, ray_hook = train_ppo(cfg(tmp_path / "ray", "rollout.mode=ray"))
     assert [r["reward_mean"] for r in ray_hook.history] == [r["reward_mean"] for r in colocated.history]
+    assert [r["rollout_lag"] for r in ray_hook.history] == [0, 0]  # staleness 0: every rollout on-policy
     check(rel_diff(_losses(tmp_path / "ray"), _losses(tmp_path / "colocated")), 1e-5, "ray vs colocated PPO losses")
     start = AutoModelForCausalLM.from_pretrained(str(tiny_chat_model)).state_dict()
     got, want = actor_weights(ray_hook.model), actor_weights(colocated.model)
