@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from expert_parallel_plugin_workers import compare_saved_state
 from phalanx.device import run_device, to_device
-from phalanx.testing import boosted_step, rel_diff, update_diff
+from phalanx.testing import boosted_step, rel_diff
 
 LR, STEPS, ROWS, SEQ = 0.1, 2, 8, 16  # the global batch: 8 rows of 16 tokens
 VOCAB, EXPERTS = 128, 8
@@ -136,9 +137,7 @@ def layout_steps(variant: str, layouts: dict[str, dict], balance: float = 0.0, s
                "local_experts": sorted({tuple(m.gate_up_proj.shape) for m in ep.experts.values()}) if ep else None,
                "biases": rel_diff(_biases(model), ref["biases"]) if balance else None}
         if dist.get_rank() == 0:  # the writer holds every tensor
-            want = {k: v.detach() for k, v in ref["state"].items()}
-            got["update"] = update_diff({k: v.cpu().float() for k, v in state.items()}, want, ref["start"])
-            got["names"] = sorted(set(want) ^ set(state))
+            got.update(compare_saved_state(state, ref))
         out[name] = got
     return out
 

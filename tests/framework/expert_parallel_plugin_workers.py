@@ -103,11 +103,17 @@ def layout_steps(family: str, layouts: dict[str, dict], router_losses: bool = Tr
                "local_experts": sorted({tuple(m.gate_up_proj.shape) for m in plugin.ep_plan.experts.values()}),
                "counts": None if counts is None else (counts, ref["counts"])}
         if dist.get_rank() == 0:  # the writer holds every tensor
-            want = {k: v.detach() for k, v in ref["state"].items()}
-            got["update"] = update_diff({k: v.cpu().float() for k, v in state.items()}, want, ref["start"])
-            got["names"] = sorted(set(want) ^ set(state))
+            got.update(compare_saved_state(state, ref))
         out[name] = got
     return out
+
+
+def compare_saved_state(state: dict, ref: dict) -> dict:
+    """The gathered full state against one process's (`ref["state"]` after the steps, `ref["start"]`
+    before): the update measure, and the names only one side has."""
+    want = {k: v.detach() for k, v in ref["state"].items()}
+    return {"update": update_diff({k: v.cpu().float() for k, v in state.items()}, want, ref["start"]),
+            "names": sorted(set(want) ^ set(state))}
 
 
 def load_elsewhere(family: str, path: str, layout: dict, router_losses: bool = True,
