@@ -31,7 +31,9 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 
 
-def _to_number(text: str | None) -> float | None:
+def first_number(text: str | None) -> float | None:
+    """The first number of a text (commas and dollar signs dropped), None if it has none: what
+    `numeric_first` compares with the ground truth."""
     if text is None:
         return None
     match = _NUMBER.search(str(text).replace(",", "").replace("$", ""))
@@ -44,7 +46,7 @@ def extract_answer(text: str) -> float | None:
     for pattern in (r"####\s*(-?[\d.]+)", r"\\boxed\{([^}]*)\}", r"<answer>(.*?)</answer>"):
         found = re.findall(pattern, text, flags=re.DOTALL)
         if found:
-            return _to_number(found[-1])
+            return first_number(found[-1])
     numbers = _NUMBER.findall(text)
     return float(numbers[-1]) if numbers else None
 
@@ -61,12 +63,12 @@ def _need_truth(ground_truth: Sequence[str | None], name: str) -> None:
 
 def numeric(*, completions: Sequence[str], ground_truth: Sequence[str | None], **_: Any) -> list[float]:
     _need_truth(ground_truth, "numeric")
-    return [float(_same(extract_answer(c), _to_number(_gsm8k_truth(g)))) for c, g in zip(completions, ground_truth)]
+    return [float(_same(extract_answer(c), first_number(_gsm8k_truth(g)))) for c, g in zip(completions, ground_truth)]
 
 
 def numeric_first(*, completions: Sequence[str], ground_truth: Sequence[str | None], **_: Any) -> list[float]:
     _need_truth(ground_truth, "numeric_first")
-    return [float(_same(_to_number(c), _to_number(_gsm8k_truth(g)))) for c, g in zip(completions, ground_truth)]
+    return [float(_same(first_number(c), first_number(_gsm8k_truth(g)))) for c, g in zip(completions, ground_truth)]
 
 
 def exact(*, completions: Sequence[str], ground_truth: Sequence[str | None], **_: Any) -> list[float]:
