@@ -28,11 +28,14 @@ demo: install
 	$(PY) -m apps.llama.demo
 
 # Installs what the tests need and runs the whole suite (GPU tests are deselected).
+# Two workers, whole files per worker (module-scoped spawns stay in one process): the suite waits
+# on starting interpreters and ranks as much as it computes (docs/testing.md, "Suite time").
+PYTEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: install-dev
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: install-dev
 	$(PY) bench/train_throughput.py

@@ -12,7 +12,9 @@ for key, value in {
     "TRANSFORMERS_OFFLINE": "1",
     "WANDB_MODE": "offline",
     "TOKENIZERS_PARALLELISM": "false",
-    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    # Two threads per test process, or one under pytest-xdist (`make test` runs two workers on the
+    # two cores, so each keeps to one).
+    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"),
 }.items():
     os.environ.setdefault(key, value)
 
