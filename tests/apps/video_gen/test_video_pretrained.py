@@ -13,7 +13,7 @@ import torch
 
 from video_tiny import captions as _captions
 from video_tiny import save_wan_parts as _save_wan_parts
-from video_tiny import tiny_config
+from video_tiny import REPO, TINY_MODEL, TINY_RUN, tiny_config
 
 PLAIN = ["model.position_channels=false", "model.motion_channels=false", "model.pooled_text=false",
          "model.prompt_position=false", "flow.skip_data_std=0.0", "model.patch_size=[1,2,2]", "eval.sampler=scheduler"]
@@ -59,6 +59,27 @@ def test_the_plain_latent_export_opens_in_wan_pipeline_and_samples_the_same_clip
     assert ours.std() > 0.01 and torch.allclose(ours, theirs, atol=1e-5)
     other = VideoPipeline.from_pretrained(tmp_path / "export")(["a blue circle moving up"], seed=3, steps=4)
     assert (other - theirs).abs().max() > 1e-3                        # the comparison can tell prompts apart
+
+
+@pytest.mark.slow
+def test_tiny_wan_yaml_exports_a_wan_pipeline(tmp_path):
+    """The shipped config whose export is a WanPipeline (configs/tiny_wan.yaml: plain Wan, latent space, no velocity
+    skip, the scheduler's grid), run as written except for a tiny random autoencoder, tiny sizes and 3 steps."""
+    from apps.video_gen.config import load_recipe
+    from apps.video_gen.pipeline import VideoPipeline
+    from apps.video_gen.train import train
+
+    _save_wan_parts(tmp_path / "wan")
+    cfg = load_recipe(REPO / "apps" / "video_gen" / "configs" / "tiny_wan.yaml",
+                      [*TINY_MODEL, *TINY_RUN, *LATENT_DATA, f"vae.from_dir={tmp_path / 'wan' / 'vae'}",
+                       f"train.output_dir={tmp_path / 'run'}"])
+    train(cfg)
+    meta = json.loads((cfg.final_path / "video_gen.json").read_text())
+    assert meta["wan_pipeline_blockers"] == []
+    assert json.loads((cfg.final_path / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    ours = VideoPipeline.from_pretrained(cfg.final_path)(["a red square moving left"], seed=2, steps=3)
+    theirs = _wan_clip(cfg.final_path, "a red square moving left", 2, 3, 2.0)
+    assert ours.shape == theirs.shape == (1, 3, 9, 16, 16) and torch.allclose(ours, theirs, atol=1e-5)
 
 
 def test_toy_module_exports_keep_the_recipes_layout_and_say_what_blocks_wan_pipeline(tmp_path):
