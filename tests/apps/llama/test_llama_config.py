@@ -18,7 +18,9 @@ def test_every_shipped_config_loads(path):
 
     cfg = load_recipe(path)
     assert cfg.train.output_dir == str(Path(cfg.work_dir).expanduser() / "pretrain")
-    assert cfg.tokenizer.domain_sources and cfg.data.sources
+    assert cfg.data.sources
+    expands_vocab = cfg.tokenizer.output_dir != cfg.tokenizer.base  # a fine-tune on the base's own tokenizer does not
+    assert bool(cfg.tokenizer.domain_sources) == expands_vocab, (cfg.tokenizer.base, cfg.tokenizer.output_dir)
     assert cfg.train.plugin in {"ddp", "fsdp", "zero1", "zero2", "hybrid"}
     if cfg.train.plugin == "hybrid":  # the options are HybridParallelPlugin's own keywords
         import inspect
@@ -74,7 +76,7 @@ def test_configs_named_by_the_issue_exist():
 def test_work_dir_places_every_step(tmp_path):
     from apps.llama.config import load_recipe
 
-    cfg = load_recipe(CONFIGS[0], [f"work_dir={tmp_path}"])
+    cfg = load_recipe(CONFIGS[0].parent / "llama2_70b_hybrid.yaml", [f"work_dir={tmp_path}"])
     assert cfg.tokenizer_dir == tmp_path / "tokenizer" and cfg.data_dir == tmp_path / "data"
     assert cfg.train.output_dir == str(tmp_path / "pretrain") and cfg.sft.output_dir == str(tmp_path / "sft")
 
