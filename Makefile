@@ -29,10 +29,13 @@ demo: install
 
 # Installs what the tests need and runs the whole suite (GPU tests are deselected).
 # Two workers, whole files per worker (module-scoped spawns stay in one process): the suite waits
-# on starting interpreters and ranks as much as it computes (docs/testing.md, "Suite time").
+# on starting interpreters and ranks as much as it computes (docs/testing.md, "Suite time"). Tests
+# marked `serial` (elastic restarts) run afterwards, alone; the exit status covers both parts.
 PYTEST_WORKERS ?= 2
 test: install-dev
-	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q --durations=30 -n $(PYTEST_WORKERS) --dist loadfile -m "not gpu and not serial"; \
+	parallel=$$?; $(PY) -m pytest -q -m "serial and not gpu"; serial=$$?; \
+	test $$parallel -eq 0 -a $$serial -eq 0
 
 test-fast: install-dev
 	$(PY) -m pytest -q -m "not slow and not gpu" -n $(PYTEST_WORKERS) --dist loadfile
