@@ -31,6 +31,16 @@ def raises(fn, *words: str) -> None:
 
 
 @check
+def the_device_context_still_builds_on_the_meta_device():
+    """The pinned-memory factory wrappers must not hide the factories from `with torch.device(...)`
+    (lazy, meta-device model building): before the fix, modules came out on the CPU."""
+    with torch.device("meta"):
+        layer = torch.nn.Linear(4, 4)
+        empty = torch.empty(3)
+    assert layer.weight.is_meta and empty.is_meta, (layer.weight.device, empty.device)
+
+
+@check
 def mixing_a_device_and_a_cpu_tensor_raises_as_cuda_does():
     x = torch.ones(3, 4, device=DEV)
     raises(lambda: x + torch.ones(3, 4), "same device", "emucuda:0", "cpu")

@@ -412,7 +412,13 @@ def _pinned_factory(factory):
 
 def patch_pinned_factories() -> None:
     """`torch.empty(..., pin_memory=True)` asks the accelerator for a page-locked allocator, which
-    a Python backend cannot provide: the factories make the tensor and mark it pinned."""
+    a Python backend cannot provide: the factories make the tensor and mark it pinned.
+    `with torch.device(...)` (meta-device model building, `phalanx.lazy`) recognises the factories
+    it redirects by identity, from a list it builds once: it is built here, before the wrappers
+    replace them, so that it holds the functions the wrappers call."""
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in ("empty", "zeros", "ones", "full", "empty_strided", "empty_like", "zeros_like", "ones_like"):
         factory = getattr(torch, name)
         if not hasattr(factory, "__wrapped__"):

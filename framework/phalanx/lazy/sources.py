@@ -136,7 +136,7 @@ class RandomInitSource:
 
     def _take(self, name: str) -> torch.Tensor:
         if name in self._known:  # materialised before (LoRA adapters on a lazy base)
-            return self._known[name]
+            return self._known[name].to(self.device)
         key = peft_free_name(name)  # values are kept under the names without adapters
         if key not in self._values:
             unit = self._unit_name(name)
@@ -199,7 +199,7 @@ class CheckpointSource:
     def _materialised(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
         """The value of a parameter that was not lazy (a LoRA adapter), or None."""
         if name in self._known:
-            return self._known[name]
+            return self._known[name].to(self.device)
         return None if param.is_meta else param.detach()
 
     def _key(self, name: str) -> str:
