@@ -253,6 +253,7 @@ def lazy_suite(directory: str, families=("llama", "gpt2")) -> dict:
     from transformers import AutoModelForCausalLM
 
     from phalanx import lazy
+    from phalanx.device import run_device
     from phalanx.shard import apply_tp, policy_for
     from phalanx.shard.state import full_state_dict
 
@@ -271,16 +272,19 @@ def lazy_suite(directory: str, families=("llama", "gpt2")) -> dict:
         source = lazy.source_for(meta)
         apply_tp(meta, policy_for(meta), group=booster.plugin.tp_group, source=source)
         result["read_fraction"] = source.elements_read / full_numel
-        # random initialisation: tp=2 pieces put together == one whole lazy materialisation
+        # random initialisation: tp=2 pieces put together == one whole lazy materialisation (both on
+        # the run's device: the gather is a collective, and the device draws its own random numbers)
+        device = run_device()
         torch.manual_seed(5)
         split = lazy.from_config(hm.config(family))
-        plan = apply_tp(split, policy_for(split), group=booster.plugin.tp_group, source=lazy.source_for(split))
-        lazy.materialise_buffers(split, lazy.source_for(split))
+        plan = apply_tp(split, policy_for(split), group=booster.plugin.tp_group,
+                        source=lazy.source_for(split, device=device))
+        lazy.materialise_buffers(split, lazy.source_for(split, device=device))
         gathered = full_state_dict(split, plan)
         torch.manual_seed(5)
-        whole = lazy.materialize(lazy.from_config(hm.config(family)))
+        whole = lazy.materialize(lazy.from_config(hm.config(family)), device=device)
         whole_params = dict(whole.named_parameters())
-        result["random_init"] = all(torch.equal(gathered[n], p) for n, p in whole_params.items())
+        result["random_init"] = all(torch.equal(gathered[n].cpu(), p.cpu()) for n, p in whole_params.items())
         result["finite"] = all(bool(torch.isfinite(v).all()) for v in gathered.values())
         stds = [p.std().item() for n, p in whole.named_parameters() if p.dim() == 2]
         result["std_range"] = (min(stds), max(stds))
