@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from expert_parallel_plugin_workers import compare_saved_state
+from expert_parallel_plugin_workers import compare_loaded_logits, compare_saved_state
 from phalanx.device import run_device, to_device
 from phalanx.testing import boosted_step, rel_diff
 
@@ -146,20 +146,13 @@ def load_elsewhere(variant: str, path: str, layout: dict, balance: float = 0.0) 
     """The model saved by `layout_steps` loaded into `layout` (booster.load_model) and, on rank 0,
     by transformers' from_pretrained: logits of the evaluation batch against the one-process
     model after its steps (`balance`: as the saving run; its correction biases are in the file)."""
-    from transformers import AutoModelForCausalLM
-
     ref = reference(variant, balance)
     booster, plugin, model, _ = _boost(variant, layout)
     booster.load_model(model, path)
     data = batches()[-1]
     with torch.no_grad():
         logits = model(input_ids=to_device(data, run_device())).logits.cpu()
-    got = {"logits": rel_diff(logits, ref["logits"])}
-    if dist.get_rank() == 0:
-        hf = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").float()
-        with torch.no_grad():
-            got["from_pretrained"] = rel_diff(hf(input_ids=data).logits, ref["logits"])
-    return got
+    return compare_loaded_logits(logits, data, path, ref)
 
 
 def router_loss_refusal() -> str:

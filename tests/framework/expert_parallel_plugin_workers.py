@@ -121,8 +121,6 @@ def load_elsewhere(family: str, path: str, layout: dict, router_losses: bool = T
     """The model saved by `layout_steps` loaded into `layout` (booster.load_model) and, on rank 0,
     by transformers' from_pretrained: logits of the evaluation batch against the one-process
     model after its steps (the saved model)."""
-    from transformers import AutoModelForCausalLM
-
     ref = reference(family, router_losses, max_norm)
     booster, plugin, model, _ = _boost(family, layout, router_losses)
     booster.load_model(model, path)
@@ -133,6 +131,14 @@ def load_elsewhere(family: str, path: str, layout: dict, router_losses: bool = T
         # no router logits: transformers' aux loss counts with an integer histc on CUDA, which the
         # emulated GPU cannot run (and logits are all this compares)
         logits = model(input_ids=to_device(data, run_device()), output_router_logits=False).logits.cpu()
+    return compare_loaded_logits(logits, data, path, ref)
+
+
+def compare_loaded_logits(logits: torch.Tensor, data: torch.Tensor, path: str, ref: dict) -> dict:
+    """The logits of a model loaded from `path` in some layout against one process's, and (rank 0)
+    those of the same directory opened by transformers' from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
     got = {"logits": rel_diff(logits, ref["logits"])}
     if dist.get_rank() == 0:
         hf = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager").float()
