@@ -136,10 +136,6 @@ def test_lora_adapter_count_equals_peft(model_type, fields, modules, params):
     """Trainable parameters of `peft.get_peft_model` on the meta device: linear layers (attention,
     a dense MLP, Qwen2-MoE's shared expert, DeepSeek's latent attention) and fused expert tensors."""
     peft = pytest.importorskip("peft")
-    if model_type.startswith("deepseek"):
-        from phalanx.models import SUPPORTED
-        if model_type not in SUPPORTED:
-            pytest.skip("the DeepSeek family is not in phalanx.models yet")
     model, config = _meta_model(model_type, **fields)
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=modules, target_parameters=params or None))
     want = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
@@ -313,9 +309,6 @@ def test_mixtral_8x7b_lora_config_fits_8x80gib():
 def test_deepseek_v2_lite_ep_config_fits_8x80gib():
     """apps/llama/configs/deepseek_v2_lite_ep_8xh100.yaml: full fine-tuning, hybrid ep2 over dp 8
     with ZeRO-2 — the planner's best expert-parallel layout."""
-    from phalanx.models import SUPPORTED
-    if "deepseek_v2" not in SUPPORTED:
-        pytest.skip("the DeepSeek family is not in phalanx.models yet")
     from phalanx.plan.chunks import parameter_numels
 
     est = _check_config("deepseek_v2_lite_ep_8xh100", 102400, lambda l: l.ep > 1, total_b=15.7, active_b=2.66)
