@@ -54,7 +54,7 @@ class ModelConfig:
     """Step 2, model initialisation."""
 
     base: str = ""  # HF directory with the base weights; empty: a fresh LLaMA built from `architecture`
-    architecture: dict[str, Any] = field(default_factory=dict)  # LlamaConfig fields for a model built from config
+    architecture: dict[str, Any] = field(default_factory=dict)  # HF config fields of a model built from config (model_type: any family, default llama)
     init_seed: int = 0
     output_dir: str = ""  # default: <work_dir>/model_init
 

@@ -82,15 +82,34 @@ def resize_with_piece_means(model, pieces: dict[int, list[int]], vocab_size: int
 
 
 def build_from_config(architecture: dict, tokenizer, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A freshly initialised model of the family `architecture["model_type"]` names (default
+    `llama`), any family in `phalanx.models`; its config fields come from `architecture`, the
+    vocabulary and special tokens from the tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from phalanx.models import family_of
 
     reserved = {"vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"} & set(architecture)
     if reserved:
         raise ValueError(f"model.architecture sets {sorted(reserved)}; these come from the tokenizer, remove them")
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **architecture)
+    fields = dict(architecture)
+    model_type = fields.pop("model_type", "llama")
+    try:
+        family_of(model_type)
+    except ValueError as e:
+        raise ValueError(f"model.architecture.model_type: {e}") from None
+    known = AutoConfig.for_model(model_type).to_dict()
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(f"model.architecture: {unknown} are not {model_type} config fields (a misspelling?); "
+                         f"the {model_type} config has: {', '.join(sorted(k for k in known if not k.startswith('_')))}")
+    try:
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model.architecture is not a valid {model_type} config: {e}") from None
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def load_base_model(path: str | Path):

@@ -119,3 +119,41 @@ def test_streamed_recipe_init_equals_eager_resize(tmp_path, tied):
     assert not bad, f"streamed init (tied={tied}): {bad[:3]} differ"
     assert len(list((tmp_path / "new").glob("*.safetensors"))) >= 2
     assert builds_lazily("fsdp") and builds_lazily("zero2") and not builds_lazily("ddp") and not builds_lazily(None)
+
+
+def test_architecture_builds_the_family_its_model_type_names(tiny_run):
+    """`model_type: mixtral` builds a Mixtral (it used to build a LLaMA, the expert fields ignored);
+    no model_type builds the same LLaMA, value for value, as LlamaForCausalLM did."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralForCausalLM
+
+    from apps.llama.init_model import build_from_config
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, _ = tiny_run
+    tok = load_tokenizer(cfg.tokenizer.base)
+    arch = dict(cfg.model.architecture)
+    moe = build_from_config({**arch, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, tok, 0)
+    assert isinstance(moe, MixtralForCausalLM)
+    assert moe.config.num_local_experts == 4 and moe.config.vocab_size == len(tok)
+
+    llama = build_from_config(arch, tok, 3)
+    torch.manual_seed(3)
+    reference = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **arch))
+    assert type(llama) is LlamaForCausalLM
+    for (name, a), (_, b) in zip(llama.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "bert"}, "model type 'bert' is not supported"),
+    ({"num_local_experts": 4}, r"\['num_local_experts'\] are not llama config fields"),
+    ({"model_type": "mixtral", "hidden_sizes": 64}, r"\['hidden_sizes'\] are not mixtral config fields"),
+])
+def test_architecture_refuses_unknown_families_and_fields(tiny_run, fields, message):
+    from apps.llama.init_model import build_from_config
+    from apps.llama.tokenizer_io import load_tokenizer
+
+    cfg, _ = tiny_run
+    with pytest.raises(ValueError, match=message):
+        build_from_config({**cfg.model.architecture, **fields}, load_tokenizer(cfg.tokenizer.base), 0)
