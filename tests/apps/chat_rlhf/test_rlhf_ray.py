@@ -1,7 +1,8 @@
 """GRPO with decoupled rollouts on Ray (`rollout.mode=ray`, `ray_rollouts.py`) on a local Ray
 instance of 2 CPUs: with max_staleness 0 it is the colocated run (same samples, losses and updated
 weights); with max_staleness 1 the rollouts lag one update, the lag is logged, and the loss weights
-every token by the truncated importance ratio trainer / stale engine (checked by hand). Without
+every token by the truncated importance ratio trainer / stale engine (checked by hand); the same for
+PPO (its lag and importance weights). Without
 Ray installed, ray mode stops with the pip command and the colocated mode never imports Ray."""
 from __future__ import annotations
 
@@ -145,21 +146,27 @@ def test_bad_rollout_settings_are_named():
         load_grpo_config(None, ["rollout.max_staleness=1"])
 
 
+def _ppo_cfg(model, out, *extra):
+    from apps.chat_rlhf.ppo import load_ppo_config
+
+    return load_ppo_config(None, [f"model={model}", "data.num_train=12", "data.num_heldout=0",
+                                  "ppo.num_generations=2", "ppo.max_new_tokens=6",
+                                  "ppo.rewards=[test_rlhf_ray:length_reward]", "ppo.ppo_epochs=1",
+                                  "ppo.num_mini_batches=1", "train.micro_batch_size=2", f"train.output_dir={out}",
+                                  "train.lr=1e-2", "train.min_lr_ratio=1.0", "engine.max_model_len=96",
+                                  "train.progress_bar=false", "train.plot=false", "train.max_steps=2",
+                                  "train.save_every=0", *extra])
+
+
 @pytest.mark.slow
 def test_ppo_ray_staleness_0_equals_colocated(tiny_chat_model, tmp_path, ray_local):
     """PPO in ray mode (the actor's weights broadcast when its buffer is used up): the colocated run's
     rollouts, losses and weights after 2 updates."""
-    from apps.chat_rlhf.ppo import actor_weights, load_ppo_config, train_ppo
+    from apps.chat_rlhf.ppo import actor_weights, train_ppo
     from transformers import AutoModelForCausalLM
 
     def cfg(out, *extra):
-        return load_ppo_config(None, [f"model={tiny_chat_model}", "data.num_train=12", "data.num_heldout=0",
-                                      "ppo.num_generations=2", "ppo.max_new_tokens=6",
-                                      "ppo.rewards=[test_rlhf_ray:length_reward]", "ppo.ppo_epochs=1",
-                                      "ppo.num_mini_batches=1", "train.micro_batch_size=2", f"train.output_dir={out}",
-                                      "train.lr=1e-2", "train.min_lr_ratio=1.0", "engine.max_model_len=96",
-                                      "train.progress_bar=false", "train.plot=false", "train.max_steps=2",
-                                      "train.save_every=0", *extra])
+        return _ppo_cfg(tiny_chat_model, out, *extra)
     _, colocated = train_ppo(cfg(tmp_path / "colocated"))
     _, ray_hook = train_ppo(cfg(tmp_path / "ray", "rollout.mode=ray"))
     assert [r["reward_mean"] for r in ray_hook.history] == [r["reward_mean"] for r in colocated.history]
@@ -192,3 +199,24 @@ def test_grpo_ray_command_under_the_emulated_gpu(tiny_chat_model, tmp_path):
     assert records[0]["logprob_gap"] < 1e-2  # the workers got the device policy's weights (bf16 engine: auto)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/heldout" in line]
     assert [r["step"] for r in evals] == [3] and evals[0]["eval/heldout_n"] == 4  # greedy answers from the workers
+
+
+@pytest.mark.slow
+def test_ppo_ray_staleness_1_lags_one_update_and_is_importance_corrected(tiny_chat_model, tmp_path, ray_local):
+    """PPO with max_staleness 1: the first rollout is on-policy and equals the colocated run's, the
+    next ones were sampled one update behind (rollout_lag 1), and their tokens carry importance
+    weights trainer / stale engine away from 1 (a colocated run's stay at 1 up to rounding)."""
+    from apps.chat_rlhf.ppo import train_ppo
+
+    extra = ("train.max_steps=3", "ppo.tis_cap=2.0")
+    _, colocated = train_ppo(_ppo_cfg(tiny_chat_model, tmp_path / "colocated", *extra))
+    _, lagged = train_ppo(_ppo_cfg(tiny_chat_model, tmp_path / "ray", *extra, "rollout.mode=ray",
+                                   "rollout.max_staleness=1"))
+    assert [r["rollout_lag"] for r in colocated.history] == [0, 0, 0]
+    assert [r["rollout_lag"] for r in lagged.history] == [0, 1, 1]
+    assert lagged.history[0]["reward_mean"] == colocated.history[0]["reward_mean"]  # same weights sampled it
+    check(rel_diff(_losses(tmp_path / "ray")[:1], _losses(tmp_path / "colocated")[:1]), 1e-5,
+          "first (on-policy) PPO loss, ray staleness 1 vs colocated")
+    on_policy = max(abs(r["tis_weight"] - 1) for r in colocated.history)
+    assert on_policy < 1e-4
+    assert min(abs(r["tis_weight"] - 1) for r in lagged.history[1:]) > 10 * max(on_policy, 1e-5)
