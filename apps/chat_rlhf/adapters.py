@@ -49,16 +49,6 @@ class LoRASettings(LoRASection):
                               "(the base is frozen); set train_layers=0")
 
 
-def check_lora_layout(lora: LoRASettings, train: Any) -> None:
-    """Refuse, at config time, LoRA with a tensor-parallel trainer: the rollout engine follows such a
-    trainer by shard-to-shard copies, which do not merge adapters."""
-    from .rl_rollouts import rollout_tp_size
-    from .rollout import LORA_TP_SYNC
-
-    if lora.enabled and rollout_tp_size(train) > 1:
-        raise ConfigError(LORA_TP_SYNC)
-
-
 def is_lora(model: Any) -> bool:
     from phalanx.booster.lora import is_lora_model
     return is_lora_model(model)
@@ -148,6 +138,38 @@ def merged_engine_weights(model: nn.Module, submodule: str = "") -> Iterator[tup
         yield from inside(merged_pairs(whole, pairs), submodule)
     else:  # the adapters are on the submodule: its tensors, named inside it, merged by it
         yield from merged_pairs(whole.get_submodule(submodule), inside(pairs, submodule))
+
+
+class _Tensors:
+    """A state dict standing in for a module where a reader wants only `state_dict()`."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+def merged_tp_shards(policy: nn.Module, plan) -> tuple[_Tensors, Any]:
+    """This rank's shards of the LoRA `policy` with the adapter merged (W_r + scaling·B_r·A_r), named
+    as the base model's weights, and `plan` (the trainer's `TPPlan`) renamed to match, for
+    `phalanx.inference.weights.tp_shard_source`. No communication: tensor parallelism splits each
+    adapter with its base (`phalanx.shard.lora_tp`: B by output rows under a column-parallel base, A
+    by input columns under a row-parallel one, both whole beside replicated key/value heads), so
+    each rank's merge is exactly its shard of the merged weight."""
+    import dataclasses
+
+    from phalanx.booster.lora import PEFT_PREFIX, merged_pairs
+
+    merged = dict(merged_pairs(policy, ((n, t.detach()) for n, t in policy.state_dict().items())))
+    params = {}
+    for name in merged:
+        layer, _, leaf = name.rpartition(".")
+        for trained in (PEFT_PREFIX + name, f"{PEFT_PREFIX}{layer}.base_layer.{leaf}"):
+            if trained in plan.params:
+                params[name] = plan.params[trained]
+                break
+    return _Tensors(merged), dataclasses.replace(plan, params=params)
 
 
 class SubmoduleLoRAExport(PolicyExport):

@@ -37,7 +37,7 @@ from phalanx.device import run_device, to_device
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
-from .adapters import DisabledAdapter, LoRASettings, check_lora_layout, lora_hooks, prepare
+from .adapters import DisabledAdapter, LoRASettings, lora_hooks, prepare
 from .rewards import RewardSet
 from .rl_eval import heldout_scores, plot_rl_curves
 from .rl_logprobs import completion_logprobs
@@ -132,7 +132,6 @@ def load_grpo_config(path: str | None, overrides: list[str] | None = None) -> GR
     cfg.grpo.validate()
     cfg.train.validate()
     cfg.lora.validate(cfg.train_layers)
-    check_lora_layout(cfg.lora, cfg.train)
     cfg.rollout.validate()
     cfg.rollout.check_layout(cfg.train)
     s, t = cfg.grpo, cfg.train

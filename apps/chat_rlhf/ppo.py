@@ -54,7 +54,7 @@ from phalanx.config import ConfigError, load_config, parse_config_args
 from phalanx.train import TrainConfig, fit
 
 from . import rl_losses as L
-from .adapters import DisabledAdapter, LoRASettings, SubmoduleLoRAExport, check_lora_layout, prepare
+from .adapters import DisabledAdapter, LoRASettings, SubmoduleLoRAExport, prepare
 from .export import PolicyExport
 from .ppo_buffer import (HIDDEN_KEYS, PER_TOKEN_KEYS, TOKEN_KEYS, PPODataSettings, RolloutBuffer,  # noqa: F401
                          column_window, load_ppo_prompts, trim_columns)
@@ -158,7 +158,6 @@ def load_ppo_config(path: str | None, overrides: list[str] | None = None) -> PPO
     cfg.ppo.validate()
     cfg.train.validate()
     cfg.lora.validate(cfg.ppo.train_layers)
-    check_lora_layout(cfg.lora, cfg.train)
     cfg.rollout.validate()
     cfg.rollout.check_layout(cfg.train)
     if cfg.lora.enabled and cfg.train.plugin in ("fsdp", "gemini"):

@@ -7,7 +7,8 @@ collective every rank joins) or a tensor-parallel model. Under HybridParallelPlu
 the engine itself runs tensor-parallel over the training layout's own tp group (`TPGroup.adopt`),
 and each rank copies its training shards straight into its engine shards
 (`phalanx.inference.weights.tp_shard_source`): only the token embedding, which the engine keeps
-whole and the trainer splits by vocabulary, is gathered, one tensor at a time. The `n` samples
+whole and the trainer splits by vocabulary, is gathered, one tensor at a time. A LoRA policy's
+shards are merged on each rank first (`adapters.merged_tp_shards`). The `n` samples
 of a prompt are queued together, so with prefix caching they share the prompt's full KV blocks.
 
 The engine returns each sampled token's log-probability under the model's *raw* distribution
@@ -146,10 +147,6 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with torch.no_grad():
             plan = tensor_parallel_plan(model)
-            if plan is not None and plan.size > 1:
-                from .adapters import lora_part
-                if lora_part(model, submodule) is not None:
-                    raise NotImplementedError(LORA_TP_SYNC)
             if plan is not None:
                 self.load_tp_shards(model, plan, submodule)
             else:
@@ -170,17 +167,16 @@ class RolloutEngine:
                              "build the engine with the training layout's tp_size")
         if self.llm.tp.group is not plan.group:
             self.llm.tp.adopt(plan.group)
+        from .adapters import is_lora, merged_tp_shards
         policy = unwrap_model(model)
         if submodule:
             policy, plan = policy.get_submodule(submodule), submodule_plan(plan, submodule)
+        if is_lora(policy):  # each rank merges its own shards: W_r + scaling * B_r @ A_r, base untouched
+            policy, plan = merged_tp_shards(policy, plan)
         source = tp_shard_source(policy, plan, self.llm.runner.model)
         self.llm.load_weights(source, strict=True)
         self.gathered = source.gathered
         return source.gathered
-
-
-LORA_TP_SYNC = ("LoRA with a tensor-parallel trainer (tp_size > 1): the engine's shard-to-shard weight sync does "
-                "not merge adapters yet; train LoRA with tp_size=1 (ddp, zero1/2, or hybrid with data parallelism)")
 
 
 def _weights_of(model: torch.nn.Module, submodule: str = ""):

@@ -48,6 +48,7 @@ def test_local_offset_maps_engine_ranges_into_training_pieces():
 # start-up costs seconds), each test reading its own results.
 FOLLOW, TP2, DP2TP2 = "test_engine_follows_tp2_shards", "test_tp2_run_matches_one_process", "test_dp2_tp2_on_4_ranks"
 TP4 = "test_tp4_replicates_the_2_kv_heads"
+LORA = "test_lora_tp2_run_matches_one_process"
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,12 @@ def runs(request, tiny_chat_model, tmp_path_factory):
     model, out = str(tiny_chat_model), tmp_path_factory.mktemp("grpo_tp")
     one_rank = {f"{TP2}:one": (w.grpo_losses, (model, str(out / "one")), {}),
                 f"{DP2TP2}:one": (w.grpo_losses, (model, str(out / "one-mb4"), "train.micro_batch_size=4"), {}),
-                f"{TP4}:one": (w.grpo_losses, (model, str(out / "one-tp4")), {})}
+                f"{TP4}:one": (w.grpo_losses, (model, str(out / "one-tp4")), {}),
+                f"{LORA}:one": (w.grpo_losses, (model, str(out / "one-lora"), "lora.enabled=true"), {})}
     two_ranks = {FOLLOW: (w.follow_tp_weights, (model, str(out / "follow-tp2"), 2), {}),
                  f"{TP2}:tp2": (w.grpo_losses, (model, str(out / "tp2"), *w.hybrid(2)), {}),
-                 f"{DP2TP2}:dp2": (w.grpo_losses, (model, str(out / "dp2"), *w.hybrid(1)), {})}
+                 f"{DP2TP2}:dp2": (w.grpo_losses, (model, str(out / "dp2"), *w.hybrid(1)), {}),
+                 f"{LORA}:tp2": (w.grpo_losses, (model, str(out / "tp2-lora"), *w.hybrid(2), "lora.enabled=true"), {})}
     four_ranks = {f"{DP2TP2}:follow": (w.follow_tp_weights, (model, str(out / "follow-4"), 2), {}),
                   f"{DP2TP2}:many": (w.grpo_losses, (model, str(out / "many"), "train.plugin=hybrid",
                                                      "train.plugin_options={tp_size: 2, zero_stage: 2}"), {}),
@@ -145,3 +148,21 @@ def test_tp4_replicates_the_2_kv_heads(runs):
     assert _close(got["losses"], one["losses"], 1e-6), (got["losses"], one["losses"])
     assert _close(got["after"], one["after"]), (got["after"], one["after"])
     assert not _close(one["after"], one["before"])
+
+
+@pytest.mark.slow
+def test_lora_tp2_run_matches_one_process(runs):
+    """LoRA GRPO under tp2: each rank merges its own shards of W + s*B*A into its engine shards (no
+    gather beyond the token embedding), so the engine samples from the trained policy (gap < 1e-4
+    every step) and the run equals one process with LoRA: the same tokens, losses within 1e-6, KL to
+    the adapter-off reference and the trained policy within 1e-5."""
+    one = runs[1].get(f"{LORA}:one")[0]
+    tp2 = runs[2].get(f"{LORA}:tp2")
+    assert tp2[0] == tp2[1], "the ranks of the tp group disagree"
+    got = tp2[0]
+    assert got["rewards"] == one["rewards"] and got["lengths"] == one["lengths"]
+    assert max(got["gaps"]) < 1e-4 and max(one["gaps"]) < 1e-4
+    assert _close(got["losses"], one["losses"], 1e-6), (got["losses"], one["losses"])
+    assert _close(got["kl"], one["kl"]), (got["kl"], one["kl"])
+    assert _close(got["after"], one["after"]), (got["after"], one["after"])
+    assert not _close(one["after"], one["before"])  # the adapters moved the policy
