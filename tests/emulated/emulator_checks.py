@@ -41,6 +41,27 @@ def the_device_context_still_builds_on_the_meta_device():
 
 
 @check
+def complex_products_and_their_gradients_match_the_cpu():
+    """A conjugate (or negative) view only sets a bit that the wrapper could not carry: products with
+    `conj()` and complex gradients (mul's backward uses `other.conj()`, as DeepSeek-V2's complex RoPE
+    does) came out wrong before they were materialised."""
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    freqs = torch.polar(torch.ones(4, 4), torch.randn(4, 4))
+
+    def rope_loss(device):
+        x = x0.clone().to(device).requires_grad_()
+        rotated = torch.view_as_real(torch.view_as_complex(x.reshape(2, 4, 4, 2)) * freqs.to(device)).flatten(2)
+        (rotated * w0.to(device)).sum().backward()
+        return x.grad.cpu()
+
+    a = torch.randn(3, dtype=torch.cfloat)
+    assert torch.equal((a.to(DEV).conj() * a.to(DEV)).cpu(), a.conj() * a)
+    assert torch.equal(a.to(DEV)._neg_view().cpu(), -a)
+    torch.testing.assert_close(rope_loss(DEV), rope_loss("cpu"), rtol=0, atol=0)
+
+
+@check
 def mixing_a_device_and_a_cpu_tensor_raises_as_cuda_does():
     x = torch.ones(3, 4, device=DEV)
     raises(lambda: x + torch.ones(3, 4), "same device", "emucuda:0", "cpu")

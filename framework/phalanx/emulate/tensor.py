@@ -41,6 +41,12 @@ _SYNCING = {
     aten.repeat_interleave.Tensor, aten.nonzero_static.default,
 }
 _COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+# Views that only set a bit on the tensor (complex conjugate, negation; autograd's complex formulas
+# call them, e.g. mul's backward multiplies by `other.conj()`). The wrapper cannot carry the bit,
+# and an op dispatched from `__torch_dispatch__` computed with the inner conjugate view as if the bit
+# were clear (DeepSeek-V2's complex RoPE got wrong gradients). So they are materialised: the values
+# are right; a write through `conj()` no longer reaches the original (docs/testing.md: limits).
+_BIT_VIEWS = {aten._conj.default, aten._neg_view.default}
 
 
 class EmulatedTensor(torch.Tensor):
@@ -185,6 +191,8 @@ def _dispatch(func, args, kwargs):
 
     inputs = _Unwrapped()
     out = func(*tree_map(inputs, args), **tree_map(inputs, kw))
+    if func in _BIT_VIEWS:
+        out = out.resolve_conj().resolve_neg()
     if target is None:
         return out
 
