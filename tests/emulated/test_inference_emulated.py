@@ -35,10 +35,13 @@ NODE_IDS = [
     # structured output: the grammar mask made on the host, applied to the device's logits
     "tests/framework/test_inference_structured.py::test_constrained_and_unconstrained_requests_in_one_batch",
     "tests/framework/test_inference_structured.py::test_json_object_and_streaming_over_http",
+    # speculative decoding for constrained requests: drafted positions masked on the device, rollback
+    "tests/framework/test_inference_structured.py::test_constrained_requests_speculate_with_their_greedy_tokens[small]",
     # LoRA: base and two adapters in one batch, the batched low-rank deltas on the device
     "tests/framework/test_inference_lora.py::test_a_mixed_batch_equals_each_adapters_merged_model",
     "tests/framework/test_inference_lora.py::test_the_fused_low_rank_stack_adds_each_tokens_own_adapter",
     "tests/framework/test_inference_lora.py::test_tensor_parallel_adapters_equal_the_merged_model",
+    "tests/framework/test_inference_lora.py::test_a_draft_model_speculates_for_adapter_requests_with_their_greedy_tokens",
     # the one decoder definition, run with the compiled step's pieces (spies: nothing compiles)
     "tests/framework/test_inference_speed_paths.py::test_compiled_step_runs_the_one_decoder_with_its_pieces",
 ]

@@ -189,10 +189,40 @@ def test_tensor_parallel_adapters_equal_the_merged_model(models, tmp_path):
     assert shapes["o"] == ((2, 8, 32), (2, 8, 64)) and shapes["qkv"] == ((2, 24, 64), (2, 24, 64))
 
 
-def test_lora_refuses_a_draft_model_and_a_plain_engine(models, tmp_path):
+def test_a_draft_model_speculates_for_adapter_requests_with_their_greedy_tokens(models):
+    """Speculative decoding with adapters: the draft (the base model, without adapters) proposes,
+    the target verifies each sequence with its own adapter. A mixed batch of a1, a2 and the base
+    (one shared prompt under all three, and others) gives the tokens of the engine without a
+    draft, which are each merged model's greedy tokens; the adapter requests did speculate
+    (proposals drafted for them, some accepted), and every block is freed."""
+    base_dir, dirs, refs = models
+    shared = im.mixed_prompts(1, seed=3, low=20, high=21)[0]
+    prompts = [shared, shared, shared] + im.mixed_prompts(3, seed=8)
+    names = ["a1", "a2", None, "a2", None, "a1"]
+    params = [SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, lora_name=n) for n in names]
+    want = lora_engine(base_dir, dirs).generate(prompts, params)
+    engine = lora_engine(base_dir, dirs, draft_model=str(base_dir), num_speculative_tokens=3)
+    spec, propose, per_name = engine.speculator, engine.speculator._propose, {}
+
+    def spy_propose(seqs, *args):
+        drafts, probs = propose(seqs, *args)
+        for seq, d in zip(seqs, drafts, strict=True):
+            per_name[seq.params.lora_name] = per_name.get(seq.params.lora_name, 0) + len(d)
+        return drafts, probs
+
+    spec._propose = spy_propose
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.token_ids == im.hf_greedy(refs[name], prompt, 10), name
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3  # one prompt, three models, three answers
+    assert all(per_name.get(n, 0) >= 6 for n in ("a1", "a2", None)), per_name
+    assert 0 < spec.num_accepted < spec.num_proposed  # the base draft is right for some tokens, not all
+    assert engine.block_manager.all_free()
+
+
+def test_lora_refuses_a_plain_engine(models, tmp_path):
     base_dir, dirs, _ = models
-    with pytest.raises(ValueError, match="draft model.*not supported yet"):
-        LLM(str(base_dir), enable_lora=True, draft_model=str(base_dir))
     plain = LLM(str(base_dir), dtype="float32", num_blocks=32, block_size=8, max_model_len=64)
     with pytest.raises(LoraError, match="enable_lora=True"):
         plain.load_lora_adapter("a1", dirs["a1"])

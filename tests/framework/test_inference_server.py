@@ -637,3 +637,50 @@ def test_phalanx_serve_tp2_answers_like_the_tp1_engine_and_stops_cleanly(tmp_pat
         assert choice["text"] == ref.text and len(ref.token_ids) == 12
     assert code == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
     assert seconds < 20
+
+
+@pytest.mark.slow  # torchrun + 2 ranks + the merged model's reference: ~30-60 s on 2 busy cores
+def test_phalanx_serve_tp2_serves_a_lora_adapter_by_name(tmp_path):
+    """`phalanx serve --tp-size 2 --lora sql=DIR`: both ranks load their part of the adapter at
+    start; through the official `openai` client a request whose `model` is "sql" gets the merged
+    model's (peft's merge_and_unload) greedy tokens, one naming the base model the base model's;
+    Ctrl-C stops every rank without a traceback."""
+    import openai
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    path, base = im.save_model(tmp_path / "m", "llama")
+    torch.manual_seed(3)
+    lora = peft.get_peft_model(im.make_model("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    lora.save_pretrained(str(tmp_path / "sql"))
+    merged = lora.merge_and_unload().eval()
+    prompt = "Tensor parallel adapters split"
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = tokenizer(prompt)["input_ids"]
+    want = {"sql": im.hf_greedy(merged, ids, 10), "m": im.hf_greedy(base.eval(), ids, 10)}
+    assert want["sql"] != want["m"]
+    server = ServeCommand(str(path), "--tp-size", "2", "--port", "0", "--kv-cache-gib", "0.01",
+                          "--max-model-len", "128", "--block-size", "8", "--dtype", "float32",
+                          "--lora", f"sql={tmp_path / 'sql'}", "--max-lora-rank", "8")
+    got = {}
+    try:
+        url = server.start()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        models = [m.id for m in client.models.list().data]
+        for model in ("sql", "m"):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            got[model] = (r.model, r.choices[0].text, r.usage.completion_tokens)
+    finally:
+        code, seconds, output = server.stop()
+    assert models == ["m", "sql"], models
+    for model in ("sql", "m"):
+        assert got[model] == (model, tokenizer.decode(want[model]), 10), (model, got[model])
+    assert output.count("closing signal SIGINT") == 2  # torchrun ran 2 ranks and passed Ctrl-C on
+    assert code == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
+    assert seconds < 20

@@ -155,20 +155,144 @@ def test_a_rolled_back_step_leaves_the_grammars_as_they_were(model_path):
     assert eng.block_manager.all_free()
 
 
-def test_speculative_decoding_drafts_only_for_unconstrained_requests(model_path, tmp_path):
-    """With a draft model, constrained requests decode one masked token per step (no drafts) and
-    answer as without the draft model; the unconstrained ones of the batch still speculate."""
+def speculating(eng):
+    """Spy on the engine's speculator: a list that gets, per speculative step, {request id:
+    (tokens drafted, tokens emitted)}."""
+    spec, record = eng.speculator, []
+    propose, step = spec._propose, spec.step
+    drafted = {}
+
+    def spy_propose(seqs, *args):
+        drafts, probs = propose(seqs, *args)
+        drafted.update({id(s): len(d) for s, d in zip(seqs, drafts, strict=True)})
+        return drafts, probs
+
+    def spy_step(seqs, *args):
+        out = step(seqs, *args)
+        record.append({s.request_id: (drafted[id(s)], len(e)) for s, e in zip(seqs, out, strict=True)})
+        return out
+
+    spec._propose, spec.step = spy_propose, spy_step
+    return record
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "small"])
+def test_constrained_requests_speculate_with_their_greedy_tokens(model_path, tmp_path, draft_kind):
+    """With a draft model, constrained requests draft too (the draft's proposals drawn under the
+    grammar's mask, each verified position masked with its own state, the grammar rolled back
+    and advanced over what was accepted): greedy constrained and unconstrained requests give the
+    tokens of the engine without a draft; sampled constrained ones validate. With the target
+    itself as the draft nearly every proposal is accepted, several tokens per step; a 1-layer
+    random draft is rejected often, which exercises the rollback."""
+    draft = model_path if draft_kind == "same" else im.save_model(tmp_path / "draft", "llama", seed=0,
+                                                                  num_hidden_layers=1)[0]
+    prompts = im.mixed_prompts(7, seed=6, low=6, high=20)
+    params = [constrained(), constrained(), constrained(n=2, best_of=2, temperature=0),
+              constrained(temperature=1.0, seed=3), SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
+              constrained(temperature=0.7, top_p=0.9, seed=4),
+              # penalties change the draft's fp32 logits too (an inference tensor: copied first)
+              SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                             logit_bias={5: 2.0}, frequency_penalty=0.5)]
+    want = engine(model_path).generate(prompts, params)
+    eng = engine(model_path, draft_model=str(draft), num_speculative_tokens=3)
+    record = speculating(eng)
+    outs = eng.generate(prompts, params)
+    greedy = [0, 1, 2, 4, 6]
+    assert [[c.token_ids for c in outs[i].outputs] for i in greedy] == [[c.token_ids for c in want[i].outputs]
+                                                                        for i in greedy]
+    for i in (0, 1, 2, 3, 5):
+        for c in outs[i].outputs:
+            assert c.finish_reason == "stop", c.text
+            valid(c.text)
+    # the constrained requests speculated: drafts proposed for them, and (same draft) accepted
+    constrained_ids = {outs[i].request_id for i in (0, 1, 2, 3, 5)}
+    steps = [(d, e) for step in record for rid, (d, e) in step.items() if rid in constrained_ids]
+    assert sum(d for d, _ in steps) > 20, steps
+    # and the penalised request's speculative steps succeeded (a failing step would be retried
+    # as plain steps by the fault isolation, hiding the failure behind the same tokens)
+    assert sum(step.get(outs[6].request_id, (0, 0))[0] for step in record) >= 6, record
+    if draft_kind == "same":
+        assert sum(e for _, e in steps) > 2 * len(steps), steps  # several tokens per step
+    else:
+        assert any(e <= d for d, e in steps), str(steps)  # rejections happened (rollback exercised)
+    assert eng.block_manager.all_free()
+    for seq_grammar_output in outs:  # the grammars ended in their final state (no leftover drafts)
+        assert seq_grammar_output.error is None
+
+
+class _FixedLogits:
+    """A stand-in model runner whose every position predicts the same distribution."""
+
+    def __init__(self, probs: dict[int, float]):
+        self.logits = torch.full((im.VOCAB,), float("-inf"))
+        for token, p in probs.items():
+            self.logits[token] = torch.tensor(p).log()
+
+    def execute(self, chunks):
+        return self.logits.repeat(sum(c.num_logits for c in chunks), 1)
+
+
+def test_speculative_sampling_under_a_grammar_follows_the_masked_target():
+    """Rejection sampling between the masked draft and the masked target: every emitted token
+    of a constrained sampled sequence follows the target's distribution restricted to what the
+    grammar allows (here '0', '1', '2' of a regex; the draft puts most of its mass on '2' and on
+    letters the grammar forbids), and the grammar is back at its start state after each step."""
+    from phalanx.inference.sequence import Sequence
+    from phalanx.inference.speculative import SpeculativeDecoder
+    from phalanx.inference.structured import GrammarCompiler
+
+    tok = im.make_tokenizer()
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "012ab"}
+    target = {ids["0"]: 0.3, ids["1"]: 0.15, ids["2"]: 0.05, ids["a"]: 0.4, ids["b"]: 0.1}
+    draft = {ids["0"]: 0.05, ids["1"]: 0.1, ids["2"]: 0.35, ids["a"]: 0.2, ids["b"]: 0.3}
+    want = torch.tensor([0.6, 0.3, 0.1])  # the target on '0', '1', '2', renormalised
+    compiler = GrammarCompiler(tok, im.VOCAB, {tok.eos_token_id})
+    spec = SpeculativeDecoder(_FixedLogits(target), _FixedLogits(draft), num_tokens=2)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    order = [ids[c] for c in "012"]
+    positions = [[], [], []]
+    for _ in range(1500):
+        seq = Sequence("s", [1, 2, 3], params, generator=g)
+        seq.grammar = compiler.matcher(StructuredOutput(regex="[0-2]{3}"))
+        out = spec.step([seq], lambda s, extra, history: RowContext(s.params, s.generator, grammar=s.grammar))[0]
+        for i, e in enumerate(out):
+            positions[i].append(order.index(e.token_id))  # (a forbidden token fails here)
+        assert seq.grammar.matcher.validate_tokens([ids["0"]] * 4) == 3  # rolled back: 3 digits still to come
+    for i, draws in enumerate(positions[:2]):
+        freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+        assert torch.allclose(freq, want, atol=0.04), (i, freq)
+    assert 0.2 < spec.acceptance_rate < 0.9
+
+
+def test_a_speculative_step_that_fails_after_drafting_rolls_the_grammars_back(model_path, tmp_path):
+    """A fault in the target's verification, after the draft advanced every constrained grammar
+    over its proposals: the step is rolled back (its requests retried alone), the grammars are
+    back at their state before the step, and the greedy constrained outputs equal the run
+    without a draft model."""
     draft, _ = im.save_model(tmp_path / "draft", "llama", seed=0, num_hidden_layers=1)
-    prompts = im.mixed_prompts(4, seed=6, low=6, high=20)
-    params = [constrained(), constrained(temperature=1.0, seed=3),
-              SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True),
-              SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)]
+    prompts = im.mixed_prompts(3, seed=9, low=6, high=20)
+    params = [constrained(), constrained(), constrained()]
     want = [o.token_ids for o in engine(model_path).generate(prompts, params)]
     eng = engine(model_path, draft_model=str(draft), num_speculative_tokens=3)
+    spec, faults = eng.speculator, []
+
+    class Faulty:  # the target runner, failing once in a verification of drafted tokens
+        def __getattr__(self, name):
+            return getattr(eng.runner, name)
+
+        def execute(self, chunks):
+            if not faults and sum(c.num_logits for c in chunks) > len(chunks) and spec.num_proposed > 30:
+                faults.append([len(c.token_ids) for c in chunks])
+                raise RuntimeError("injected fault in verification")
+            return eng.runner.execute(chunks)
+
+    spec.target = Faulty()
     outs = eng.generate(prompts, params)
-    assert eng.speculator.num_proposed > 0
+    assert faults and max(faults[0]) > 1  # it failed after drafting
     assert [o.token_ids for o in outs] == want
-    valid(outs[0].text), valid(outs[1].text)
+    for o in outs:
+        valid(o.text)
     assert eng.block_manager.all_free()
 
 
@@ -415,8 +539,51 @@ def mask_overhead(model: str, num_requests: int = 32, new_tokens: int = 64, max_
           f"{1e6 * step / num_requests:.1f} us/token")
 
 
-if __name__ == "__main__":  # python tests/framework/test_inference_structured.py [MODEL_DIR] [THREADS]
+def speculative_acceptance(model: str, draft_layers: int, k: int = 4) -> None:
+    """Schema-constrained and unconstrained greedy requests (8 chat prompts) on `model`, without
+    a draft and with a self-speculative draft (the model's first `draft_layers` layers and its
+    head): prints whether the tokens are identical, the acceptance rate and the tokens per
+    sequence per speculative step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+              "age": {"type": "integer", "minimum": 0, "maximum": 120}, "city": {"type": "string", "maxLength": 20},
+              "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+              "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+    tok = AutoTokenizer.from_pretrained(model)
+    people = ["a retired sailor from Lisbon", "a young chess player in Oslo", "a baker in Lyon", "a nurse in Toronto",
+              "a student in Kyoto", "a painter in Mexico City", "a farmer in Kenya", "a pilot in Dubai"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe {p} as JSON with name, age, city, "
+                                         "hobbies."}], tokenize=False, add_generation_prompt=True) for p in people]
+    draft = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    draft.model.layers = draft.model.layers[:draft_layers]
+    draft.config.num_hidden_layers = draft_layers
+    kw = dict(dtype="float32", max_model_len=512, num_blocks=512, block_size=16)
+    plain, spec = LLM(model, **kw), LLM(model, draft_model=draft, num_speculative_tokens=k, **kw)
+    record = speculating(spec)
+    for name, params in (("json_schema", SamplingParams(max_new_tokens=80, temperature=0,
+                                                        structured_output={"json_schema": schema})),
+                         ("unconstrained", SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True))):
+        want = plain.generate(prompts, params)
+        record.clear()
+        before = (spec.speculator.num_proposed, spec.speculator.num_accepted)
+        got = spec.generate(prompts, params)
+        proposed, accepted = (spec.speculator.num_proposed - before[0], spec.speculator.num_accepted - before[1])
+        per_step = [e for step in record for _, e in step.values()]
+        same = sum(a.token_ids == b.token_ids for a, b in zip(want, got, strict=True))
+        print(f"{name:14s} draft = {draft_layers} layers, k={k}: identical {same}/{len(prompts)}, acceptance "
+              f"{accepted / max(proposed, 1):.2f}, {sum(per_step) / max(len(per_step), 1):.2f} tokens per sequence "
+              f"per speculative step")
+
+
+if __name__ == "__main__":  # python tests/framework/test_inference_structured.py [MODEL_DIR] [THREADS] [--draft-layers N]
     import os
     import sys
-    torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-    mask_overhead(os.path.expanduser(sys.argv[1] if len(sys.argv) > 1 else "~/.cache/phalanx/smollm2-135m-instruct"))
+    args = [a for a in sys.argv[1:] if not a.startswith("--draft-layers")]
+    layers = [int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--draft-layers=")]
+    torch.set_num_threads(int(args[1]) if len(args) > 1 else 1)
+    model_dir = os.path.expanduser(args[0] if args else "~/.cache/phalanx/smollm2-135m-instruct")
+    if layers:
+        speculative_acceptance(model_dir, layers[0])
+    else:
+        mask_overhead(model_dir)

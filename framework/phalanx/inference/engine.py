@@ -16,8 +16,14 @@ the engine goes on (with tensor parallelism the error is raised).
 
 Structured output (`SamplingParams.structured_output`): each constrained sequence carries a
 grammar (`phalanx.inference.structured`) that masks its row in the sampler and advances only in
-`_append`, so a rolled-back step leaves it untouched. Speculative steps draft nothing for
-constrained sequences (lookahead 0: their verification is a plain, masked decode).
+`_append`, so a rolled-back step leaves it untouched. Speculative steps draft for constrained
+sequences too: the speculator advances each grammar over its proposals, masks the drafted and the
+verified positions with the state of each, and rolls the grammar back before returning
+(`phalanx.inference.speculative`).
+
+LoRA adapters with a draft model: the target verifies each sequence with its own adapter; the
+draft model runs without adapters (it proposes the base draft's tokens, which only changes how
+many are accepted).
 """
 from __future__ import annotations
 
@@ -78,14 +84,6 @@ def _eos_ids(config, generation_config, tokenizer) -> set[int]:
 _LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank")
 
 
-def _check_lora_layout(tp_size: int, draft_model) -> None:
-    """LoRA adapters run without a draft model (refused here, before any work); with tensor
-    parallelism each rank holds its part of every adapter (`lora._place`)."""
-    if draft_model is not None:
-        raise ValueError("LoRA adapters with a draft model (speculative decoding) are not supported yet: drop "
-                         "draft_model (--draft-model), or serve a merged model with it")
-
-
 def _default_device(tp: TPGroup) -> torch.device:
     if tp.size > 1:
         from phalanx.launch import context
@@ -141,8 +139,6 @@ class LLM:
         lora_options = {k: engine_kwargs.pop(k) for k in _LORA_OPTIONS if k in engine_kwargs}
         self.config = EngineConfig(**engine_kwargs)
         enable_lora = lora_options.pop("enable_lora", False)
-        if enable_lora:
-            _check_lora_layout(self.config.tp_size, draft_model)
         self.model_name = name or "model"
         self.hf_config = config
         self.spec = spec_for_inference(config)
@@ -342,8 +338,8 @@ class LLM:
     def _row(self, seq: Sequence, extra_tokens: int = 0, history: list[int] | None = None) -> RowContext:
         params = seq.params
         tokens = history if history is not None else seq.token_ids
-        if seq.grammar is not None and extra_tokens:
-            raise RuntimeError("a constrained sequence was asked for a drafted position (its lookahead must be 0)")
+        # (at a drafted position, extra_tokens > 0, the speculator replaces the grammar by the mask
+        # of that position's state)
         return RowContext(params, seq.generator, grammar=seq.grammar,
                           history=tokens if params.repetition_penalty != 1.0 else None,
                           banned=self.stop_checker.banned_now(seq, extra_tokens),
@@ -524,10 +520,11 @@ class LLM:
         return touched
 
     def _compute_speculative(self, plan):
+        """Draft and verify (the target with each sequence's LoRA adapter); changes no sequence
+        (the grammars the speculator advances over the drafts come back as they were)."""
         seqs = [s.seq for s in plan.scheduled]
-        # constrained sequences draft nothing (their slots stay reserved, unused, for this step)
-        return self.speculator.step(seqs, self._row, [0 if s.seq.grammar is not None else s.lookahead
-                                                      for s in plan.scheduled])
+        with self.lora.lock if self.lora is not None else contextlib.nullcontext():
+            return self.speculator.step(seqs, self._row, [s.lookahead for s in plan.scheduled])
 
     def _commit_speculative(self, plan, emitted) -> list[Sequence]:
         touched: list[Sequence] = []

@@ -32,7 +32,10 @@ The wrapper replaces the layer's `linear` (the call every matmul of the decoder 
 whatever computes it: F.linear, a packed oneDNN weight) after the weights are loaded, so the base
 path is untouched and the adapters add to whatever it returns.
 
-Limits, each refused by name: a draft model, DoRA, adapters on embeddings or the LM head,
+With a draft model (speculative decoding) the target verifies every sequence with its adapter
+and the draft model runs without adapters (its shapes are not the adapters').
+
+Limits, each refused by name: DoRA, adapters on embeddings or the LM head,
 `modules_to_save`, trained LoRA biases, adapters on expert layers; loading or unloading over HTTP
 while serving with tensor parallelism (the other ranks are busy running steps). Prefix caching
 keeps working: a request's cached blocks are keyed by its adapter (`Sequence.cache_salt`), so

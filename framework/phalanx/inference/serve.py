@@ -117,10 +117,6 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"phalanx serve: {exc}", file=sys.stderr)
         return 2
-    if (adapters or args.enable_lora) and args.draft_model:
-        print("phalanx serve: LoRA adapters are served without --draft-model (not supported yet); "
-              "or merge the adapter into the model and serve that", file=sys.stderr)
-        return 2
     if args.tp_size > 1 and "WORLD_SIZE" not in os.environ:
         from phalanx.torchrun import run_here
         return run_here(["-n", str(args.tp_size), "-m", "phalanx.inference.serve", *argv])

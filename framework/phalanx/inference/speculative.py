@@ -14,6 +14,23 @@ Per sequence of n tokens (the newest, t[n-1], not yet in the target's cache):
 
 Both models share the block tables (each has its own cache tensors, indexed by the same slots),
 so the scheduler's blocks and prefix cache serve both.
+
+LoRA adapters: the target verifies every sequence's positions with that sequence's adapter (the
+chunk's `lora_slot`, as in a plain step); the draft runs the base draft model for everyone. A
+draft that ignores the adapter proposes tokens the adapted target rejects more often, which
+costs acceptance, never correctness: the tokens kept are the target's (with its adapter).
+
+Structured output: a constrained sequence drafts too. Its grammar advances over its own
+proposals while the draft runs (`Grammar.try_accept`), so each proposal is drawn from the
+draft's distribution masked with the grammar state after the proposals before it, and those
+masks are kept: verification masks target row i with the same state (row k, after every
+proposal, gets one more mask). Greedy: a proposal is accepted only when it is the masked
+target's argmax, i.e. exactly the token a plain masked step would choose; sampled: rejection
+sampling between the masked draft and masked target distributions, so the output follows the
+masked target. When the step ends (or raises) every grammar is rolled back over its proposals
+(`Grammar.rollback`); the engine then advances it over the tokens it appends, as in a plain step.
+A proposal the grammar refuses (never, for tokens drawn under its mask) ends that sequence's
+drafts, as does a grammar that has finished (EOS accepted).
 """
 from __future__ import annotations
 
@@ -24,6 +41,7 @@ import torch
 from phalanx.inference.model_runner import Chunk, ModelRunner
 from phalanx.inference.sampler import RowContext, apply_penalties, raw_logprobs, sampling_probs
 from phalanx.inference.sequence import Sequence
+from phalanx.inference.structured import allowed_tokens, apply_allowed
 
 
 @dataclass
@@ -48,37 +66,95 @@ class SpeculativeDecoder:
         sampler's RowContext for the position `extra_tokens` past the sequence's end.
         `lookahead[b]` (at most k; default k for all) is how many tokens sequence b may draft:
         the scheduler bounds it by the context and the free blocks; 0 makes its verification a
-        plain decode (the draft still catches up on its last two tokens)."""
+        plain decode (the draft still catches up on its last two tokens). Grammars come back in
+        the state they had (see the module's docstring)."""
         ks = [self.k] * len(seqs) if lookahead is None else list(lookahead)
-        drafts, draft_probs = self._propose(seqs, row, ks)
-        chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, len(d) + 1)
-                  for s, d in zip(seqs, drafts)]
-        logits = self.target.execute(chunks).float()  # [sum(k_b + 1), V]
-        rows = [row(s, i, s.token_ids + d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)]
-        raw = logits
-        target_probs = sampling_probs(apply_penalties(logits.clone(), rows), rows)
-        return self._accept(seqs, drafts, draft_probs, rows, raw, target_probs)
+        masks: list[list[torch.Tensor | None]] = [[] for _ in seqs]  # constrained: one per position
+        consumed = [0] * len(seqs)  # proposals each grammar advanced over (rolled back below)
+        try:
+            drafts, draft_probs = self._propose(seqs, row, ks, masks, consumed)
+            chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, len(d) + 1, s.lora_slot)
+                      for s, d in zip(seqs, drafts)]
+            logits = self.target.execute(chunks).float()  # [sum(k_b + 1), V]
+            self._last_masks(seqs, masks, logits)
+            rows = [self._unmasked(row(s, i, s.token_ids + d[:i])) for s, d in zip(seqs, drafts)
+                    for i in range(len(d) + 1)]
+            allowed = [masks[b][i] if seqs[b].grammar is not None else None
+                       for b, d in enumerate(drafts) for i in range(len(d) + 1)]
+            raw = logits
+            target_probs = sampling_probs(apply_allowed(apply_penalties(logits.clone(), rows), allowed), rows)
+            return self._accept(seqs, drafts, draft_probs, rows, raw, target_probs)
+        finally:
+            for s, n in zip(seqs, consumed):
+                if n:
+                    s.grammar.rollback(n)
 
-    def _propose(self, seqs: list[Sequence], row: callable, ks: list[int]):
+    @staticmethod
+    def _unmasked(ctx: RowContext) -> RowContext:
+        """The row without its grammar: the speculator masks drafted positions itself (the
+        grammar object's state is that of the sequence's end, not of the position)."""
+        ctx.grammar = None
+        return ctx
+
+    @staticmethod
+    def _masks_now(seqs: list[Sequence], which: list[int], vocab: int, device) -> dict[int, torch.Tensor]:
+        """{b: allowed tokens [V]} of the grammars of seqs[b] for b in `which`, in their present
+        state (one batched mask computation)."""
+        if not which:
+            return {}
+        allowed = allowed_tokens([seqs[b].grammar for b in which], vocab, device)
+        return {b: allowed[i] for i, b in enumerate(which)}
+
+    def _last_masks(self, seqs: list[Sequence], masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:
+        """The mask after each constrained sequence's last proposal (the row of its correction or
+        bonus token); none after a grammar that has finished (that row is never appended)."""
+        live = [b for b, s in enumerate(seqs) if s.grammar is not None and not s.grammar.finished]
+        now = self._masks_now(seqs, live, logits.shape[-1], logits.device)
+        for b, s in enumerate(seqs):
+            if s.grammar is not None:
+                masks[b].append(now.get(b))
+
+    def _propose(self, seqs: list[Sequence], row: callable, ks: list[int],
+                 masks: list[list[torch.Tensor | None]], consumed: list[int]):
         """The draft's proposals: up to ks[b] tokens per sequence, with the distributions they
-        were drawn from."""
+        were drawn from. A constrained sequence's proposals are drawn under its grammar's mask;
+        its grammar advances over each (`consumed[b]`) and the masks are appended to `masks[b]`.
+        `ks` is shortened where a grammar ends the drafts."""
         drafts: list[list[int]] = [[] for _ in seqs]
         draft_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(max(ks, default=0)):
             active = [b for b, k in enumerate(ks) if k > j]
+            if not active:
+                break
             if j == 0:  # every sequence catches the draft's cache up; those with k = 0 want no logits
                 chunks = [Chunk(s.token_ids[-2:], s.num_tokens - 2, s.block_table, 1 if ks[b] else 0)
                           for b, s in enumerate(seqs)]
             else:
                 chunks = [Chunk([drafts[b][-1]], seqs[b].num_tokens - 1 + j, seqs[b].block_table) for b in active]
             logits = self.draft.execute(chunks).float()
-            rows = [row(seqs[b], j, seqs[b].token_ids + drafts[b]) for b in active]
-            probs = sampling_probs(apply_penalties(logits, rows), rows)
+            rows = [self._unmasked(row(seqs[b], j, seqs[b].token_ids + drafts[b])) for b in active]
+            now = self._masks_now(seqs, [b for b in active if seqs[b].grammar is not None], logits.shape[-1],
+                                  logits.device)
+            for b, mask in now.items():
+                masks[b].append(mask)
+            allowed = [now.get(b) for b in active]
+            if any(r.changes_logits for r in rows):  # (the runner's logits are inference tensors)
+                logits = apply_penalties(logits.clone(), rows)
+            probs = sampling_probs(apply_allowed(logits, allowed), rows)
             tokens = probs.argmax(dim=-1)
             for i, b in enumerate(active):  # draws stay on the device: one sync per draft step
                 if not seqs[b].params.greedy:
                     tokens[i] = torch.multinomial(probs[i], 1, generator=rows[i].generator)[0]
             for i, (b, token) in enumerate(zip(active, tokens.tolist())):
+                grammar = seqs[b].grammar
+                if grammar is not None:
+                    if not grammar.try_accept(token):  # (never under its mask) no more drafts
+                        ks[b] = j
+                        masks[b].pop()
+                        continue
+                    consumed[b] += 1
+                    if grammar.finished:  # EOS accepted: nothing may follow
+                        ks[b] = j + 1
                 drafts[b].append(token)
                 draft_probs[b].append(probs[i])
         return drafts, draft_probs

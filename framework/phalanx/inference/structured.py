@@ -8,8 +8,12 @@ which tokens may come next; the sampler masks the others out of that request's r
 
 The grammar state moves only when the engine appends a token (`Grammar.accept`), never while a
 step computes: a step that fails and is rolled back leaves every matcher as it was, and the next
-try computes the same masks. Speculative decoding drafts nothing for constrained requests (their
-verification is a plain decode, masked like any other step).
+try computes the same masks. Speculative decoding drafts for constrained requests too
+(`phalanx.inference.speculative`): while the draft proposes, each constrained sequence's matcher
+advances over its own proposals (`try_accept`), so every proposal is drawn from the draft's
+distribution masked at its position, and the mask of every position is kept for verification;
+then the matcher is rolled back over all of them (`rollback`, also when the step raises), and the
+engine advances it over the tokens it accepts, as for any other step.
 
 Why llguidance: it computes masks lazily, token by token, without a per-schema precompile
 (JSON schemas, JSON mode, regexes and Lark grammars through one API), is a structured-output
@@ -89,6 +93,17 @@ class Grammar:
         for tokens the masked sampler chose)."""
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"token {token} breaks the output constraint: {self.matcher.get_error()}")
+
+    def try_accept(self, token: int) -> bool:
+        """Advance past a proposed (drafted) token if the constraint allows it; False (and the
+        state unchanged) if it does not. Undo with `rollback`."""
+        return self.matcher.try_consume_tokens([token]) == 1
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` tokens accepted (the drafts of a speculative step)."""
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"the output constraint could not roll back {num_tokens} drafted tokens: "
+                               f"{self.matcher.get_error()}")
 
     @property
     def finished(self) -> bool:
@@ -199,3 +214,15 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[Grammar | None]) ->
     idx = torch.tensor(rows, device=logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def apply_allowed(logits: torch.Tensor, allowed: list[torch.Tensor | None]) -> torch.Tensor:
+    """`logits` with -inf on every token row r's precomputed mask `allowed[r]` ([vocab] bool, from
+    `allowed_tokens`) forbids (a new tensor; `logits` itself is left as it is); rows whose mask is
+    None are untouched. Speculative decoding masks its drafted positions this way (each with the
+    grammar state after the drafts before it)."""
+    if all(a is None for a in allowed):
+        return logits
+    full = torch.stack([a if a is not None else torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                        for a in allowed])
+    return logits.masked_fill(~full, float("-inf"))
