@@ -1,9 +1,10 @@
 """DeepSeek-V3 on the emulated GPU: tp2 (multi-head latent attention split by heads) and ep2 with the
 correction-bias balancer, the HF-layout save loaded under tp2 and by from_pretrained
-(tests/framework/test_deepseek_family.py, run in a child pytest with PHALANX_EMULATE_GPU=1, its
-ranks inheriting it). DeepSeek-V2 is left out: its complex-number RoPE (`view_as_complex`) gets
-wrong gradients on emulated tensors even in one process (the emulator's limit, not the family's:
-its tp2 test passes on the CPU)."""
+(tests/framework/test_deepseek_family.py), and DeepSeek's balance losses: the loss against the
+formula by hand, ep2 / dp2 with the loss against one process, ranks of uneven batches, the
+refusals (tests/framework/test_deepseek_losses.py); DeepSeek-V2 tp2 and its batch loss with ep2 / dp2
+(its complex-number RoPE got wrong gradients on emulated tensors until the emulator materialised
+conjugate views); run in a child pytest with PHALANX_EMULATE_GPU=1, its ranks inheriting it."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from emulated_run import pytest_emulated  # noqa: E402
 
 FILE = "tests/framework/test_deepseek_family.py"
+LOSSES = "tests/framework/test_deepseek_losses.py"
 
 
 @pytest.mark.slow
@@ -22,4 +24,22 @@ def test_deepseek_v3_on_the_emulated_gpu():
     out = pytest_emulated(f"{FILE}::test_tp2_equals_one_process[v3]",
                           f"{FILE}::test_ep2_v3_equals_one_process_and_saves_hf_layout",
                           f"{FILE}::test_bias_balancer_moves_the_correction_bias_against_the_load")
+    assert "3 passed" in out and "failed" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_deepseek_balance_losses_on_the_emulated_gpu():
+    out = pytest_emulated(f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-sequence]",
+                          f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-batch]",
+                          f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v3]",
+                          f"{LOSSES}::test_uneven_ranks_give_the_global_loss",
+                          f"{LOSSES}::test_layouts_without_the_loss_are_refused")
+    assert "5 passed" in out and "failed" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_deepseek_v2_on_the_emulated_gpu():
+    out = pytest_emulated(f"{FILE}::test_tp2_equals_one_process[v2]",
+                          f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v2-batch]",
+                          f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v2]")
     assert "3 passed" in out and "failed" not in out, out[-3000:]

@@ -26,3 +26,11 @@ def test_expert_parallel_plugin_on_the_emulated_gpu():
     integer histc on CUDA that the emulated GPU cannot run."""
     out = pytest_emulated("tests/framework/test_expert_parallel_plugin.py::test_ep2_zero_stages_equal_one_process")
     assert "1 passed" in out and "failed" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_lora_with_expert_parallelism_on_the_emulated_gpu():
+    """LoRA adapters on attention and on the experts under ep2 (with dp2, tp2, pp2, ZeRO, fp16 with
+    an injected overflow) against one process, saving and merging (tests/framework/test_lora_ep.py)."""
+    out = pytest_emulated("tests/framework/test_lora_ep.py")
+    assert " passed" in out and "failed" not in out and "skipped" not in out, out[-3000:]

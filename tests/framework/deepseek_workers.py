@@ -1,7 +1,9 @@
-"""Tiny random DeepSeek-V2 / V3 configs, and what tests/framework/test_deepseek_family.py runs on each
-rank: two SGD steps under HybridParallelPlugin (tp2: multi-head latent attention split by heads,
-dense MLPs and shared experts split; ep2: the routed experts split) against the same steps in
-one process on the whole batch; the model saved from the layout, loaded by transformers'
+"""Tiny random DeepSeek-V2 / V3 configs, and what tests/framework/test_deepseek_family.py and
+test_deepseek_losses.py run on each rank: two SGD steps under HybridParallelPlugin (tp2: multi-head
+latent attention split by heads, dense MLPs and shared experts split; ep2: the routed experts split;
+ep2 x tp2 and ep2 x pp2 on 4 ranks), optionally with DeepSeek's balance loss
+(`aux_loss`: config.output_router_logits=True and aux_loss_alpha), against the same steps in one
+process on the whole batch; the model saved from the layout, loaded by transformers'
 `from_pretrained` and into another layout. Nothing downloads."""
 from __future__ import annotations
 
@@ -43,12 +45,16 @@ VARIANTS = {
 }
 
 
-def build(variant: str):
+def build(variant: str, aux_loss: float = 0.0, **extra):
+    """`aux_loss`: DeepSeek's balance loss coefficient (config.aux_loss_alpha, with
+    output_router_logits=True); `extra`: config overrides over the variant's."""
     from transformers import AutoModelForCausalLM
 
     version, overrides = VARIANTS[variant]
+    if aux_loss:
+        extra = {"output_router_logits": True, "aux_loss_alpha": aux_loss, **extra}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(deepseek_config(version, **overrides),
+    model = AutoModelForCausalLM.from_config(deepseek_config(version, **{**overrides, **extra}),
                                              experts_implementation="eager").float()
     with torch.no_grad():  # V3's correction bias (zeros at init) set, so that it steers the routing
         for name, buf in model.named_buffers():
@@ -74,16 +80,27 @@ def _biases(model) -> dict[str, torch.Tensor]:
             if n.endswith("e_score_correction_bias")}
 
 
-def reference(variant: str, balance: float = 0.0) -> dict:
+def _biases_of(state: dict) -> dict[str, torch.Tensor]:
+    return {n[n.index("layers."):]: b.cpu() for n, b in state.items() if n.endswith("e_score_correction_bias")}
+
+
+def reference(variant: str, balance: float = 0.0, aux_loss: float = 0.0, **extra) -> dict:
     """One process, the whole batch: losses, gradient norms, weights before / after, logits of
-    a fresh batch after the steps, V3's correction biases after the balancer's updates."""
-    model = build(variant)
+    a fresh batch after the steps, V3's correction biases after the balancer's updates. With
+    `aux_loss`, the loss adds DeepSeek's balance loss of this process's batch (BalanceLoss,
+    reduce=False: every rank computes this reference on its own)."""
+    from phalanx.models.deepseek import BalanceLoss
+
+    model = build(variant, aux_loss, **extra)
     balancer = _balancer(model, balance)
+    balance_loss = BalanceLoss.attach(model) if aux_loss else None
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms, data = [], [], batches()
     for batch in data[:STEPS]:
         loss = model(input_ids=batch, labels=batch).loss
+        if balance_loss is not None:
+            loss = loss + balance_loss.loss(reduce=False)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
         opt.step()
@@ -97,26 +114,28 @@ def reference(variant: str, balance: float = 0.0) -> dict:
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _boost(variant: str, layout: dict):
+def _boost(variant: str, layout: dict, aux_loss: float = 0.0, **extra):
     from phalanx.booster import Booster
     from phalanx.booster.plugins.hybrid import HybridParallelPlugin
 
     plugin = HybridParallelPlugin(**layout)
     booster = Booster(plugin)
-    model = build(variant)
+    model = build(variant, aux_loss, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer, *_ = booster.boost(model, optimizer)
     return booster, plugin, model, optimizer
 
 
-def layout_steps(variant: str, layouts: dict[str, dict], balance: float = 0.0, save: str | None = None) -> dict:
+def layout_steps(variant: str, layouts: dict[str, dict], balance: float = 0.0, save: str | None = None,
+                 aux_loss: float = 0.0, **extra) -> dict:
     """{layout name: differences to one process}. `balance`: V3's bias update rate (BiasBalancer,
     loads summed over the data-parallel group); `save`: a directory where the first layout's
-    model is written after its steps (booster.save_model, Hugging Face layout)."""
-    ref = reference(variant, balance)
+    model is written after its steps (booster.save_model, Hugging Face layout); `aux_loss`:
+    DeepSeek's balance loss coefficient (the plugin adds the loss); `extra`: config overrides."""
+    ref = reference(variant, balance, aux_loss, **extra)
     out = {}
     for i, (name, layout) in enumerate(layouts.items()):
-        booster, plugin, model, optimizer = _boost(variant, layout)
+        booster, plugin, model, optimizer = _boost(variant, layout, aux_loss, **extra)
         balancer = _balancer(model, balance)
         per = ROWS // plugin.dp_size
         losses, norms = [], []
@@ -133,11 +152,15 @@ def layout_steps(variant: str, layouts: dict[str, dict], balance: float = 0.0, s
         if save is not None and i == 0:
             booster.save_model(model, save)
         ep = getattr(plugin, "ep_plan", None)
+        biases = _biases(model)  # this rank's routers (under pp: its stages', named by stage)
         got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"]),
                "local_experts": sorted({tuple(m.gate_up_proj.shape) for m in ep.experts.values()}) if ep else None,
-               "biases": rel_diff(_biases(model), ref["biases"]) if balance else None}
+               "biases": rel_diff(biases, ref["biases"]) if balance and plugin.pp_size == 1 else None,
+               "bias_names": sorted(biases)}
         if dist.get_rank() == 0:  # the writer holds every tensor
             got.update(compare_saved_state(state, ref))
+            if balance:  # every correction bias, gathered over the stages
+                got["saved_biases"] = rel_diff(_biases_of(state), ref["biases"])
         out[name] = got
     return out
 
@@ -155,15 +178,62 @@ def load_elsewhere(variant: str, path: str, layout: dict, balance: float = 0.0) 
     return compare_loaded_logits(logits, data, path, ref)
 
 
-def router_loss_refusal() -> str:
-    """ep2 with config.output_router_logits=True on DeepSeek-V3: the error boost raises."""
+# ---------------------------------------------------------------------------- DeepSeek's balance losses
+LOSS_FORMS = {"v2-batch": ("v2", None), "v2-sequence": ("v2", True), "v3-sequence": ("v3", None),
+              "v3-batch": ("v3", False)}  # (variant, config.seq_aux): the families' defaults and the other form
+
+
+def uneven_ranks(alpha: float) -> dict:
+    """2 ranks: rank 0 runs 3 padded sequences, rank 1 the 4th; each rank's BalanceLoss over the
+    world (the per-rank form) and its gradients (router weights, embedding), averaged over the
+    ranks, against one process on all 4 rows (reduce=False), for every form."""
+    from phalanx.models.deepseek import BalanceLoss
+
+    device = run_device()
+    ids = torch.randint(5, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(4, SEQ, dtype=torch.long)
+    mask[1, 10:], mask[2, 3:], mask[3, 7:] = 0, 0, 0
+    rows = slice(0, 3) if dist.get_rank() == 0 else slice(3, 4)
+    out = {}
+    for form, (variant, seq_aux) in LOSS_FORMS.items():
+        extra = {} if seq_aux is None else {"seq_aux": seq_aux}
+        results = []
+        for local, reduce in ((rows, True), (slice(0, 4), False)):
+            model = build(variant, alpha, **extra).to(device)
+            loss_fn = BalanceLoss.attach(model)
+            m = to_device(mask[local], device)
+            model(input_ids=to_device(ids[local], device), attention_mask=m)
+            loss = loss_fn.loss(m, reduce=reduce)
+            weights = {n: p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight") or "embed" in n}
+            grads = dict(zip(weights, torch.autograd.grad(loss, list(weights.values())), strict=True))
+            if reduce:  # what data parallelism does: the mean over ranks
+                flat = torch.cat([loss.detach().reshape(1)] + [g.reshape(-1) for g in grads.values()])
+                dist.all_reduce(flat)
+                flat /= dist.get_world_size()
+                loss = flat[0]
+                grads = dict(zip(grads, flat[1:].split([g.numel() for g in grads.values()]), strict=True))
+                grads = {n: g.view_as(weights[n]) for n, g in grads.items()}
+            results.append((loss.detach().cpu(), {n: g.cpu() for n, g in grads.items()}))
+        (got_loss, got_grads), (want_loss, want_grads) = results
+        out[form] = {"loss": rel_diff(got_loss, want_loss), "grads": rel_diff(got_grads, want_grads)}
+    return out
+
+
+def balance_refusals() -> dict[str, str]:
+    """The errors boost raises for layouts and configs that cannot add DeepSeek's balance loss."""
     from phalanx.booster import Booster
     from phalanx.booster.plugins.hybrid import HybridParallelPlugin
 
-    model = build("v3")
-    model.config.output_router_logits = True
-    try:
-        Booster(HybridParallelPlugin(ep_size=2)).boost(model, torch.optim.SGD(model.parameters(), lr=LR))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    cases = {"no alpha, ep2": ({"ep_size": 2}, False), "no alpha, dp2": ({}, False),
+             "pp2": ({"pp_size": 2, "num_microbatches": 2}, True),
+             "tp2 split-gather": ({"tp_size": 2, "sequence_parallelism": "split_gather"}, True)}
+    out = {}
+    for name, (layout, alpha) in cases.items():
+        model = build("v3", 1e-4 if alpha else 0.0)
+        model.config.output_router_logits = True
+        try:
+            Booster(HybridParallelPlugin(**layout)).boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out

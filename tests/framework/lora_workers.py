@@ -19,48 +19,63 @@ PROBE = torch.arange(2 * cases.SEQ).remainder(128).view(2, cases.SEQ)  # the bat
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # Mixtral's fused expert tensors
 
 
-def lora_config(family: str = "llama"):
-    """LoRA on q/v/down_proj; for the mixture-of-experts model on q/v_proj and on every expert's
-    weights (peft's target_parameters: per-expert A and B in one tensor each)."""
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
+
+
+def lora_config(family: str = "llama", random_b: bool = False):
+    """LoRA on q/v/down_proj; for the mixture-of-experts models on q/v_proj and on every expert's
+    weights (peft's target_parameters: per-expert A and B in one tensor each). `random_b`: B drawn
+    at random too (peft's init_lora_weights=False), so a mix-up of B's expert columns shows."""
     import peft
-    if family == "mixtral":
+    if family in MOE_FAMILIES:
         return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                               target_parameters=EXPERT_TARGETS)
+                               target_parameters=EXPERT_TARGETS, init_lora_weights=not random_b)
     return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS)
 
 
 def base_model(family: str = "llama"):
-    """The tiny LLaMA, or a tiny Mixtral of the same widths (4 experts, top-2), seed 0."""
+    """The tiny LLaMA, or a tiny Mixtral of the same widths (4 experts, top-2), or a tiny Qwen2-MoE
+    (4 routed experts, top-2, and a shared expert), seed 0. The MoE models run transformers' eager
+    experts (its grouped kernel counts tokens with an integer histc on CUDA, which the emulated GPU
+    cannot run)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
     if family == "mixtral":
-        from transformers import MixtralConfig, MixtralForCausalLM
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(
+            MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64, tie_word_embeddings=False), experts_implementation="eager")
+    if family == "qwen2_moe":
+        import moe_models
 
         torch.manual_seed(0)
-        return MixtralForCausalLM(MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                num_local_experts=4, num_experts_per_tok=2,
-                                                max_position_embeddings=64, tie_word_embeddings=False))
+        return AutoModelForCausalLM.from_config(moe_models.moe_config(
+            "qwen2_moe", vocab_size=128, hidden_size=32, moe_intermediate_size=64, shared_expert_intermediate_size=48,
+            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=64),
+            experts_implementation="eager")
     return tiny_llama(seed=0)
 
 
-def lora_model(enable=None, family: str = "llama"):
+def lora_model(enable=None, family: str = "llama", random_b: bool = False):
     """The tiny model with adapters, the same on every rank; `enable`: Booster.enable_lora or
     (default) peft.get_peft_model."""
     import peft
 
     model = base_model(family)
     torch.manual_seed(1)  # the adapters' A matrices
-    return (enable or peft.get_peft_model)(model, lora_config(family))
+    return (enable or peft.get_peft_model)(model, lora_config(family, random_b))
 
 
-def initial_adapter_state(family: str = "llama") -> dict[str, torch.Tensor]:
-    model = lora_model(family=family)
+def initial_adapter_state(family: str = "llama", random_b: bool = False) -> dict[str, torch.Tensor]:
+    model = lora_model(family=family, random_b=random_b)
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def single_process_reference(steps: int = cases.STEPS, family: str = "llama"):
+def single_process_reference(steps: int = cases.STEPS, family: str = "llama", random_b: bool = False):
     """Plain peft + torch on one process over whole batches: (losses, adapter state, the trained
     model)."""
-    model = lora_model(family=family)
+    model = lora_model(family=family, random_b=random_b)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cases.LR, weight_decay=0.01)
     losses = []
     for batch in cases.make_batches(steps):
@@ -71,6 +86,21 @@ def single_process_reference(steps: int = cases.STEPS, family: str = "llama"):
         losses.append(loss.item())
     state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return losses, state, model
+
+
+def reference_grad_norms(family: str, random_b: bool = False, steps: int = cases.STEPS) -> list[float]:
+    """`single_process_reference`'s steps again: the adapters' global gradient norm before each
+    step (AdamW hides a wrong gradient scale from the losses and updates; the norm shows it)."""
+    model = lora_model(family=family, random_b=random_b)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cases.LR, weight_decay=0.01)
+    norms = []
+    for batch in cases.make_batches(steps):
+        model(input_ids=batch, labels=batch).loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in params]).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
 
 
 def _state_numel(optimizer) -> int | None:
@@ -104,7 +134,8 @@ def _train_batches(booster, model, opt, batches) -> list[float]:
     return losses
 
 
-def run_lora(name: str, directory: str, steps: int = cases.STEPS, family: str = "llama", **plugin_kwargs) -> dict:
+def run_lora(name: str, directory: str, steps: int = cases.STEPS, family: str = "llama", random_b: bool = False,
+             **plugin_kwargs) -> dict:
     """Train the LoRA model with plugin `name` (the optimizer is built on *all* parameters: boost
     must drop the frozen ones), then save the adapter and the merged model under `directory`
     (expert adapters do not merge: the refusal's message is returned instead)."""
@@ -112,7 +143,7 @@ def run_lora(name: str, directory: str, steps: int = cases.STEPS, family: str = 
     from phalanx.booster.plugins import make_plugin
 
     booster = Booster(plugin=make_plugin(name, **plugin_kwargs))
-    model = lora_model(booster.enable_lora, family)
+    model = lora_model(booster.enable_lora, family, random_b)
     adapters = {n for n, p in model.named_parameters() if p.requires_grad}
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
@@ -134,25 +165,56 @@ def run_lora(name: str, directory: str, steps: int = cases.STEPS, family: str = 
     except ValueError as exc:
         merge_refused = str(exc)
     if any(n not in full for n in frozen_before):  # pipeline stages: the full model is gathered on the writer only
-        return {"losses": losses, "complete": False}
+        return {"losses": losses, "complete": False, "merge_refused": merge_refused}
     frozen_moved = max((full[n].float() - v.float()).abs().max().item() for n, v in frozen_before.items())
     return {"losses": losses, "adapters": {n: full[n] for n in adapters}, "frozen_moved": frozen_moved,
             "state_numel": _state_numel(opt), "in_optimizer": in_optimizer, "zero_params": zero_params, "chunked": chunked,
             "adapter_names": sorted(adapters), "merge_refused": merge_refused}
 
 
-def lora_under_expert_parallelism() -> str:
-    """HybridParallelPlugin(ep_size=2) with a LoRA Mixtral: the error boost raises."""
+def run_lora_ep(directory: str, family: str, random_b: bool = False, **plugin_kwargs) -> dict:
+    """`run_lora` under HybridParallelPlugin(ep_size=..., **plugin_kwargs), and what the EP split
+    left on this rank: its EP index, each expert adapter's local tensor before training (against
+    the full initial adapters' rows of this rank's experts), the routers found, the trainable
+    names, the names of the parameters the optimizer(s) hold (the experts' twin under ZeRO
+    included) and the global gradient norm of every step."""
     from phalanx.booster import Booster
-    from phalanx.booster.plugins import HybridParallelPlugin
 
-    booster = Booster(plugin=HybridParallelPlugin(ep_size=2))
-    model = lora_model(booster.enable_lora, "mixtral")
+    captured = {}
+    real_boost = Booster.boost
+
+    def boost(self, model, optimizer=None, *args, **kwargs):  # what the split left, before any step
+        out = real_boost(self, model, optimizer, *args, **kwargs)
+        plan = self.plugin.ep_plan
+        hf = self.unwrap(out[0])
+        params = dict(hf.named_parameters())
+        names = {id(p): n for n, p in params.items()}
+
+        def model_params(optimizer):  # the model parameters it updates (ZeRO: a method; else a list)
+            held = optimizer.model_params
+            return list(held() if callable(held) else held)
+
+        twin = getattr(out[1], "experts", None)  # ZeRO under EP: the experts' optimizer
+        held = model_params(out[1]) + (model_params(twin) if twin is not None else [])
+        norms, step = [], out[1].step
+
+        def recording_step(*a, **k):  # the global gradient norm of every step (a gradient-scale check)
+            step(*a, **k)
+            norms.append(out[1].last_grad_norm)
+        out[1].step = recording_step
+        captured.update(grad_norms=norms, ep_rank=plan.groups.ep_rank, routers=sorted(plan.routers),
+                        local_adapters={n: params[n].detach().cpu().clone() for n in plan.adapters},
+                        trainable=sorted(n for n, p in params.items() if p.requires_grad),
+                        in_optimizer=sorted(names[id(p)] for p in held if id(p) in names),
+                        expert_adapters=sorted(plan.adapters))
+        return out
+
+    Booster.boost = boost
     try:
-        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=cases.LR))
-    except NotImplementedError as exc:
-        return str(exc)
-    return "no error"
+        got = run_lora("hybrid", directory, family=family, random_b=random_b, **plugin_kwargs)
+    finally:
+        Booster.boost = real_boost
+    return {**got, **captured}
 
 
 def lora_split_pieces(name: str, **plugin_kwargs) -> dict:
@@ -252,3 +314,76 @@ def run_lazy_lora(name: str, checkpoint: str, steps: int = cases.STEPS, **plugin
                        .abs().max().item() for n, v in frozen.items())
     return {"losses": losses, "adapters": {n: full[n] for n in adapters}, "frozen_moved": frozen_moved,
             "elements_read": sum(s.elements_read for s in read), "meta_before": meta_before}
+
+
+def resume_lora_ep(directory: str, family: str, save_layout: tuple[str, dict],
+                   load_layouts: dict[str, tuple[str, dict]], first: int = 3, steps: int = cases.STEPS) -> dict:
+    """LoRA with B drawn at random: `first` AdamW steps under `save_layout` (plugin name, options),
+    save_checkpoint (model and optimizer, expert adapters in full coordinates), then for each of
+    `load_layouts` a new booster and adapters from another seed load it and train to `steps`: the
+    resumed steps' losses and the full adapters at the end (every tensor on every rank)."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    def boosted(layout, seed: int):
+        name, options = layout
+        booster = Booster(plugin=make_plugin(name, **options))
+        model = base_model(family)
+        torch.manual_seed(seed)
+        model = booster.enable_lora(model, lora_config(family, random_b=True))
+        opt = torch.optim.AdamW(model.parameters(), lr=cases.LR, weight_decay=0.01)
+        return (booster, *booster.boost(model, opt)[:2])
+
+    booster, model, opt = boosted(save_layout, 1)
+    _train(booster, model, opt, first)
+    booster.save_checkpoint(directory, model, opt)
+    out = {}
+    for name, layout in load_layouts.items():
+        booster, model, opt = boosted(layout, 7)  # everything must come from the checkpoint
+        adapters = {n for n, p in booster.unwrap(model).named_parameters() if p.requires_grad}
+        booster.load_checkpoint(directory, model, opt)
+        losses = _train_batches(booster, model, opt, cases.make_batches(steps)[first:])
+        full = booster.plugin.full_model_state_dict(model)
+        out[name] = {"losses": losses, "adapters": {n: full[n].cpu() for n in adapters if n in full}}
+    return out
+
+
+FP16_LR = 0.5
+FP16_PROBED = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.default.weight"  # an expert adapter
+
+
+def fp16_overflow_runs(layouts: dict[str, tuple[str, dict]], overflow_step: int = 1, overflow_rank: int = 1,
+                       steps: int = 4) -> dict:
+    """fp16 LoRA Mixtral under each (plugin, options): in step `overflow_step` rank `overflow_rank`
+    alone gets a non-finite gradient in one expert adapter (FP16_PROBED; under EP an adapter of that
+    rank's experts only). Per layout: the losses, whether each step was skipped (the dense and, under
+    EP with ZeRO, the experts' optimizer), the loss scale after each step, and the full adapters
+    (SGD, FP16_LR)."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    out = {}
+    for name, (plugin, options) in layouts.items():
+        booster = Booster(plugin=make_plugin(plugin, precision="fp16", **options))
+        model = lora_model(booster.enable_lora, "mixtral")
+        # SGD: an update proportional to the unscaled gradient (AdamW's would hide a wrong scale)
+        opt = torch.optim.SGD(model.parameters(), lr=FP16_LR)
+        model, opt, *_ = booster.boost(model, opt)
+        params = dict(booster.unwrap(model).named_parameters())
+        adapters = [n for n, p in params.items() if p.requires_grad]
+        step = {"now": 0}
+
+        def poison(g):
+            return g * float("inf") if step["now"] == overflow_step and dist.get_rank() == overflow_rank else g
+        params[FP16_PROBED].register_hook(poison)
+        losses, skipped, scales = [], [], []
+        for i, batch in enumerate(cases.make_batches(steps)):
+            step["now"] = i
+            losses += _train_batches(booster, model, opt, [batch])
+            twin = getattr(opt, "experts", None)
+            skipped.append((bool(opt.skipped), None if twin is None else bool(twin.skipped)))
+            scales.append(opt.scaler.scale)
+        full = booster.plugin.full_model_state_dict(model)
+        out[name] = {"losses": losses, "skipped": skipped, "scales": scales,
+                     "adapters": {n: full[n].float().cpu() for n in adapters}}
+    return out

@@ -65,24 +65,15 @@ def test_opt_without_a_final_norm(tmp_path):
                                 im.mixed_prompts(2, seed=7, low=3, high=30))
 
 
-NOT_SERVED = {"deepseek_v2", "deepseek_v3"}  # trained (the family table), refused by the engine: MLA is not in it
+DEEPSEEK = {"deepseek_v2", "deepseek_v3"}  # multi-head latent attention: test_inference_deepseek.py
 
 
 def test_every_family_is_checked_against_transformers():
     """Greedy tokens against transformers: these families here, the mixtures of experts in
-    test_inference_moe.py, the others in test_inference_engine.py; the families the engine does
-    not serve are refused by name."""
+    test_inference_moe.py, DeepSeek in test_inference_deepseek.py, the others in
+    test_inference_engine.py."""
     import moe_models
-    assert set(FAMILIES) | {"llama", "qwen2", "mistral"} | set(moe_models.MOE_FAMILIES) == set(SUPPORTED) - NOT_SERVED
-
-
-def test_deepseek_is_refused_by_name(tmp_path):
-    from deepseek_workers import deepseek_config
-
-    for version in (2, 3):
-        deepseek_config(version).save_pretrained(tmp_path / f"v{version}")
-        with pytest.raises(ValueError, match=f"deepseek_v{version}: phalanx.inference does not run multi-head latent"):
-            LLM(str(tmp_path / f"v{version}"))
+    assert set(FAMILIES) | {"llama", "qwen2", "mistral"} | set(moe_models.MOE_FAMILIES) | DEEPSEEK == set(SUPPORTED)
 
 
 def test_learned_positions_are_read_at_the_right_offset(models):

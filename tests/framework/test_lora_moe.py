@@ -1,6 +1,7 @@
 """LoRA on a mixture-of-experts model through the Booster: adapters on attention and on every
 expert (peft's `target_parameters` on Mixtral's fused expert tensors), trained under DDP and ZeRO-2
-on 2 gloo ranks against plain peft on one process, with test_lora.py's tolerances."""
+on 2 gloo ranks against plain peft on one process, with test_lora.py's tolerances. With expert
+parallelism (the experts and their adapters split over ranks): test_lora_ep.py."""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,6 @@ def reference():
 def spawned(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_moe")
     suites = {f"{SUITE}[{name}]": (lw.run_lora, (name, str(root / name)), {"family": "mixtral"}) for name in PLUGINS}
-    suites["test_lora_with_expert_parallelism_is_refused"] = (lw.lora_under_expert_parallelism, (), {})
     return root, spawn_suites(request, 2, suites, timeout=600)
 
 
@@ -78,9 +78,3 @@ def test_expert_merge_equals_peft_merge_and_unload():
     assert merged.keys() == want.keys()
     for n, w in want.items():
         torch.testing.assert_close(merged[n], w, rtol=1e-6, atol=1e-6, msg=n)
-
-
-def test_lora_with_expert_parallelism_is_refused(spawned):
-    """ep_size > 1 does not split PEFT's adapter layers yet: one clear error at boost, naming the fix."""
-    for message in spawned[1].get("test_lora_with_expert_parallelism_is_refused"):
-        assert "ep_size=2" in message and "Use ep_size=1" in message, message

@@ -10,7 +10,7 @@ import torch
 
 from phalanx.plan import Layout, load_spec, plan
 from phalanx.plan.cli import plan_main
-from phalanx.plan.memory import estimate_memory, layer_activation_bytes_per_token
+from phalanx.plan.memory import estimate_memory, kv_cache_bytes_per_token, layer_activation_bytes_per_token
 from phalanx.plan.planner import estimate_layout
 from phalanx.plan.timing import estimate_time
 from phalanx.plan.units import parse_bytes, parse_flops, parse_rate
@@ -98,6 +98,111 @@ def test_layer_activations_equal_autograd_saved_tensors(dtype):
     per_token = (saved[2] - saved[1]) / (batch * seq)
     p = 4 if dtype == torch.float32 else 2
     assert layer_activation_bytes_per_token(load_spec(config), Layout("ddp", 1), p) == per_token
+
+
+# A tiny DeepSeek (multi-head latent attention): 4 heads, q_lora_rank 24, kv_lora_rank 16, no-RoPE 8 +
+# RoPE 8 query/key head width, v_head_dim 16 (equal to it, so CPU SDPA runs its flash kernel as a GPU
+# would; with v ≠ qk head width CPU SDPA falls back to the math kernel, which keeps the attention matrix),
+# 4 routed experts of 16, top-2, a shared expert of 32; DeepSeek-V3 routes within 2 groups.
+MLA_FIELDS = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+                  q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2)
+MLA_FAMILIES = {"deepseek_v2": {}, "deepseek_v3": dict(n_group=2, topk_group=1)}
+
+
+def _saved_bytes_per_token(model_type: str, fields: dict, dtype, batch: int = 2, seq: int = 32):
+    """Bytes autograd saves for backward per token of one decoder layer (distinct storages,
+    parameters excluded): a 2-layer model less a 1-layer one. Only what the output's graph still
+    holds counts: a side branch whose result the model drops (the router's logits) frees its saved
+    tensors during the forward, and their memory may be reused, so each saved tensor is held by a
+    weakly referenced box that lives exactly as long as its graph node."""
+    import weakref
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    class Box:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    saved = {}
+    for layers in (1, 2):
+        config = AutoConfig.for_model(model_type, **dict(fields, num_hidden_layers=layers, attn_implementation="sdpa"))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        boxes = []
+
+        def pack(t):
+            box = Box(t)
+            boxes.append(weakref.ref(box))
+            return box
+
+        ids = torch.randint(0, fields["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            out = model.model(input_ids=ids).last_hidden_state
+        live = [box.t.untyped_storage() for box in (ref() for ref in boxes) if box is not None]
+        storages = {s.data_ptr(): s.nbytes() for s in live}
+        saved[layers] = sum(n for ptr, n in storages.items() if ptr not in params)
+        del out
+    return (saved[2] - saved[1]) / (batch * seq), config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", list(MLA_FAMILIES))
+def test_mla_layer_activations_equal_autograd_saved_tensors(model_type, dtype):
+    """DeepSeek's latent attention (the q/kv down projections' norms, the expanded keys and values,
+    SDPA's tensors, o_proj's copied input) in dense layers: equal to what autograd keeps, with and
+    without q_lora_rank. In expert layers the expert block's estimate is short by the routing's
+    8.25 bytes per token, as for Mixtral and Qwen2-MoE (test_plan_moe.py; the bound allows 12); the
+    bf16 model's router also keeps an fp32 copy of its weight, per layer rather than per token
+    (taken out here)."""
+    p = 4 if dtype == torch.float32 else 2
+    fields = dict(MLA_FIELDS, **MLA_FAMILIES[model_type])
+    for extra in ({}, dict(q_lora_rank=None)):
+        got, config = _saved_bytes_per_token(model_type, dict(fields, first_k_dense_replace=2, **extra), dtype)
+        spec = load_spec(config)
+        assert spec.mla and not spec.is_moe
+        assert layer_activation_bytes_per_token(spec, Layout("ddp", 1), p) == got, (extra, got)
+    got, config = _saved_bytes_per_token(model_type, dict(fields, first_k_dense_replace=0), dtype)
+    spec = load_spec(config)
+    router_copy = 0 if p == 4 else 4 * spec.num_experts * spec.hidden_size / (2 * 32)
+    est = layer_activation_bytes_per_token(spec, Layout("ddp", 1), p)
+    assert spec.is_moe and 0 <= got - router_copy - est <= 12, (est, got)
+
+
+def test_kv_cache_per_token_counts_mla_latent_like_transformers_cache():
+    """Serving's KV cache per token: DeepSeek-V2/V3 cache the compressed latent (kv_lora_rank +
+    qk_rope_head_dim per layer), as transformers' own cache does after a forward, not every head's
+    keys and values; other families cache their key/value heads, split over tp; both as the
+    inference engine's paged cache holds them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from phalanx.inference.llama import kv_bytes_per_block
+
+    llama = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    cases = [(m, dict(MLA_FIELDS, **extra)) for m, extra in MLA_FAMILIES.items()] + [("llama", llama)]
+    for model_type, fields in cases:
+        config = AutoConfig.for_model(model_type, **dict(fields, num_hidden_layers=2))
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        with torch.no_grad():
+            cache = model(input_ids=torch.randint(0, 128, (2, 10)), use_cache=True).past_key_values
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert kv_cache_bytes_per_token(load_spec(config), 1, 2) == held / 20, model_type
+    mla = load_spec(dict(MLA_FIELDS, model_type="deepseek_v2", num_hidden_layers=2, first_k_dense_replace=1))
+    assert kv_cache_bytes_per_token(mla, 1, 2) == 2 * (16 + 8) * 2  # not 2 · 4 heads · (16 + 16) · 2 = 512
+    assert kv_cache_bytes_per_token(mla, 4, 2) == 2 * (16 + 8) * 2  # the latent is whole on every tp rank
+    spec = load_spec(dict(llama, model_type="llama", num_hidden_layers=2))
+    for tp in (1, 2, 4):  # 2 KV heads: split over 2, replicated (one per rank) over 4; the engine's latent whole
+        assert kv_cache_bytes_per_token(spec, tp, 2) * 16 == kv_bytes_per_block(spec, 16, tp, torch.bfloat16)
+        assert kv_cache_bytes_per_token(mla, tp, 2) * 16 == kv_bytes_per_block(mla, 16, tp, torch.bfloat16)
+    assert kv_cache_bytes_per_token(load_spec("deepseek-v2-lite"), 1, 2) == 27 * (512 + 64) * 2
+    # and training FLOPs under latent attention: causal QKᵀ over the query/key width, AV over the value width
+    from phalanx.plan.timing import training_flops_per_token
+
+    lite = load_spec("deepseek-v2-lite")  # 16 heads, query/key 192, value 128
+    assert training_flops_per_token(lite, 4096, False) == 6 * lite.matmul_params() + 6 * 27 * 4096 * 16 * (192 + 128) / 2
 
 
 # ---------------------------------------------------------------------------- memory arithmetic
@@ -218,6 +323,14 @@ def test_plan_ranks_fitting_layouts_by_throughput_and_cli_prints_them(capsys):
     assert plan_main(["--model", "llama2-7b", "--world-size", "8", "--device-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "Recommended:" in out and "Rejected" in out and "needs" in out
+    # the serving KV cache under the header: 32 layers × 2 × 32 KV heads × 128 × 2 bytes = 512 KiB per token
+    assert "serving KV cache (bf16): 512.0 KiB per token, 1 GiB per 2048-token sequence" in out
+    assert plan_main(["--model", "deepseek-v2-lite", "--world-size", "8", "--device-memory", "80GiB", "--seq", "4096",
+                      "--show", "1"]) == 0
+    # 27 layers × (512 + 64) × 2 bytes: the latent, 8.9× less than 16 heads' keys (192) and values (128)
+    assert ("serving KV cache (bf16): 30.4 KiB per token, 122 MiB per 4096-token sequence: latent kv_lora_rank 512 "
+            "+ rope 64 per layer (multi-head latent attention; 16 heads' keys and values would take 8.9×)"
+            in capsys.readouterr().out)
     # Gemini with everything offloaded fits 70B in 24 GiB of device memory, given 1.1 TiB of host memory
     assert plan_main(["--model", "llama2-70b", "--world-size", "1", "--device-memory", "24GiB"]) == 0
     assert "Recommended: gemini offload optim offload params ckpt" in capsys.readouterr().out

@@ -272,7 +272,9 @@ class _ExpertAdapter:
 
     def merge(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """W[e] + scaling * (B_e @ A_e), per expert, laid out as W: what peft's get_delta_weight computes."""
-        experts, weight = self.wrapper.num_experts, parts["base"]
+        # the full weight's expert count (under expert parallelism the wrapper holds only its rank's)
+        weight = parts["base"]
+        experts = weight.shape[0] if weight.dim() == 3 else self.wrapper.num_experts
         a = parts["A"].float().reshape(experts, -1, parts["A"].shape[-1])  # experts x rank x in
         b = parts["B"].float().reshape(parts["B"].shape[0], -1, experts)  # out x rank x experts
         layout = "e o i" if self.wrapper._did_swap_in_out_features else "e i o"
@@ -331,6 +333,10 @@ class _LayerElsewhere:
         self.fan_in_fan_out = bool(getattr(config, "fan_in_fan_out", False))
 
 
+_EXPERT_MERGE_UNDER_PP = ("merge=True with expert adapters under pipeline parallelism: save the adapter "
+                          "(merge=False) and merge it with peft's merge_and_unload on one process")
+
+
 def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's (name, tensor) pairs with the active adapter merged into each adapted
     linear weight (`W + scaling * B @ A`, computed in fp32, stored in W's dtype), from the full
@@ -344,8 +350,7 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
         if layer in here:
             return None
         if experts:
-            raise ValueError("merge=True with expert adapters under pipeline parallelism: save the adapter "
-                             "(merge=False) and merge it with peft's merge_and_unload on one process")
+            raise ValueError(_EXPERT_MERGE_UNDER_PP)
         return _LayerElsewhere(peft_model, adapter, layer)
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -399,8 +404,10 @@ def save_lora(plugin: Plugin, model: nn.Module, directory: Path, *, writer: bool
     if not is_lora_model(peft_model):
         raise ValueError("save_lora_as_pretrained needs a model with LoRA adapters: call booster.enable_lora(model, "
                          "config) before booster.boost; save a full model with booster.save_model")
-    if merge:
-        _lora_layers(peft_model, peft_model.active_adapter)  # refuse before the collective walk
+    if merge:  # refuse before the collective walk, on every rank
+        _lora_layers(peft_model, peft_model.active_adapter)
+        if getattr(plugin, "pp_size", 1) > 1 and _expert_adapters(peft_model, peft_model.active_adapter):
+            raise ValueError(_EXPERT_MERGE_UNDER_PP)
     write_lora_pairs(peft_model, plugin.iter_full_model_state(model), directory, writer=writer, merge=merge,
                      tokenizer=tokenizer, **kwargs)
 

@@ -1,6 +1,7 @@
 """Our own compact decoder for inference over the paged KV cache, for every family in
 `phalanx.models` (Llama, Mistral, Qwen2, Qwen3, GPT-2, OPT, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE), reading Hugging Face configs and
+Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V2/V3, whose latent attention and router are in
+`mla`), reading Hugging Face configs and
 weight names through each family's `ModelSpec` and weight-name table. The families differ in
 data (norm kind, positions, MLP kind, q/k norm, biases), not in code: one forward reads those
 flags.
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from phalanx.inference import packed_linear
+from phalanx.inference import mla, packed_linear
 from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, rotate_, store_kv
 from phalanx.inference.kernels import rms_norm, swiglu
 from phalanx.models import SUPPORTED, ModelSpec, family_of, rope_parameters, spec_from_config
@@ -61,20 +62,27 @@ def check_tp(spec: ModelSpec, tp_size: int) -> None:
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, tp_size: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes of one block on one rank: its key/value heads (one when replicated)."""
-    per_token = 2 * spec.num_layers * local_heads(spec.heads, tp_size).kv_heads * spec.head_dim
+    """KV-cache bytes of one block on one rank: its key/value heads (one when replicated); for
+    multi-head latent attention the one latent per token and layer (kv_lora_rank +
+    qk_rope_head_dim, whole on every rank, serving as key and value: `mla`)."""
+    if spec.mla:
+        per_token = spec.num_layers * mla.latent_width(spec)
+    else:
+        per_token = 2 * spec.num_layers * local_heads(spec.heads, tp_size).kv_heads * spec.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def rope_tables(spec: ModelSpec, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim] in fp32, computed like HF's rotary embedding (for
-    learned-position families: cos 1 and sin 0, which the forward never reads)."""
+    """cos and sin [max_positions, rotated dims] in fp32, computed like HF's rotary embedding (for
+    learned-position families: cos 1 and sin 0, which the forward never reads). The rotated dims
+    are head_dim, or qk_rope_head_dim under multi-head latent attention."""
+    rotated = spec.qk_rope_head_dim if spec.mla else spec.head_dim
     if not spec.rope:
-        return (torch.ones(max_positions, spec.head_dim, device=device),
-                torch.zeros(max_positions, spec.head_dim, device=device))
+        return (torch.ones(max_positions, rotated, device=device),
+                torch.zeros(max_positions, rotated, device=device))
     params = rope_parameters(spec.config)
     if params["rope_type"] == "default":
-        dim = spec.head_dim
+        dim = rotated
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
@@ -130,6 +138,8 @@ class DecoderLayer(nn.Module):
         self.heads, self.kv_heads = local.heads, local.kv_heads
         self.head_dim = d
         self.q_size, self.kv_size = self.heads * d, self.kv_heads * d
+        self.mla = False  # multi-head latent attention (DeepSeek): its weights from `mla.init_layer`
+        self.cache_heads, self.cache_dim = self.kv_heads, d  # what the KV cache holds per token
         layer_norm = spec.norm == "layer"
         self.input_norm = _param(h)
         self.input_norm_bias = _param(h) if layer_norm else None
@@ -137,10 +147,12 @@ class DecoderLayer(nn.Module):
         self.post_norm_bias = _param(h) if layer_norm else None
         self.q_norm = _param(d) if spec.qk_norm else None
         self.k_norm = _param(d) if spec.qk_norm else None
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h) if not spec.mla else None
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if spec.qkv_bias and not spec.mla else None
         self.o_weight = _param(h, self.q_size)
         self.o_bias = _param(h) if spec.o_bias else None
+        if spec.mla:
+            mla.init_layer(self, spec, tp_size, _param)
         self.gated = spec.gated_mlp  # SwiGLU (SiLU: checked by spec_for_inference)
         self.eps = spec.norm_eps
         self.sliding_window = sliding_window
@@ -177,19 +189,31 @@ class DecoderLayer(nn.Module):
         self.experts_down = _param(spec.num_experts, h, self.expert_inter) if sparse else None
         self.shared_gate_up_weight = _param(2 * self.shared_inter, h) if self.shared_inter else None
         self.shared_down_weight = _param(h, self.shared_inter) if self.shared_inter else None
-        self.shared_gate_up_bias = self.shared_down_bias = None
+        shared_bias = bool(self.shared_inter) and spec.shared_expert_bias  # DeepSeek-V2 with mlp_bias
+        self.shared_gate_up_bias = _param(2 * self.shared_inter) if shared_bias else None
+        self.shared_down_bias = _param(h) if shared_bias else None  # added after the all-reduce
         self.shared_expert_gate = _param(1, h) if sparse and spec.shared_expert_gate else None
+        # DeepSeek's router (`mla.route`: group-limited softmax, V3's sigmoid with its correction
+        # bias), its weight and bias kept in fp32 as transformers keeps them; None: softmax top-k
+        self.routing = mla.Routing.from_spec(spec) if sparse and spec.mla else None
+        self.router_bias = (_param(spec.num_experts) if self.routing is not None and self.routing.sigmoid
+                            else None)
+        self.fp32_params = ("router_weight", "router_bias") if self.routing is not None else ()
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
         """The expert block of x [N, hidden], this rank's partial sum (all-reduced by the caller),
         as transformers computes it: router logits, softmax in fp32, top-k, renormalised when the
         family does; each expert runs on the tokens routed to it (one matmul pair per expert hit,
         in expert order), its output scaled by the token's routing weight and added; the shared
-        expert's output, scaled by sigmoid of its gate, added last."""
-        probs = torch.softmax(F.linear(x, self.router_weight).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        expert's output, scaled by sigmoid of its gate, added last (its down projection's bias,
+        if any, is the caller's to add after the all-reduce). DeepSeek routes by `mla.route`."""
+        if self.routing is not None:
+            weights, chosen = mla.route(self.routing, self.router_weight, self.router_bias, x)
+        else:
+            probs = torch.softmax(F.linear(x, self.router_weight).float(), dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -206,7 +230,8 @@ class DecoderLayer(nn.Module):
             out.index_add_(0, tokens, (y * weights.flatten()[pairs, None]).to(out.dtype))
         if self.shared_gate_up_weight is not None:
             up = self.linear("shared_gate_up", x)
-            shared = self.linear("shared_down", swiglu(up[:, :self.shared_inter], up[:, self.shared_inter:]))
+            shared = self.linear("shared_down", swiglu(up[:, :self.shared_inter], up[:, self.shared_inter:]),
+                                 bias=False)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
             out = out + shared
@@ -237,6 +262,7 @@ class DecoderLayer(nn.Module):
 _COLUMN = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "gate": ("gate_up", 0), "up": ("gate_up", 1),
            "shared_gate": ("shared_gate_up", 0), "shared_up": ("shared_gate_up", 1)}
 _ROW = {"o": "o", "down": "down", "shared_down": "shared_down"}
+_ROUTER_BIAS = "e_score_correction_bias"
 _REPLICATED = {"input_norm": "input_norm", "post_norm": "post_norm", "q_norm": "q_norm", "k_norm": "k_norm",
                "shared_expert_gate": "shared_expert_gate"}
 
@@ -309,24 +335,19 @@ class DecoderModel(nn.Module):
                 residual, x = h, norm_(h, layer.input_norm, layer.input_norm_bias, layer.eps)
             else:
                 x, residual = norm_(h, layer.input_norm, layer.input_norm_bias, layer.eps, residual=residual)
-            qkv = layer.linear("qkv", x)
-            qk = qkv[:, :layer.q_size + layer.kv_size].view(n, layer.heads + layer.kv_heads, layer.head_dim)
-            if layer.q_norm is not None:
-                qk = layer.norm_qk(qk)
-            q, k = qk[:, :layer.heads], qk[:, layer.heads:]
-            v = qkv[:, layer.q_size + layer.kv_size:].view(n, layer.kv_heads, layer.head_dim)
-            if rope:
-                rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
-                               skips_slots=batch.skips_slots, rotate=pieces.rotate)
+            if layer.mla:
+                attn = mla.attention(layer, x, cos, sin, k_cache, batch)
             else:
-                store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.skips_slots)
-            attn = paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
+                attn = self._attention(layer, x, cos if rope else None, sin if rope else None, k_cache, v_cache,
+                                       batch, pieces)
             h = self._reduce(layer.linear("o", attn.reshape(n, layer.q_size), bias=False))  # bias after the reduce
             if layer.o_bias is not None:
                 h = h + layer.o_bias
             x, residual = norm_(h, layer.post_norm, layer.post_norm_bias, layer.eps, residual=residual)
             if layer.sparse:  # an expert block: its partial sums meet in the same one all-reduce
                 h = self._reduce(layer.moe(x))
+                if layer.shared_down_bias is not None:
+                    h = h + layer.shared_down_bias
             else:
                 h = self._reduce(layer.linear("down", layer.mlp(x, pieces.swiglu), bias=False))
                 if layer.down_bias is not None:
@@ -339,6 +360,24 @@ class DecoderModel(nn.Module):
             h = F.linear(h, self.project_out)
         return h
 
+    @staticmethod
+    def _attention(layer, x, cos, sin, k_cache, v_cache, batch, pieces) -> torch.Tensor:
+        """The dense families' attention of x [N, hidden] -> [N, heads, head_dim]: fused q/k/v,
+        Qwen3's q/k norms, RoPE (cos None: learned positions), the cache write, paged attention."""
+        n = x.shape[0]
+        qkv = layer.linear("qkv", x)
+        qk = qkv[:, :layer.q_size + layer.kv_size].view(n, layer.heads + layer.kv_heads, layer.head_dim)
+        if layer.q_norm is not None:
+            qk = layer.norm_qk(qk)
+        q, k = qk[:, :layer.heads], qk[:, layer.heads:]
+        v = qkv[:, layer.q_size + layer.kv_size:].view(n, layer.kv_heads, layer.head_dim)
+        if cos is not None:
+            rope_and_store(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk=qk,
+                           skips_slots=batch.skips_slots, rotate=pieces.rotate)
+        else:
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.skips_slots)
+        return paged_attention(q, k, v, k_cache, v_cache, batch, layer.sliding_window)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [M, vocab_shard]."""
         return packed_linear.linear(hidden, self.lm_head, packed=self._lm_head_packed)
@@ -347,7 +386,9 @@ class DecoderModel(nn.Module):
         """(Re)build the packed copies of the matmul weights (see `packed_linear`); call after
         every change to the weights."""
         for layer in self.layers:
-            layer.packed = {name: p for name in ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+            names = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+            names += mla.MATMULS if layer.mla else ()
+            layer.packed = {name: p for name in names
                             if getattr(layer, f"{name}_weight") is not None
                             and (p := packed_linear.pack(getattr(layer, f"{name}_weight"))) is not None}
         self._lm_head_packed = packed_linear.pack(self.lm_head)
@@ -355,7 +396,12 @@ class DecoderModel(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
     def weight_targets(self, name: str) -> list[Target]:
         """Where an HF weight goes (a list of `Target`s: a fused source such as GPT-2's c_attn
-        fills several). Unknown names raise KeyError; buffers and tied heads give []."""
+        fills several). Unknown names raise KeyError; buffers, tied heads and DeepSeek-V3's
+        multi-token-prediction layers give []."""
+        if self._is_mtp_layer(name):
+            return []
+        if name.endswith(_ROUTER_BIAS):  # DeepSeek-V3's correction bias: a buffer the router reads
+            return self._router_bias_target(name)
         if name.endswith(self.names.ignored):
             return []
         expert = self._expert_role(name)
@@ -384,6 +430,8 @@ class DecoderModel(nn.Module):
                 raise KeyError(role)
             return Target(dest, None, 0, 0, transposed)
         layer, r = self.layers[index], self.tp_rank
+        if layer.mla and role in mla.MLA_ROLES:
+            return mla.target(self, layer, role, kind, index)
         if role in _REPLICATED:
             dest = getattr(layer, _REPLICATED[role] + ("_bias" if kind == "bias" else ""), None)
             if dest is None:
@@ -416,6 +464,22 @@ class DecoderModel(nn.Module):
             size = {"o": layer.q_size, "shared_down": layer.shared_inter}.get(role, layer.inter)
             return Target(dest, 0 if transposed else 1, r * size, size, transposed)
         raise KeyError(role)
+
+    def _is_mtp_layer(self, name: str) -> bool:
+        """DeepSeek-V3 checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers
+        after the decoder's (model.layers.61 in V3); transformers skips them when loading, and so
+        does the engine (it does not speculate with them)."""
+        if self.spec.family != "deepseek_v3":
+            return False
+        found = self.names.layer_local(name)
+        extra = getattr(self.spec.config, "num_nextn_predict_layers", 0) or 0
+        return found is not None and len(self.layers) <= found[0] < len(self.layers) + extra
+
+    def _router_bias_target(self, name: str) -> list[Target]:
+        found = self.names.layer_local(name)
+        if found is None or found[0] >= len(self.layers) or self.layers[found[0]].router_bias is None:
+            raise KeyError(name)
+        return [Target(self.layers[found[0]].router_bias, None, 0, 0)]
 
     def _expert_role(self, name: str) -> tuple[int, str, int | None] | None:
         """(layer, role, expert) of a mixture-of-experts name (router, one expert, fused experts)."""
@@ -470,6 +534,8 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if layer.sparse:
                 names |= {self.names.layer_name(i, n) for n in self.names.experts.checkpoint_names(layer.num_experts)}
+            if layer.router_bias is not None:
+                names.add(self.names.layer_name(i, "mlp.gate." + _ROUTER_BIAS))
         return names
 
 

@@ -91,7 +91,20 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    lora = None  # the engine's `lora.LoraAdapters` when it serves adapters: told each step's token slots
+    _lora = None
+
+    @property
+    def lora(self):
+        """The engine's `lora.LoraAdapters` when it serves adapters: told each step's token slots."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, adapters) -> None:
+        if adapters is not None and self.spec.mla:
+            raise ValueError(f"LoRA adapters are not served on {self.spec.family} (multi-head latent attention) yet: "
+                             "merge the adapter into the base model (peft's merge_and_unload, then save_pretrained) "
+                             "and serve the merged model without enable_lora")
+        self._lora = adapters
 
     def __init__(self, spec: ModelSpec, *, engine_config: EngineConfig, tp: TPGroup, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
@@ -101,7 +114,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         with torch.device("meta"):  # no host copy of the weights: parameters are born on the device
             model = LlamaModel(spec, tp_rank=tp.rank, tp_size=tp.size, all_reduce=tp.all_reduce)
-        self.model = model.to(dtype=dtype).to_empty(device=device)
+        model = model.to(dtype=dtype)
+        for layer in model.layers:  # weights transformers keeps in fp32 whatever the dtype (DeepSeek's router)
+            for name in layer.fp32_params:
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, torch.nn.Parameter(getattr(layer, name).float(), requires_grad=False))
+        self.model = model.to_empty(device=device)
         torch.nn.init.zeros_(self.model.lm_head)
         self.model.eval()
         self.cos, self.sin = (t.to(dtype) for t in rope_tables(spec, max_model_len, device))
@@ -152,8 +170,8 @@ class ModelRunner:
         """A forward of the largest step (one fresh prompt of the full token budget), writing
         nowhere, to measure activation memory."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        caches = [(torch.zeros(1, self.block_size, l.kv_heads, l.head_dim, dtype=self.dtype, device=self.device),) * 2
-                  for l in self.model.layers]
+        caches = [(torch.zeros(1, self.block_size, l.cache_heads, l.cache_dim, dtype=self.dtype,
+                               device=self.device),) * 2 for l in self.model.layers]
         batch = AttentionBatch(slot_mapping=torch.full((n,), -1, device=self.device), block_size=self.block_size,
                                skips_slots=True, prefills=[PrefillSegment(0, n, n, None)])
         with torch.inference_mode():
@@ -163,11 +181,14 @@ class ModelRunner:
         device_module(self.device).synchronize(self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Key and value caches [blocks, block_size, heads, dim] per layer; under multi-head latent
+        attention one latent cache per layer, which is both (`mla`)."""
         self.kv_caches = []
         for layer in self.model.layers:
-            shape = (num_blocks, self.block_size, layer.kv_heads, layer.head_dim)
-            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+            shape = (num_blocks, self.block_size, layer.cache_heads, layer.cache_dim)
+            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            values = keys if layer.mla else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((keys, values))
         self.num_blocks = num_blocks
 
     # -- packing ---------------------------------------------------------------------------------

@@ -19,7 +19,10 @@ group-limited greedy (`topk_method`, `n_group`, `topk_group`), never renormalise
 plus `e_score_correction_bias`, top-k inside the `topk_group` best groups, the chosen scores (without
 the bias) renormalised if `norm_topk_prob`, times `routed_scaling_factor`. transformers computes
 no load-balancing loss for either (its loss is the cross-entropy); V3's bias is a buffer that
-nothing updates: `BiasBalancer` below is the paper's aux-loss-free update (docs/models.md).
+nothing updates: `BiasBalancer` below is the paper's aux-loss-free update (docs/models.md), and
+`BalanceLoss` DeepSeek's own auxiliary losses (V2's expert-level balance loss, V3's complementary
+sequence-wise one) from the routers' choices, which HybridParallelPlugin adds to the loss when
+config.output_router_logits=True with config.aux_loss_alpha (docs/moe.md).
 
 Tensor parallelism (POLICY): the per-head projections (`q_proj` or `q_b_proj`, `kv_b_proj`) are
 split by heads along their output features and `o_proj` by its input features; the low-rank
@@ -31,6 +34,7 @@ parallelism splits those: HybridParallelPlugin(ep_size=...), docs/moe.md).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
@@ -80,8 +84,24 @@ def _read(config, version: int) -> dict:
 
 
 def check_inference(config) -> None:
-    raise ValueError(f"{config.model_type}: phalanx.inference does not run multi-head latent attention yet; "
-                     f"train it with HybridParallelPlugin and generate with transformers' model.generate")
+    """What phalanx.inference runs of DeepSeek (phalanx/inference/mla.py): SiLU MLPs and experts,
+    RoPE fixed in length (YaRN included), routing by transformers' V2 methods (greedy,
+    group_limited_greedy) or V3's sigmoid group routing, groups that divide the experts."""
+    llama.check_llama_like(config)
+    moe.check_moe_inference(config)
+    method = getattr(config, "topk_method", "greedy")
+    if config.model_type == "deepseek_v2" and method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2: topk_method={method!r} is not a routing transformers' DeepseekV2 runs; "
+                         f"use 'greedy' or 'group_limited_greedy' (V3's sigmoid routing: model_type deepseek_v3)")
+    grouped = config.model_type == "deepseek_v3" or method == "group_limited_greedy"
+    groups, top = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
+    if grouped and (config.n_routed_experts % groups or not 0 < top <= groups):
+        raise ValueError(f"{config.model_type}: n_group={groups} must divide n_routed_experts="
+                         f"{config.n_routed_experts} and topk_group={top} lie in 1..n_group; fix the config's "
+                         f"routing groups")
+    if config.model_type == "deepseek_v3" and config.n_routed_experts // groups < 2:
+        raise ValueError(f"deepseek_v3: n_group={groups} leaves {config.n_routed_experts // groups} expert per group; "
+                         f"V3 ranks groups by their two best experts: use n_group <= {config.n_routed_experts // 2}")
 
 
 LOW_RANK = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm")
@@ -131,6 +151,19 @@ FAMILY_V3 = Family("deepseek_v3", ("deepseek_v3",), read_v3, NAMES, POLICY_V3, r
 
 
 # ------------------------------------------------------------------ V3's aux-loss-free balancing
+def _in_pipeline_shape_inference() -> bool:
+    """Whether this forward is torch.distributed.pipelining's metadata inference: at a schedule's
+    first step each stage runs once more to learn its activation shapes (past the first stage on
+    uninitialised tensors); its routings are not the step's, so the balancer does not count them."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_forward_metadata_inference" and "pipelining" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @dataclasses.dataclass
 class BiasBalancer:
     """DeepSeek-V3's auxiliary-loss-free load balancing (Liu et al. 2024, §2.1.2), which
@@ -154,7 +187,10 @@ class BiasBalancer:
     def attach(cls, model: torch.nn.Module, rate: float = 1e-3) -> "BiasBalancer":
         routers = {name: m for name, m in model.named_modules()
                    if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor) and hasattr(m, "top_k")}
-        if not routers:
+        # a pipeline stage holding only dense layers (first_k_dense_replace) has no router: nothing to update
+        stage_of_v3 = any(getattr(getattr(m, "config", None), "model_type", None) == "deepseek_v3"
+                          for m in model.modules())
+        if not routers and not stage_of_v3:
             raise ValueError(f"{type(model).__name__} has no router with e_score_correction_bias: the aux-loss-free "
                              f"balancing is DeepSeek-V3's (model_type deepseek_v3)")
         balancer = cls(routers, rate)
@@ -164,6 +200,8 @@ class BiasBalancer:
 
     def _recorder(self, name: str):
         def hook(module, args, output):
+            if _in_pipeline_shape_inference():
+                return
             bias = module.e_score_correction_bias  # the loads live on its device (collectives, the update)
             counts = torch.zeros(bias.numel(), dtype=torch.long, device=bias.device)
             counts.index_add_(0, output[2].reshape(-1).to(bias.device), torch.ones_like(output[2].reshape(-1)))
@@ -194,3 +232,149 @@ class BiasBalancer:
             router.e_score_correction_bias.add_(self.rate * torch.sign(load.mean() - load))
         self.counts.clear()
         return loads
+
+
+# ------------------------------------------------------------------ DeepSeek's auxiliary balance losses
+def balance_settings(config) -> tuple[float, bool] | None:
+    """(alpha, per_sequence) of DeepSeek's auxiliary balance loss when `config` asks for it
+    (`output_router_logits=True` on a deepseek_v2 / deepseek_v3 config), else None.
+
+    alpha is `config.aux_loss_alpha` (the key of DeepSeek's released config.json files; transformers
+    keeps it as an attribute but computes no loss). per_sequence is `config.seq_aux` when the config
+    has it (DeepSeek's released configs: true); otherwise V3's complementary sequence-wise loss
+    (per sequence) and V2's expert-level loss over the batch."""
+    if getattr(config, "model_type", None) not in ("deepseek_v2", "deepseek_v3") or \
+            not getattr(config, "output_router_logits", False):
+        return None
+    alpha = getattr(config, "aux_loss_alpha", None)
+    if alpha is None or not float(alpha) >= 0:
+        raise ValueError(f"config.output_router_logits=True on a {config.model_type} model asks for DeepSeek's "
+                         f"auxiliary balance loss, whose coefficient config.aux_loss_alpha is "
+                         f"{'not set' if alpha is None else repr(alpha)}: set config.aux_loss_alpha (DeepSeek-V3's "
+                         f"sequence-wise loss: 1e-4 in its paper; DeepSeek-V2's released config: 1e-3), or "
+                         f"config.output_router_logits=False")
+    per_sequence = getattr(config, "seq_aux", None)
+    if per_sequence is None:
+        per_sequence = config.model_type == "deepseek_v3"
+    return float(alpha), bool(per_sequence)
+
+
+class BalanceLoss:
+    """DeepSeek's auxiliary balance loss, which transformers leaves out, computed from what its routers
+    (`mlp.gate`, transformers' own modules) chose in the last forward: forward hooks record each
+    router's logits, its top-k choices and the batch shape.
+
+    For each expert block l, over a unit of tokens u (a sequence, or the whole batch) with T_u tokens
+    (padding left out), N routed experts and top-k K:
+
+        f_i = N / (K · T_u) · Σ_t 1(token t chose expert i)     (no gradient)
+        P_i = 1 / T_u · Σ_t s'_{i,t}
+        L = alpha · Σ_l mean_u Σ_i f_i · P_i
+
+    s' is the softmax score (DeepSeek-V2, the expert-level balance loss of its paper, §2.2.3) or the
+    sigmoid score normalised over the experts, s_{i,t} / Σ_j s_{j,t} (DeepSeek-V3's complementary
+    sequence-wise balance loss, §2.1.2; the experts chosen with the correction bias). Per sequence
+    (`per_sequence`) the mean runs over every sequence of the batch; over the batch, f and P count
+    every token of the batch. In a distributed run "the batch" is every rank's batch in `group` (the
+    data-parallel group): the counts are all-reduced and each rank returns its share in the form
+    world · (its part) whose mean over the group is the global loss and whose averaged gradient
+    is the global gradient (the Booster averages gradients over dp). One all-reduce per loss.
+
+        loss = model(input_ids=x, labels=x).loss + balance.loss(attention_mask, group=dp_group)
+
+    HybridParallelPlugin adds it for you when config.output_router_logits=True (balance_settings).
+    """
+
+    def __init__(self, routers: dict[str, torch.nn.Module], sigmoid: bool, alpha: float, per_sequence: bool):
+        self.routers, self.sigmoid, self.alpha, self.per_sequence = routers, sigmoid, alpha, per_sequence
+        self.recorded: dict[str, tuple] = {}
+        for name, router in routers.items():
+            router.register_forward_hook(self._recorder(name))
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, alpha: float | None = None,
+               per_sequence: bool | None = None) -> "BalanceLoss":
+        """Hooks on every router of `model` (a DeepSeek-V2 / V3 model, or a PEFT model around one);
+        alpha / per_sequence default to `balance_settings(model.config)`."""
+        config = model.config
+        if config.model_type not in ("deepseek_v2", "deepseek_v3"):
+            raise ValueError(f"BalanceLoss is DeepSeek's (model_type deepseek_v2 / deepseek_v3), not "
+                             f"{config.model_type}'s: Mixtral / Qwen-MoE train with their router_aux_loss_coef")
+        if alpha is None or per_sequence is None:
+            settings = balance_settings(config)
+            if settings is None:
+                raise ValueError("BalanceLoss.attach: pass alpha and per_sequence, or set config.output_router_logits"
+                                 "=True and config.aux_loss_alpha")
+            alpha = settings[0] if alpha is None else alpha
+            per_sequence = settings[1] if per_sequence is None else per_sequence
+        routers = {f"{name}.gate" if name else "gate": m.gate for name, m in model.named_modules()
+                   if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")}
+        if not routers:
+            raise ValueError(f"{type(model).__name__} has no expert block with a router (mlp.gate): nothing to balance")
+        return cls(routers, config.model_type == "deepseek_v3", float(alpha), bool(per_sequence))
+
+    def _recorder(self, name: str):
+        def hook(module, args, output):
+            hidden = args[0] if args else None
+            rows = tuple(hidden.shape[:-1]) if hidden is not None else (output[0].shape[0],)
+            self.recorded[name] = (output[0], output[2], rows)
+        return hook
+
+    def loss(self, attention_mask: torch.Tensor | None = None, group=None, reduce: bool = True) -> torch.Tensor:
+        """alpha · the balance loss of the last forward (the class docstring), over the batch of every
+        rank of `group` (None: the world) when distributed and `reduce`; reduce=False: this
+        process's batch alone (a one-process reference on every rank). Consumes the recording."""
+        missing = sorted(set(self.routers) - set(self.recorded))
+        if missing:
+            raise RuntimeError(f"BalanceLoss: run a forward through every router first (none recorded for {missing[0]})")
+        layers = [self.recorded.pop(name) for name in self.routers]
+        parts, totals = [], []
+        for logits, chosen, rows in layers:
+            part, total = self._layer(logits.float(), chosen, rows, attention_mask)
+            parts.append((part, chosen.shape[-1]))
+            totals.append(total)
+        size = 1
+        if reduce and dist.is_initialized() and dist.get_world_size(group) > 1:
+            size = dist.get_world_size(group)
+            flat = torch.cat([t.reshape(-1) for t in totals])
+            dist.all_reduce(flat, group=group)
+            totals = list(flat.split([t.numel() for t in totals]))
+        loss = sum(self._combine(part, k, total) for (part, k), total in zip(parts, totals, strict=True))
+        return self.alpha * size * loss
+
+    def _layer(self, logits: torch.Tensor, chosen: torch.Tensor, rows: tuple, attention_mask):
+        """One block's local pieces: (the differentiable part, the counts to sum over the group)."""
+        experts, k = logits.shape[-1], chosen.shape[-1]
+        batch, seq = (1, rows[0]) if len(rows) == 1 else rows
+        if attention_mask is None:
+            mask = torch.ones(batch, seq, device=logits.device)
+        else:
+            if tuple(attention_mask.shape) != (batch, seq):
+                raise ValueError(f"BalanceLoss: attention_mask of shape {tuple(attention_mask.shape)} does not match "
+                                 f"the routers' batch ({batch}, {seq}); pass the [batch, sequence] 0/1 padding mask")
+            mask = attention_mask.to(logits.device, torch.float32)
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        if self.sigmoid:  # V3: s' = s / Σ_j s_j
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        chosen_onehot = torch.zeros_like(scores, dtype=torch.float32).scatter_add_(
+            1, chosen.reshape(-1, k), torch.ones(chosen.numel() // k, k, device=logits.device))
+        weights = mask.reshape(-1, 1)
+        scores = torch.where(weights > 0, scores, 0.0)  # (a padding token's scores may be anything, NaN included)
+        counts = (chosen_onehot * weights).reshape(batch, seq, experts).sum(1)  # [B, E]
+        prob = (scores * weights).reshape(batch, seq, experts).sum(1)  # [B, E], with gradient
+        tokens = mask.sum(1)  # [B]
+        if self.per_sequence:
+            # per sequence: f and P of each sequence, summed here; the group sums the sequences counted
+            f = counts * experts / (k * tokens.clamp(min=1))[:, None]
+            part = (f * prob / tokens.clamp(min=1)[:, None]).sum()
+            return part, (tokens > 0).sum().to(torch.float32).reshape(1)
+        return prob.sum(0), torch.cat([counts.sum(0), tokens.sum().reshape(1)]).detach()
+
+    def _combine(self, part: torch.Tensor, k: int, total: torch.Tensor) -> torch.Tensor:
+        """The block's loss from its local part and the group's totals (the class docstring's
+        per-rank form: divided by the group's sequences, or f and P over the group's tokens)."""
+        if self.per_sequence:
+            return part / total[0].clamp(min=1)
+        counts, tokens = total[:-1], total[-1].clamp(min=1)
+        f = counts * counts.numel() / (k * tokens)
+        return (f * part / tokens).sum()

@@ -9,6 +9,7 @@ from phalanx.amp.precision import NAMES, precision_named
 from phalanx.plan.model import PRESETS
 from phalanx.plan.planner import plan
 from phalanx.plan.report import format_plan
+from phalanx.plan.units import gib
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,28 @@ def _measured_peak_tflops(dtype: str) -> float:
     return measure_matmul_flops(device, precision_named(dtype).compute_dtype) / 1e12
 
 
+def kv_cache_line(spec, seq: int, dtype: str) -> str:
+    """The serving KV cache this model needs per token and per sequence of `seq` tokens (one rank,
+    no tensor parallelism), saying what it holds."""
+    import torch
+
+    from phalanx.plan.memory import kv_cache_bytes_per_token
+    from phalanx.plan.workload import Workload
+
+    compute = Workload(seq=seq, micro_batch=1, dtype=dtype).dtype.compute_dtype  # fp8 training: bf16 activations
+    label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
+    per_token = kv_cache_bytes_per_token(spec, 1, compute.itemsize)
+    if spec.mla:
+        full = spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
+        what = (f"latent kv_lora_rank {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim} per layer "
+                f"(multi-head latent attention; {spec.num_heads} heads' keys and values would take "
+                f"{full / (spec.kv_lora_rank + spec.qk_rope_head_dim):.1f}×)")
+    else:
+        what = f"keys and values of {spec.num_kv_heads} KV heads × {spec.head_dim} per layer"
+    return (f"serving KV cache ({label}): {per_token / 1024:,.1f} KiB per token, {gib(per_token * seq)} per "
+            f"{seq}-token sequence: {what}")
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.peak_tflops == "measure":
@@ -91,6 +114,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         tuning = f"{adapters.describe()} ({adapter_params(spec, adapters) / 1e6:.3g}M trainable), AdamW"
     header = (f"phalanx plan: {spec.name} ({spec.total_params() / 1e9:.3g}B parameters{active}), {ranks} × "
               f"{args.device_memory}, seq {args.seq}, micro batch {args.micro_batch}, {args.dtype}, {tuning}")
+    header += "\n" + kv_cache_line(spec, args.seq, args.dtype)
     fix = None
     if not any(e.fits for e in estimates):
         fix = suggest_fix(estimates, args.model, args.world_size, args.device_memory, **options)

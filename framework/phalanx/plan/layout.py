@@ -48,7 +48,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int, lora: bool = False) -> str | None:
+def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | None:
     """Why the layout cannot be built for this model at all (heads, layers, sequence, experts), or None."""
     t, p, s = layout.tp, layout.pp, layout.sp
     if layout.world % (t * p * s):
@@ -77,9 +77,6 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int, lora: boo
             return f"ep={ep} must divide the {spec.num_experts} experts: choose ep in {_divisors(spec.num_experts)}"
         if s > 1 or layout.sp_mode:
             return f"ep={ep} is not combined with sequence parallelism yet (HybridParallelPlugin)"
-        if lora:
-            return (f"LoRA with expert parallelism (ep={ep}) is not supported by HybridParallelPlugin yet: "
-                    "use ep 1 (tp/pp split the model) or fsdp")
     return None
 
 

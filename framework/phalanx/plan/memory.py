@@ -161,15 +161,61 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
     norm = FP32 * h + FP32 + 2 * p * h
     if layout.sp_mode == "split_gather":
         norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole
-    attention = p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t
+    attention = (_mla_bytes_per_token(spec, t, p) if getattr(spec, "mla", False)
+                 else p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t)
     mlp = 4 * p * f / t
     if spec.is_moe:  # the average over layers of dense and expert-block MLPs (whole under tp; on
         # 1/tp of the tokens under split-gather sequence parallelism)
         sparse = sum(spec.sparse_layers)
-        block = _moe_mlp_bytes_per_token(spec, p) / (t if layout.sp_mode == "split_gather" else 1)
+        block = _moe_mlp_bytes_per_token(spec, p) + (_ep_extra_saved_bytes_per_token(spec, p) if _ep(layout) > 1 else 0)
+        block /= t if layout.sp_mode == "split_gather" else 1
         mlp = (mlp * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
     change = _lora_activation_change(spec, layout, p, lora) if lora is not None else 0.0
     return 2 * norm + attention + mlp + change
+
+
+def _mla_bytes_per_token(spec: ModelSpec, t: int, p: int) -> float:
+    """Multi-head latent attention (DeepSeek-V2/V3 in transformers, SDPA), per token on one tp rank
+    (heads split, the low-rank paths whole on every rank, as the shard policy splits them):
+      the query's low-rank path (q_lora_rank > 0): q_a_layernorm as any RMSNorm, 4·rq + 4 + 2p·rq
+        (its fp32 input, reciprocal RMS, normalised value, and its output, q_b_proj's input);
+      the key/value latent: kv_a_layernorm likewise over kv_lora_rank, 4·rkv + 4 + 2p·rkv; in fp32
+        the "cast" input is a slice of kv_a_proj_with_mqa's output, which keeps the whole
+        kv_lora_rank + qk_rope_head_dim storage alive (+4·rope);
+      SDPA's saved tensors: the query and the key (fresh concatenations of the no-RoPE and RoPE
+        parts: p·heads·qk each), the value (a slice of kv_b_proj's output, whose storage holds the
+        keys' no-RoPE part too: p·heads·(nope + v)), its output (p·heads·v) and fp32 log-sum-exp
+        (4·heads);
+      o_proj's input, a copy of SDPA's output: the query is laid out [batch, heads, seq, dim], the
+        output follows that layout, and transformers transposes it back to [batch, seq, ...] with a
+        copy (p·heads·v).
+    Checked exactly against the storages autograd saves in transformers' DeepSeek-V2 and V3 layers
+    (fp32 and bf16, with and without q_lora_rank; tests/framework/test_plan.py). (With
+    v_head_dim != the query/key head width, torch's CPU SDPA falls back to its math kernel, which
+    keeps the heads × seq attention probabilities instead; GPUs run the memory-efficient kernel,
+    which keeps what is counted here.)"""
+    heads = spec.num_heads / t
+    rq, rkv, rope = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+    nope, v = spec.qk_nope_head_dim, spec.v_head_dim
+    qk = nope + rope
+    q_path = (FP32 * rq + FP32 + 2 * p * rq) if rq else 0
+    kv_path = FP32 * rkv + FP32 + 2 * p * rkv + (FP32 * rope if p == FP32 else 0)
+    sdpa = p * heads * (2 * qk + (nope + v) + v) + FP32 * heads
+    return q_path + kv_path + sdpa + p * heads * v
+
+
+# What phalanx.shard.expert_parallel's forward keeps beyond transformers' expert path: the int64
+# indices of its two gathers (the experts' outputs back to arrival order, then to [token, k]
+# order), one per assignment each. (Until 2026-12-06 it put them back with index_copy_ /
+# index_add_, whose sources autograd kept whole: 2 · k · hidden values per token.)
+EP_EXTRA_INDICES = 2
+
+
+def _ep_extra_saved_bytes_per_token(spec: ModelSpec, p: int) -> float:
+    """What the expert-parallel block keeps per token beyond `_moe_mlp_bytes_per_token`:
+    EP_EXTRA_INDICES int64 indices per assignment (measured on one process against transformers'
+    experts: 32 bytes per token and layer at k = 2, in fp32 and bf16)."""
+    return EP_EXTRA_INDICES * spec.experts_per_token * 8
 
 
 def _lora_activation_change(spec: ModelSpec, layout: Layout, p: int, lora) -> float:
@@ -182,9 +228,12 @@ def _lora_activation_change(spec: ModelSpec, layout: Layout, p: int, lora) -> fl
       the down projection's input goes unless down_proj is adapted (−pf; the shared expert's −pI_s);
       the routed experts (frozen, without `target_parameters`) keep no gathered input and no
         down-projection input: −k·p(h + I);
-      every adapter keeps its A's output: +p·r per adapted module.
-    Checked exactly against the saved tensors of transformers Llama, Mixtral and Qwen2-MoE
-    layers under PEFT (tests/framework/test_plan_moe.py)."""
+      every adapter keeps its A's output: +p·r per adapted module;
+      latent attention (DeepSeek): the latent norms' normalised values go (−p·rq − p·rkv), q_b_proj's
+        and kv_b_proj's inputs stay only where they are adapted, and o_proj's input (a copy of
+        SDPA's output, −p·heads·v) only where o_proj is.
+    Checked exactly against the saved tensors of transformers Llama, Mixtral, Qwen2-MoE and
+    DeepSeek-V2 layers under PEFT (tests/framework/test_plan_moe.py)."""
     from phalanx.plan.lora import ATTENTION, MLA, MLP
 
     t = layout.tp
@@ -195,6 +244,13 @@ def _lora_activation_change(spec: ModelSpec, layout: Layout, p: int, lora) -> fl
     change = -2 * normed + p * r * len(targets & set(ATTENTION + MLA))
     if not targets & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"}:
         change -= p * h
+    if getattr(spec, "mla", False):  # latent attention's frozen norms and projections
+        rq, rkv = spec.q_lora_rank, spec.kv_lora_rank
+        change -= p * rkv + (0 if "kv_b_proj" in targets else p * rkv)
+        if rq:
+            change -= p * rq + (0 if "q_b_proj" in targets else p * rq)
+        if "o_proj" not in targets:
+            change -= p * spec.num_heads / t * spec.v_head_dim
     reads_mlp_input = bool(targets & {"gate_proj", "up_proj"})
     dense = p * r * len(targets & set(MLP)) - (0 if reads_mlp_input else p * h)
     dense -= 0 if "down_proj" in targets else p * spec.intermediate_size / t
@@ -223,11 +279,32 @@ def _moe_mlp_bytes_per_token(spec: ModelSpec, p: int) -> float:
     top-k indices: 24·k) and, where the top-k weights are renormalised, the fp32 weights and their
     sum (4k + 4). Against the saved tensors of transformers' Mixtral and Qwen2-MoE layers (fp32 and
     bf16, with and without LoRA) it is 8.25 bytes per token short (0.2-0.4% of the layer;
-    tests/framework/test_plan_moe.py)."""
+    tests/framework/test_plan_moe.py). DeepSeek's router computes its logits in fp32, keeping an
+    fp32 copy of the block's input below fp32 (4h); with it DeepSeek-V2/V3's blocks are short by
+    the same 8.25 bytes per token (tests/framework/test_plan.py)."""
     k = spec.experts_per_token
     routed = k * p * (2 * spec.hidden_size + 4 * spec.expert_size) + 24 * k + ((4 * k + 4) if spec.norm_topk_prob else 0)
     shared = 4 * p * spec.shared_expert_size + ((p + p * spec.hidden_size) if spec.shared_expert_gate else 0)
-    return 2 * FP32 * spec.num_experts + routed + shared
+    # DeepSeek's router computes its logits in fp32: below fp32 it keeps an fp32 copy of the block's input
+    router_input = FP32 * spec.hidden_size if spec.family.startswith("deepseek") and p != FP32 else 0
+    return 2 * FP32 * spec.num_experts + routed + shared + router_input
+
+
+def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, p: int = 2) -> int:
+    """Serving's KV cache per token on one tensor-parallel rank, all layers, p bytes per element.
+    Multi-head latent attention (DeepSeek-V2/V3) caches the compressed latent, kv_lora_rank +
+    qk_rope_head_dim per layer (the normalised kv latent and the one RoPE key every head shares; the
+    heads' keys and values are expanded from it by kv_b_proj at each step), as transformers' own
+    cache does; the latent is not split by heads, so every tp rank holds it whole. Other attention
+    caches each key/value head's key and value, 2 · kv_heads · head_dim per layer, with the key/value
+    heads split over tp, or one per rank where they are replicated (`phalanx.inference`'s paged cache)."""
+    from phalanx.models.heads import local_heads
+
+    if getattr(spec, "mla", False):
+        per_layer = spec.kv_lora_rank + spec.qk_rope_head_dim
+    else:
+        per_layer = 2 * local_heads(spec.heads, tp).kv_heads * spec.head_dim
+    return spec.num_layers * per_layer * p
 
 
 def loss_bytes_per_token(spec: ModelSpec, layout: Layout, work: Workload) -> float:
@@ -239,6 +316,15 @@ def loss_bytes_per_token(spec: ModelSpec, layout: Layout, work: Workload) -> flo
     if work.loss == "fused":
         return 0.0
     return 3 * FP32 * spec.vocab_size / layout.tp
+
+
+def _rope_table_bytes_per_position(spec: ModelSpec, p: int) -> float:
+    """RoPE's tables saved by the rotation (per position, shared by the batch): cos and sin over the
+    head (2p·head_dim); multi-head latent attention rotates only the rope part, with a complex64
+    table in DeepSeek-V2 (8 bytes per pair: 4·rope) and cos and sin in DeepSeek-V3 (2p·rope)."""
+    if getattr(spec, "mla", False):
+        return FP32 * spec.qk_rope_head_dim if spec.family == "deepseek_v2" else 2 * p * spec.qk_rope_head_dim
+    return 2 * p * spec.head_dim
 
 
 def activation_bytes(spec: ModelSpec, layout: Layout, work: Workload, local: LocalModel, microbatches: int) -> dict:
@@ -253,7 +339,7 @@ def activation_bytes(spec: ModelSpec, layout: Layout, work: Workload, local: Loc
         one_microbatch = tokens * local.layers * per_layer
     # outside the layers: the final norm, the input ids (int64), RoPE's cos and sin (per position)
     one_microbatch += tokens * (FP32 * spec.hidden_size + FP32 + 2 * p * spec.hidden_size + 8
-                                + 2 * p * spec.head_dim / work.micro_batch)
+                                + _rope_table_bytes_per_position(spec, p) / work.micro_batch)
     if layout.pp == 1:
         in_flight = 1
     else:

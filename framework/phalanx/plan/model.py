@@ -37,6 +37,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                           norm_topk_prob=True, tie_word_embeddings=False),
+    # multi-head latent attention: the KV cache holds the 512 + 64 latent per layer, not 16 heads' keys and values
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                             n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                             n_shared_experts=2, first_k_dense_replace=1, tie_word_embeddings=False),
 }
 
 

@@ -57,7 +57,7 @@ def _schedule_problem(layout: Layout, m: int) -> str | None:
 
 def estimate_layout(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware) -> LayoutEstimate:
     """Estimate one layout (also for layouts the candidate list does not hold)."""
-    problem = structural_problem(layout, spec, work.seq, lora=work.lora is not None)
+    problem = structural_problem(layout, spec, work.seq)
     if problem:
         return LayoutEstimate(layout, 0, None, None, False, problem)
     try:

@@ -16,9 +16,14 @@ def training_flops_per_token(spec: ModelSpec, seq: int, checkpointing: bool, lor
     """6·N (forward 2·N, backward 4·N over the matmul parameters) plus causal attention
     (QKᵀ and AV: 2·seq·q_dim per token and layer forward, ×3 with backward); activation
     checkpointing runs the forward once more (8·N + 8·L·seq·q_dim). With LoRA the frozen base
-    needs no weight gradients: 4·N for the base (forward, input gradients), 6·N_adapters."""
+    needs no weight gradients: 4·N for the base (forward, input gradients), 6·N_adapters.
+    Multi-head latent attention: q_dim → heads · (qk + v_head_dim) / 2 (QKᵀ over the query/key
+    width, AV over the value width)."""
     dense = spec.matmul_params()
-    attention = spec.num_layers * seq * spec.q_dim
+    # QKᵀ over the query/key width, AV over the value width (they differ under latent attention)
+    width = (spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim) / 2
+             if getattr(spec, "mla", False) else spec.q_dim)
+    attention = spec.num_layers * seq * width
     factor = 8 if checkpointing else 6
     if lora is not None:
         from phalanx.plan.lora import adapter_params

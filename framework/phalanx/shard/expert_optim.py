@@ -15,7 +15,10 @@ as the dense weights get.
   optimizer keeps the dense parameters (its param groups, its LR scheduler) and a twin of the same
   class and hyper-parameters takes the experts (`split_off_experts`), so the experts' fp32 masters
   and optimizer states are partitioned over their own replicas. One gradient norm covers both
-  (the dense optimizer computes it and hands it to the experts'), so clipping is global.
+  (the dense optimizer computes it and hands it to the experts'), so clipping is global. Under fp16
+  one loss scaler (the dense optimizer's, the one the Booster saves) scales the loss for both; the
+  experts' optimizer unscales by the scale of the step (`_FollowedScale`) and skips with the dense
+  one (an overflow in any rank's experts makes the shared norm non-finite on every rank).
 """
 from __future__ import annotations
 
@@ -25,16 +28,19 @@ from typing import Iterator
 
 import torch
 
+from phalanx.amp.loss_scaler import DynamicLossScaler
 from phalanx.shard.grads import PartialGradSync, flat_all_reduce, weighted_norm
 from phalanx.shard.optim import HybridOptimizer, HybridZeroOptimizer
 from phalanx.zero.optimizer import ZeroConfig
 
 
 def scale_expert_grads(params, ep_size: int) -> None:
-    """Divide every gradient contribution of the expert parameters by ep_size (module docstring)."""
+    """Divide every gradient contribution of the expert parameters by ep_size (module docstring);
+    frozen ones (a LoRA base's experts) get none."""
     if ep_size > 1:
         for p in params:
-            p.register_hook(lambda g: g / ep_size)
+            if p.requires_grad:
+                p.register_hook(lambda g: g / ep_size)
 
 
 def split_off_experts(optimizer: torch.optim.Optimizer, expert_ids: set[int]) -> torch.optim.Optimizer:
@@ -64,6 +70,15 @@ class ExpertHybridOptimizer(HybridOptimizer):
                         name="ep.all_reduce_expert_grads")
 
 
+class _FollowedScale(DynamicLossScaler):
+    """The experts' optimizer's loss scaler under fp16: the scale this step's gradients carry, set
+    by `ExpertZeroOptimizer.step` from the dense optimizer's scaler, which alone backs off and grows
+    (and is saved with the checkpoint)."""
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+
 class _ExpertShards(HybridZeroOptimizer):
     """The experts' ZeRO optimizer: its step uses the norm the dense optimizer computed over both."""
 
@@ -86,9 +101,8 @@ class ExpertZeroOptimizer(HybridZeroOptimizer):
                                      partial=PartialGradSync([], tp_group), precision=precision)
         super().__init__(optimizer, config, names=names, process_group=process_group, weights=weights,
                          partial=partial, precision=precision)
-        if self.scaler.enabled:
-            raise ValueError("expert parallelism with ZeRO runs in fp32 or bf16 (fp16's loss scaler is not shared "
-                             "by the experts' optimizer yet): use precision='bf16' or zero_stage=0")
+        if self.scaler.enabled:  # fp16: the dense optimizer's scaler drives both (module docstring)
+            self.experts.scaler = _FollowedScale(init_scale=self.scaler.scale)
 
     def _global_norm(self, grads) -> float:
         self.experts.reducer.finish()
@@ -109,7 +123,9 @@ class ExpertZeroOptimizer(HybridZeroOptimizer):
     def step(self, closure=None) -> None:
         for dense, twin in zip(self.optim.param_groups, self.experts.optim.param_groups):
             twin.update({k: v for k, v in dense.items() if k != "params"})  # an LR scheduler's changes
+        scale = self.scaler.scale  # what this step's gradients carry (the dense step may change it)
         super().step(closure)
+        self.experts.scaler.scale = scale if self.scaler.enabled else self.experts.scaler.scale
         self.experts.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -27,10 +27,18 @@ one-process value and whose averaged gradient is the one-process gradient;
 `ExpertParallelPlan.load_balancing_loss()` computes it from the router logits it recorded in the
 last forward (hooks on the routers, so the model runs without output_router_logits);
 `router_z_loss` / `ExpertParallelPlan.router_z_loss()` is ST-MoE's z-loss in the same form. See docs/moe.md.
+
+LoRA (a `peft.PeftModel` with `target_parameters` on the fused expert tensors): the experts sit
+below peft's `ParamWrapper`s, whose A and B hold every expert's adapter. Each wrapper is cut to this
+rank's experts with them (`ExpertAdapterRows`: A's rows, B's columns), so its forward adds the local
+experts' deltas to the local weights; the adapters count as expert tensors for the gradient
+reduction (over the expert data-parallel replicas) and are gathered to full expert dims for saving.
+Adapters on attention stay whole (dense). See docs/lora.md.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -145,8 +153,11 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts, self.groups = total, groups
         self.local = total // groups.ep_size
         first = groups.ep_rank * self.local
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        # (requires_grad kept: under LoRA the base experts stay frozen)
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone(),
+                                         requires_grad=experts.gate_up_proj.requires_grad)
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone(),
+                                      requires_grad=experts.down_proj.requires_grad)
         self.act_fn = experts.act_fn
         self.routed = None  # this rank's assignments per expert in the last forward, [E]
 
@@ -167,9 +178,10 @@ class ExpertParallelExperts(nn.Module):
         x = _exchange(hidden_states[token], recv, send, group)
         y = self._compute(x, received)
         y = _exchange(y, send, recv, group)
-        weights = top_k_weights.reshape(-1)[order]
-        out = torch.zeros_like(hidden_states)
-        return out.index_add_(0, token, (y * weights[:, None]).to(out.dtype))
+        weighted = (y * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
+        # back to [token, k] order and summed over k: a gather keeps only its int64 index for
+        # backward (index_add_ kept its whole [tokens·k, hidden] input, to know its shape)
+        return weighted[_inverse(order)].view(*hidden_states.shape[:-1], k, hidden_states.shape[-1]).sum(-2)
 
     def grouped(self) -> bool:
         """Whether the experts run as two grouped matmuls (`torch.nn.functional.grouped_mm`, one call
@@ -199,7 +211,13 @@ class ExpertParallelExperts(nn.Module):
                 gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
             y = torch.cat(outs)
-        return torch.empty_like(y).index_copy_(0, by_expert, y)
+        return y[_inverse(by_expert)]  # arrival order again (a gather: no [rows, hidden] copy kept for backward)
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `permutation` (x[permutation][_inverse(permutation)] == x)."""
+    inverse = torch.empty_like(permutation)
+    return inverse.scatter_(0, permutation, torch.arange(permutation.numel(), device=permutation.device))
 
 
 def _is_expert_block(module: nn.Module) -> bool:
@@ -212,9 +230,12 @@ class ExpertParallelPlan:
     """What `apply_expert_parallel` did: the groups, the replaced modules by name, and the
     gradient reduction / full state dict / token counts that go with them."""
 
-    def __init__(self, groups: ExpertGroups, experts: dict[str, ExpertParallelExperts], routers: dict[str, nn.Module]):
+    def __init__(self, groups: ExpertGroups, experts: dict[str, ExpertParallelExperts], routers: dict[str, nn.Module],
+                 adapters: dict[str, ExpertAdapterRows] | None = None, adapter_params: list[torch.Tensor] = ()):
         self.groups, self.experts, self.routers = groups, experts, routers
+        self.adapters = adapters or {}  # LoRA on the experts (peft target_parameters): name -> its rows
         self._expert_params = {id(p) for m in experts.values() for p in m.parameters()}
+        self._expert_params |= {id(p) for p in adapter_params}
         self.router_logits: dict[str, torch.Tensor] = {}  # the last forward's, by expert block
         # the ranks whose batches make up the global batch (None: the world); HybridParallelPlugin
         # sets its data-parallel group (tensor-parallel peers see the same tokens)
@@ -279,15 +300,22 @@ class ExpertParallelPlan:
                 parts = [torch.empty_like(local) for _ in range(self.groups.ep_size)]
                 dist.all_gather(parts, local, group=self.groups.ep_group)
                 state[f"{name}.{field}"] = torch.cat(parts)
+        for name in self.adapters:
+            state[name] = self.gather_full(name, state[name])
         return state
 
     # ------------------------------------------------------------------ by parameter name
     # (names relative to the model passed to `apply_expert_parallel`, as in its state dict)
     def expert_param_names(self) -> set[str]:
-        return {f"{name}.{field}" for name in self.experts for field in ("gate_up_proj", "down_proj")}
+        """The expert tensors split over the EP group: the fused expert weights and, under LoRA, the
+        expert adapters' A and B."""
+        fused = {f"{name}.{field}" for name in self.experts for field in ("gate_up_proj", "down_proj")}
+        return fused | set(self.adapters)
 
     def full_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of `name` (every expert's rows) from this rank's shape."""
+        if name in self.adapters:
+            return self.adapters[name].full_shape(tuple(shape), self.groups.ep_size)
         if name not in self.expert_param_names():
             return tuple(shape)
         return (shape[0] * self.groups.ep_size, *shape[1:])
@@ -300,10 +328,14 @@ class ExpertParallelPlan:
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.groups.ep_size)]
         dist.all_gather(parts, local, group=self.groups.ep_group)
+        if name in self.adapters:
+            return self.adapters[name].join(parts)
         return torch.cat(parts)
 
     def local_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a Hugging Face-layout tensor (every expert)."""
+        if name in self.adapters:
+            return self.adapters[name].local(full, self.groups.ep_rank, self.groups.ep_size)
         if name not in self.expert_param_names():
             return full
         local = full.shape[0] // self.groups.ep_size
@@ -311,6 +343,8 @@ class ExpertParallelPlan:
 
     def row_offset(self, name: str) -> int:
         """Where this rank's rows of expert tensor `name` start in the flattened full tensor."""
+        if name in self.adapters:
+            return self.adapters[name].offset(self.groups.ep_rank, self.groups.ep_size)
         module, _, field = name.rpartition(".")
         return self.groups.ep_rank * getattr(self.experts[module], field).numel()
 
@@ -328,6 +362,93 @@ class ExpertParallelPlan:
         return counts
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertAdapterRows:
+    """Where each expert's part of a LoRA expert adapter lies (peft's `target_parameters` on a fused
+    expert tensor, `ParamWrapper`): A [r·E, in] holds expert e's r rows at [e·r, (e+1)·r) (expert
+    major, like the experts themselves); B [out, r·E] viewed as [out, r, E] holds expert e's columns
+    at [:, :, e] (expert minor). A rank keeps its local experts' rows of A and columns of B, in
+    the same layouts with E/ep experts, so peft's forward runs unchanged on the local experts."""
+    kind: str   # "A" or "B"
+    rank: int   # r, the adapter's rank per expert
+    local_shape: tuple[int, ...] = ()  # of this rank's part
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def local(self, full: torch.Tensor, ep_rank: int, ep_size: int) -> torch.Tensor:
+        if self.kind == "A":
+            local = full.shape[0] // ep_size
+            return full[ep_rank * local:(ep_rank + 1) * local]
+        experts = full.shape[1] // self.rank
+        local = experts // ep_size
+        rows = full.reshape(full.shape[0], self.rank, experts)[:, :, ep_rank * local:(ep_rank + 1) * local]
+        return rows.reshape(full.shape[0], self.rank * local)
+
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every EP rank's local one, in EP-rank order."""
+        if self.kind == "A":
+            return torch.cat(parts)
+        out = parts[0].shape[0]
+        joined = torch.cat([p.view(out, self.rank, -1) for p in parts], dim=2)
+        return joined.reshape(out, -1)
+
+    def full_shape(self, shape: tuple[int, ...], ep_size: int) -> tuple[int, ...]:
+        return (shape[0] * ep_size, shape[1]) if self.kind == "A" else (shape[0], shape[1] * ep_size)
+
+    def offset(self, ep_rank: int, ep_size: int) -> int:
+        """Where this rank's part starts in the flattened full tensor. A's part is one range; B's is
+        not (its experts are its innermost dimension): its optimizer state is joined over the EP
+        group instead (`phalanx.shard.expert_state`)."""
+        if self.kind == "B" and ep_size > 1:
+            raise ValueError("a LoRA expert adapter's B is not one range of its full tensor: join it over the EP group")
+        return ep_rank * self.local_numel
+
+
+def _is_param_adapter(module: nn.Module) -> bool:
+    """peft's LoRA wrapper of a parameter (`ParamWrapper`, from `target_parameters`), by its
+    attributes (peft is optional: not imported here)."""
+    return all(hasattr(module, a) for a in ("parameter_name", "lora_A", "lora_B", "num_experts", "base_layer"))
+
+
+def _split_expert_adapters(model: nn.Module, name: str, groups: ExpertGroups, total: int
+                           ) -> tuple[dict[str, ExpertAdapterRows], list[nn.Parameter]]:
+    """Cut the LoRA adapters that wrap the experts module at `name` (peft nests one `ParamWrapper`
+    per adapted parameter, each the `base_layer` of the one above) to this rank's experts: each
+    wrapper's A rows and B columns of its local experts (`ExpertAdapterRows`), and its expert count
+    set to the local one, so its forward adds the local experts' deltas to the local weights."""
+    rows, params = {}, []
+    path = name
+    local = total // groups.ep_size
+    while path.endswith(".base_layer"):
+        path = path.removesuffix(".base_layer")
+        wrapper = model.get_submodule(path)
+        if not _is_param_adapter(wrapper):
+            continue
+        if wrapper.num_experts != total:
+            raise ValueError(f"{path}: a LoRA adapter on {wrapper.parameter_name} with {wrapper.num_experts} experts, "
+                             f"the experts module has {total}")
+        for adapter in list(wrapper.lora_A.keys()):
+            r = wrapper.r[adapter]
+            for kind, linear in (("A", wrapper.lora_A[adapter]), ("B", wrapper.lora_B[adapter])):
+                if getattr(linear, "bias", None) is not None:
+                    raise ValueError(f"{path}: LoRA expert adapters with a bias are not split by expert "
+                                     "parallelism: use lora_bias=False")
+                w = linear.weight
+                piece = ExpertAdapterRows(kind, r).local(w.detach(), groups.ep_rank, groups.ep_size).clone()
+                layout = ExpertAdapterRows(kind, r, tuple(piece.shape))
+                linear.weight = nn.Parameter(piece, requires_grad=w.requires_grad)
+                if kind == "A":
+                    linear.out_features = piece.shape[0]
+                else:
+                    linear.in_features = piece.shape[1]
+                rows[f"{path}.lora_{kind}.{adapter}.weight"] = layout
+                params.append(linear.weight)
+        wrapper.num_experts = local
+    return rows, params
+
+
 def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups | None = None) -> ExpertParallelPlan:
     """Replace every HF fused-experts module of `model` by an `ExpertParallelExperts` holding this
     rank's experts; the rest of the model is untouched. Call on every rank, with the same
@@ -338,7 +459,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups |
     if not targets:
         raise ValueError(f"{type(model).__name__} has no fused expert module (experts.gate_up_proj [E, 2I, H]): "
                          "expert parallelism needs a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE)")
-    replaced, routers = {}, {}
+    replaced, routers, adapters, adapter_params = {}, {}, {}, []
     for name, module in targets:
         if any(n.endswith("_bias") for n, _ in module.named_parameters()):
             raise ValueError(f"{name}: experts with biases are not supported by expert parallelism yet")
@@ -346,10 +467,19 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups |
         parent = model.get_submodule(parent_name)
         replaced[name] = ExpertParallelExperts(module, groups)
         setattr(parent, child, replaced[name])
-        router = getattr(parent, "gate", None)
+        # under LoRA the experts sit below peft's wrappers (`experts.base_layer...`): the MoE block
+        # (and its router) is above them
+        rows, params = _split_expert_adapters(model, name, groups, replaced[name].num_experts)
+        adapters.update(rows)
+        adapter_params += params
+        block = name
+        while block.endswith(".base_layer"):
+            block = block.removesuffix(".base_layer")
+        router = getattr(model.get_submodule(block.rpartition(".")[0]), "gate", None)
         if router is not None and hasattr(router, "top_k") and hasattr(router, "num_experts"):
             routers[name] = router
-    return ExpertParallelPlan(groups, replaced, routers if len(routers) == len(replaced) else {})
+    return ExpertParallelPlan(groups, replaced, routers if len(routers) == len(replaced) else {}, adapters,
+                              adapter_params)
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,

@@ -12,7 +12,8 @@
 7. make replicas identical (broadcast replicated pieces over tp, everything over dp × sp; with pp,
    the first stage's copy of each tied embedding to the last stage);
 8. with ep_size > 1, `apply_expert_parallel` (phalanx.shard.expert_parallel): each rank keeps its
-   EP group's share of the routed experts (after 7, so every rank starts from the same experts).
+   EP group's share of the routed experts (after 7, so every rank starts from the same experts),
+   and under LoRA the expert adapters' rows of those experts (docs/lora.md).
 
 The result is recorded in a `BoostedState` (plan, parameter names before sharding, and with pp
 the runner, the tied parameters and their aliases). `configure_optimizer` re-points the user's
@@ -68,10 +69,6 @@ class HybridBoosting:
         from phalanx import lazy
         # a PEFT (LoRA) model keeps the Hugging Face model the policy describes one level down
         policy = rooted_policy(self.policy or policy_for(model), peft_root_prefix(model))
-        if self.ep_size > 1 and peft_root_prefix(model):
-            raise NotImplementedError(f"LoRA with expert parallelism (ep_size={self.ep_size}) is not supported yet: the "
-                                      "expert split does not know PEFT's adapter layers. Use ep_size=1 (every rank "
-                                      "keeps whole experts; LoRA works with tp, pp and ZeRO)")
         heads = policy.heads(model.config)
         check_heads(heads, self.tp_size)
         local = local_head_counts(heads, self.tp_size)
@@ -141,10 +138,24 @@ class HybridBoosting:
 
     def _apply_ep(self, model: nn.Module) -> None:
         """ep_size > 1: split the experts over the EP groups (`self.ep_plan`); the load-balancing
-        loss, z-loss and token counts are taken over the data-parallel group (the global batch)."""
+        loss, z-loss and token counts are taken over the data-parallel group (the global batch).
+        DeepSeek with config.output_router_logits: its own balance loss (HybridModel adds
+        `phalanx.models.deepseek.BalanceLoss`, with or without EP) is checked here. Under pp, a
+        stage holding only dense layers (DeepSeek's first_k_dense_replace) keeps no expert plan."""
+        from phalanx.models.deepseek import balance_settings
         if self.pp_size > 1 and self.router_z_loss:
             raise ValueError("router_z_loss is not applied under pipeline parallelism (it couples every stage's "
                              "routers over the whole batch): set router_z_loss=0 or pp_size=1")
+        deepseek_balance = balance_settings(getattr(model, "config", None))  # raises when aux_loss_alpha is missing
+        if deepseek_balance is not None and self.pp_size > 1:
+            raise ValueError(f"DeepSeek's balance loss (config.output_router_logits=True, aux_loss_alpha) is not applied "
+                             f"under pipeline parallelism (pp_size={self.pp_size}: the pipeline trains the cross-"
+                             f"entropy only). Set config.output_router_logits=False (V3 still balances with "
+                             f"phalanx.models.deepseek.BiasBalancer), or pp_size=1")
+        if deepseek_balance is not None and (self.sequence_parallelism is not None or self.sp_size > 1):
+            raise ValueError(f"DeepSeek's balance loss (config.output_router_logits=True) needs every router to see "
+                             f"whole sequences: set sequence_parallelism=None (now {self.sequence_parallelism!r}, "
+                             f"sp_size={self.sp_size}) or config.output_router_logits=False")
         if self.ep_size == 1:
             return
         from phalanx.shard.expert_parallel import apply_expert_parallel
@@ -152,12 +163,17 @@ class HybridBoosting:
             raise ValueError("expert parallelism with pipeline parallelism trains the cross-entropy only: the "
                              "load-balancing and z-losses couple every layer's router over the whole batch. Set "
                              "config.output_router_logits=False and router_z_loss=0, or pp_size=1")
-        if getattr(model.config, "output_router_logits", False) and not hasattr(model.config, "router_aux_loss_coef"):
+        if deepseek_balance is None and getattr(model.config, "output_router_logits", False) and \
+                not hasattr(model.config, "router_aux_loss_coef"):
             raise ValueError(f"config.output_router_logits=True on a {model.config.model_type} model, whose config has no "
                              "router_aux_loss_coef: the plugin's load-balancing loss is the softmax (Switch) loss of "
                              "Mixtral / Qwen-MoE, which this family does not train with. Set "
-                             "config.output_router_logits=False (DeepSeek-V3 balances with its correction bias: "
-                             "phalanx.models.deepseek.BiasBalancer)")
+                             "config.output_router_logits=False")
+        if self.pp_size > 1 and not any(isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+                                        and m.gate_up_proj.dim() == 3 for m in model.modules()):
+            # this rank's stages hold dense layers only: its weights are all dense (averaged over dp)
+            log.info("expert parallelism: no expert block on pipeline rank %d's stages", self.pp_rank)
+            return
         self.ep_plan = apply_expert_parallel(model, self.ep_size, self.expert_groups)
         self.ep_plan.batch_group = self.dp_group
         log.info("expert parallelism: %d experts per block on this rank, ep=%d",

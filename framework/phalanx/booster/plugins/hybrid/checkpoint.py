@@ -298,9 +298,9 @@ class HybridCheckpointIO:
         then the tensor-parallel pieces gathered as without experts."""
         from phalanx.shard.expert_state import expert_full_state_fragments, expert_zero_fragments
         if isinstance(optimizer, HybridZeroOptimizer):
-            local = expert_zero_fragments(optimizer, self.ep_plan)
+            local = expert_zero_fragments(optimizer, self.ep_plan, self.device)
         else:
-            local = expert_full_state_fragments(optimizer, self.ep_plan, self.dp_group)
+            local = expert_full_state_fragments(optimizer, self.ep_plan, self.dp_group, self.device)
         frags = to_full_fragments(local, boosted.plan, device=self.device)
         if boosted.tied and not any(s.is_first for s in boosted.pipeline.stages):
             frags.fragments = [f for f in frags.fragments if f.param not in boosted.tied]

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from phalanx.mesh import LayoutError
+from phalanx.models.deepseek import BalanceLoss, balance_settings
 from phalanx.sequence import gather_sequence, shard_inputs
 from phalanx.shard.layers import VocabParallelLMHead
 from phalanx.shard.tensor_parallel import TPPlan
@@ -24,7 +25,12 @@ class HybridModel(nn.Module):
     load-balancing loss over every data-parallel rank's tokens (not transformers' per-rank one, which
     differs: the loss is not linear in the batch), and `z_loss` times the router z-loss; in the
     per-rank form whose mean over ranks is the global value (phalanx.shard.expert_parallel).
-    Without expert parallelism `z_loss` is taken from the router logits transformers returns."""
+    Without expert parallelism `z_loss` is taken from the router logits transformers returns.
+
+    DeepSeek-V2 / V3 (whose configs have no router_aux_loss_coef): `output_router_logits` adds
+    `aux_loss_alpha` times DeepSeek's own balance loss (V2's expert-level loss, V3's sequence-wise
+    one: `phalanx.models.deepseek.BalanceLoss`, hooks on the routers), over the data-parallel
+    group's batch, the same with and without expert parallelism."""
 
     def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group, ep=None, z_loss: float = 0.0, dp_group=None):
         super().__init__()
@@ -33,6 +39,9 @@ class HybridModel(nn.Module):
         self.seq = seq
         self.tp_group = tp_group
         self.ep, self.z_loss, self.dp_group = ep, z_loss, dp_group
+        self.balance = None  # DeepSeek's balance loss, when its config asks for it (boost.py checked the layout)
+        if balance_settings(getattr(model, "config", None)) is not None:
+            self.balance = BalanceLoss.attach(model)
 
     def forward(self, *args: Any, **kwargs: Any):
         if args:
@@ -54,12 +63,16 @@ class HybridModel(nn.Module):
         # the loss needs only this rank's vocabulary range; a Ulysses/ring model runs on a cut batch
         local = head.local_logits() if head is not None and not wants_logits else contextlib.nullcontext()
         sharded = self.seq.sharded_inputs() if seq_len is not None else contextlib.nullcontext()
-        aux = self.ep is not None and kwargs.pop("output_router_logits", None) is not False and \
+        wanted = kwargs.get("output_router_logits") is not False and \
             bool(getattr(self.model.config, "output_router_logits", False))
+        balance = self.balance is not None and wanted  # DeepSeek's own loss, with or without EP
+        aux = self.ep is not None and self.balance is None and wanted  # the Switch loss of Mixtral / Qwen-MoE
         if self.ep is not None:
             kwargs["output_router_logits"] = False
         with local, sharded:
             out = self.model(**kwargs)
+        if balance and getattr(out, "loss", None) is not None:
+            out.loss = out.loss + self.balance.loss(kwargs.get("attention_mask"), group=self.dp_group)
         if self.ep is not None and getattr(out, "loss", None) is not None:
             mask = kwargs.get("attention_mask")
             if aux:
