@@ -6,6 +6,13 @@ measured peaks.
 
     python bench/protein.py                                   # CPU defaults: small channels, short sequences
     python bench/protein.py --lengths 64 128 256 384 --c-m 256 --c-z 128 --chunk 64 --budget-gb 40   # a GPU
+    python bench/protein.py --template-cache --lengths 64 --templates 4 --recycles 3   # the template cache
+
+`--template-cache` times one sample through the whole model with templates (tiny.yaml's trunk,
+AlphaFold's template stack sizes, or `--config`), its recycling passes included, with the
+template embedding cached across passes (`model.template.cache`, the default) and without: the
+no-grad forward `predict` runs and a training step's forward + backward (the passes before the
+last without gradients). Time only, one process.
 
 The fit's form: unchunked, peak = a + b L^2 + c L^3 -- the pair representation and everything of
 its size grow as L^2, and triangle attention's logits [L, heads, L, L] (kept for the backward
@@ -15,7 +22,8 @@ with fewer lengths than terms the highest terms are dropped (and the line says s
 
 Each configuration runs in fresh processes (phalanx.testing.spawn: one thread per rank on CPU),
 so the peak memory is that configuration's own: CUDA's max_memory_allocated on a GPU, the peak
-resident set size of the process on CPU. Prints a table, the DAP/one-process ratios, and one
+resident set size of the process on CPU (glibc set to return freed memory, `phalanx.malloc
+.follow_live_memory`, so the peak is of live memory, not of what the allocator kept). Prints a table, the DAP/one-process ratios, and one
 JSON line.
 """
 from __future__ import annotations
@@ -24,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -52,7 +59,19 @@ def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk:
                           c_hidden_pair=max(c_z // 4, 4), c_hidden_mul=c_z, c_hidden_opm=max(c_m // 8, 4),
                           chunk_size=chunk)
     stack = EvoformerStack(cfg, blocks).to(device)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device.type != "cuda":
+        # Resident memory that follows live memory: the rank's launch set glibc to keep freed blocks
+        # for reuse (phalanx.malloc), and the peak RSS then counted what glibc kept -- chunked
+        # fwd+bwd at 384 residues read 4,884 MiB that way (docs/protein.md). The peak is VmHWM
+        # restarted here, over the resident memory now.
+        from phalanx.malloc import follow_live_memory
+        from phalanx.observe.memory import current_memory_bytes, peak_memory_bytes, release_free_memory, \
+            reset_peak_memory
+        follow_live_memory()
+        release_free_memory()
+        if not reset_peak_memory("cpu"):
+            raise RuntimeError("bench/protein.py measures CPU memory through /proc/self/clear_refs (Linux)")
+        base = current_memory_bytes("cpu")
     m = torch.randn(1, msa_rows, length, c_m, device=device)
     z = torch.randn(1, length, length, c_z, device=device)
     msa_mask = torch.ones(1, msa_rows, length, device=device)
@@ -77,7 +96,7 @@ def _measure(length: int, msa_rows: int, c_m: int, c_z: int, blocks: int, chunk:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2 ** 20
     else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024  # KiB -> MiB (Linux)
+        peak = (peak_memory_bytes("cpu") - base) / 2 ** 20
     return {"time_s": statistics.median(times[1:]), "peak_mib": peak}
 
 
@@ -129,6 +148,74 @@ def longest_fitting(fit: dict[int, float], budget_mib: float, limit: int = 100_0
     return lo or None
 
 
+def template_cache(args) -> dict:
+    """Seconds per sample with the template embedding cached across recycling passes and without."""
+    import torch
+
+    from apps.protein.config import load_recipe
+    from apps.protein.features import FeatureConfig, crop_window, make_features
+    from apps.protein.io import read_structure
+    from apps.protein.losses import alphafold_loss
+    from apps.protein.model import AlphaFold
+    from apps.protein.data_sets import structure_path
+    from apps.protein.templates import self_template
+    from phalanx.device import current_device, to_device
+    from phalanx.train.data import default_collate
+    import numpy as np
+
+    torch.set_num_threads(1)
+    device = current_device()
+    cfg = load_recipe(args.config, ["model.templates=true", f"data.max_templates={args.templates}"])
+    chain = read_structure(structure_path("1aki"), "A")            # 129 residues: crops up to that length
+    rows = []
+    for length in args.lengths:
+        fcfg = FeatureConfig(crop_size=length, max_msa_clusters=cfg.data.max_msa_clusters,
+                             max_extra_msa=cfg.data.max_extra_msa, max_templates=args.templates)
+        feats = make_features(chain, None, fcfg, np.random.default_rng(0), crop_window(chain, length, None),
+                              templates=[self_template(chain)] * args.templates)
+        batch = to_device(default_collate([feats]), device)
+        torch.manual_seed(0)
+        model = AlphaFold(cfg.model).to(device)
+        tables = {"default_frames": model.default_frames, "atom14_local": model.atom14_local}
+        runs = [0]                           # template pair stack runs: once per forward with the cache
+        model.template_embedder.pair_stack.register_forward_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+        for cache in (True, False):
+            model.cfg.template.cache = cache
+            for mode in ("forward", "fwd+bwd"):
+                times = []
+                runs[0] = 0
+                for _ in range(args.reps + 1):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    if mode == "forward":
+                        model.eval()
+                        with torch.no_grad():
+                            model(**batch, recycles=args.recycles)
+                    else:
+                        model.train()
+                        out = model(**batch, recycles=args.recycles)
+                        alphafold_loss(out, batch, tables, cfg.loss)[0].backward()
+                        model.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                row = {"length": length, "templates": args.templates, "recycles": args.recycles, "cache": cache,
+                       "mode": mode, "time_s": statistics.median(times[1:]), "stack_runs_per_sample": runs[0] / len(times)}
+                rows.append(row)
+                print(f"L={length:4d} templates={args.templates} recycles={args.recycles} {mode:8s} "
+                      f"cache={'on ' if cache else 'off'} {row['time_s'] * 1e3:9.1f} ms/sample  "
+                      f"(template stack {row['stack_runs_per_sample']:g}x per sample)", flush=True)
+    saved = {}
+    for length in args.lengths:
+        for mode in ("forward", "fwd+bwd"):
+            on, off = (next(r["time_s"] for r in rows if r["length"] == length and r["mode"] == mode
+                            and r["cache"] is c) for c in (True, False))
+            saved[f"L{length}_{mode}"] = {"saved_s": off - on, "saved_share": (off - on) / off}
+            print(f"L={length} {mode}: the cache saves {(off - on) * 1e3:.1f} ms per sample ({(off - on) / off:.0%})")
+    return {"rows": rows, "saved": saved}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 64])
@@ -146,10 +233,24 @@ def main() -> None:
     parser.add_argument("--whole-max-length", type=int, default=None,
                         help="measure the unchunked stack only up to this length (longer ones chunked only): "
                              "unchunked fwd+bwd grows as L^3 and would not fit a small machine at 384")
+    parser.add_argument("--template-cache", action="store_true",
+                        help="time the whole model with templates, the template embedding cached across recycling "
+                             "passes against not (--templates, --recycles, --config; --lengths up to 129)")
+    parser.add_argument("--templates", type=int, default=4)
+    parser.add_argument("--recycles", type=int, default=3)
+    parser.add_argument("--config", default="apps/protein/configs/tiny.yaml",
+                        help="the model of --template-cache (templates switched on)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
+    if args.template_cache:
+        if max(args.lengths) > 129:
+            parser.error("--template-cache crops 1aki A (129 residues): give --lengths up to 129")
+        result = template_cache(args)
+        print(json.dumps({"bench": "protein_template_cache", "loadavg": open("/proc/loadavg").read().split()[:3]
+                          if os.path.exists("/proc/loadavg") else None, "args": vars(args), **result}))
+        return
     machine = {"cpu": platform.processor() or platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
                "loadavg": open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else None,
                "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

@@ -44,6 +44,10 @@ class RecipeConfig:
     eval_recycles: int = 1            # recycling passes when evaluating
     max_train_chains: int = 0         # use only the first N training chains (0: all 12; tests use fewer)
     eval_heldout: bool = True         # also score the held-out chains at every eval
+    init_from: str = ""               # start from these weights (fine-tuning, AlphaFold's second stage): a
+                                      # training output_dir or checkpoints/step-* directory (its trained
+                                      # weights, not the EMA average), or AlphaFold .npz / OpenFold .pt
+                                      # parameters; ignored when output_dir already holds a checkpoint (resume)
 
     def validate(self) -> None:
         def need(ok: bool, key: str, value: Any, why: str) -> None:
@@ -67,6 +71,9 @@ class RecipeConfig:
             need(t.blocks >= 1, "model.template.blocks", t.blocks, "must be at least 1")
             need(t.heads >= 1 and t.c_t % t.heads == 0, "model.template.heads", t.heads,
                  f"must divide model.template.c_t={t.c_t}")
+            need(d.templates_from != "search" or not d.template_dir or Path(d.template_dir).is_dir(),
+                 "data.template_dir", d.template_dir, "no such directory: give a folder of mmCIF files for "
+                 "data.templates_from=search, or leave it empty for the shipped structures")
         rows = d.max_msa_clusters + (d.max_templates if m.templates else 0)
         need(rows % self.dap_size == 0, "data.max_msa_clusters" + (" + data.max_templates" if m.templates else ""), rows,
              f"MSA rows (clusters, and one per template slot with model.templates) must be a multiple of "
@@ -81,6 +88,10 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     cfg.train.output_dir = str(resolve(cfg.train.output_dir))
     cfg.model.synced()
     cfg.data.use_templates = cfg.model.templates
+    if cfg.init_from:
+        cfg.init_from = str(resolve(cfg.init_from))
+    if cfg.data.template_dir:
+        cfg.data.template_dir = str(resolve(cfg.data.template_dir))
     cfg.validate()
     return cfg
 

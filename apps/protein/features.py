@@ -37,14 +37,18 @@ class FeatureConfig:
                                       # first window, the fixed crop that evaluation scores)
     max_templates: int = 4            # T: template slots when the model has templates (AlphaFold: 4)
     templates_from: str = "self"      # training/eval templates with model.templates: "self" (each chain's own
-                                      # structure: exercises the stack, and a model learns to copy it) or
+                                      # structure: exercises the stack, and a model learns to copy it),
+                                      # "search" (the best hits among template_dir's mmCIF files released
+                                      # before the chain's own entry, as AlphaFold trains) or
                                       # "none" (every slot empty: AlphaFold without template hits)
+    template_dir: str = ""            # mmCIF files searched by templates_from: search ("": the shipped structures)
     use_templates: bool = False       # template inputs in every sample: set from model.templates by the recipe
 
     def __post_init__(self):
-        if self.templates_from not in ("self", "none"):
-            raise ValueError(f"data.templates_from={self.templates_from!r}: give 'self' (each chain's own structure) "
-                             "or 'none' (no template hits)")
+        if self.templates_from not in ("self", "search", "none"):
+            raise ValueError(f"data.templates_from={self.templates_from!r}: give 'self' (each chain's own structure), "
+                             "'search' (hits from data.template_dir released before the chain) or 'none' (no "
+                             "template hits)")
 
 
 def msa_indices(alignment: Alignment) -> np.ndarray:
@@ -98,8 +102,12 @@ def make_features(chain: ProteinChain, alignment: Alignment | None, cfg: Feature
     feats["seq_mask"] = np.ones(length, np.float32)
     out = {k: torch.as_tensor(v) for k, v in feats.items()}
     if templates is None and cfg.use_templates:
-        from apps.protein.templates import self_template
-        templates = [self_template(chain)] if cfg.templates_from == "self" else []
+        from apps.protein.templates import self_template, training_templates
+        if cfg.templates_from == "search":
+            from apps.protein.data_sets import STRUCTURES
+            templates = training_templates(chain, cfg.template_dir or STRUCTURES, cfg.max_templates)
+        else:
+            templates = [self_template(chain)] if cfg.templates_from == "self" else []
     if templates is not None:
         from apps.protein.templates import template_features
         out.update({k: v if k == "template_mask" else v[:, start:end]

@@ -4,6 +4,7 @@ Each reader stops with `ProteinInputError` naming the file and what is wrong wit
 """
 from __future__ import annotations
 
+import datetime
 import gzip
 import io
 from dataclasses import dataclass
@@ -54,14 +55,14 @@ def _stem(path: Path) -> str:
     return name
 
 
-def read_structure(path: str | Path, chain: str | None = None) -> ProteinChain:
-    """The protein chain `chain` (author chain id; default: the first protein chain) of an mmCIF
-    (.cif, .cif.gz) or PDB file, first model only."""
+def _parse_structure(path: Path, need_protein: bool = True):
+    """(protein atoms of the first model, {author chain: SEQRES}, the CIF file or None, chain ids);
+    no protein chain is an error when `need_protein`."""
     import biotite.structure as struc
 
-    path = Path(path)
     text = _text(path)
     is_cif = ".cif" in path.name or ".mmcif" in path.name
+    cif = None
     try:
         if is_cif:
             import biotite.structure.io.pdbx as pdbx
@@ -77,14 +78,58 @@ def read_structure(path: str | Path, chain: str | None = None) -> ProteinChain:
                                 f"{exc}); check the file is complete and in that format") from exc
     protein = atoms[struc.filter_amino_acids(atoms) & ~atoms.hetero]
     chains = list(dict.fromkeys(protein.chain_id.tolist()))
-    if not chains:
+    if not chains and need_protein:
         raise ProteinInputError(f"{path}: holds no protein chain (no standard amino-acid residues)")
+    return protein, seqres, cif, chains
+
+
+def read_structure(path: str | Path, chain: str | None = None) -> ProteinChain:
+    """The protein chain `chain` (author chain id; default: the first protein chain) of an mmCIF
+    (.cif, .cif.gz) or PDB file, first model only."""
+    path = Path(path)
+    protein, seqres, _, chains = _parse_structure(path)
     if chain is None:
         chain = chains[0]
     if chain not in chains:
         raise ProteinInputError(f"{path}: no protein chain {chain!r}; it has {', '.join(chains)}")
     atoms = protein[protein.chain_id == chain]
     return _chain_from_atoms(f"{_stem(path)}_{chain}", atoms, seqres.get(chain), path)
+
+
+@dataclass
+class StructureEntry:
+    """Every protein chain of one mmCIF file, with the entry's dates (None where the file has none)."""
+    path: Path
+    chains: list[ProteinChain]
+    release_date: datetime.date | None      # the first _pdbx_audit_revision_history.revision_date
+    deposition_date: datetime.date | None   # _pdbx_database_status.recvd_initial_deposition_date
+
+
+def _cif_dates(cif, key: str) -> list[datetime.date]:
+    category, _, field = key.partition(".")
+    block = cif.block
+    if category not in block or field not in block[category]:
+        return []
+    out = []
+    for value in block[category][field].as_array():
+        try:
+            out.append(datetime.date.fromisoformat(str(value).strip()))
+        except ValueError:
+            continue                     # '?' or '.': no date
+    return out
+
+
+def read_entry(path: str | Path) -> StructureEntry:
+    """All protein chains of an mmCIF file (first model; none for a nucleic-acid or ligand-only
+    entry) and its release and deposition dates."""
+    path = Path(path)
+    protein, seqres, cif, chains = _parse_structure(path, need_protein=False)
+    if cif is None:
+        raise ProteinInputError(f"{path}: an mmCIF file is needed here (it carries the release date); got a PDB file")
+    out = [_chain_from_atoms(f"{_stem(path)}_{c}", protein[protein.chain_id == c], seqres.get(c), path) for c in chains]
+    released = _cif_dates(cif, "pdbx_audit_revision_history.revision_date")
+    deposited = _cif_dates(cif, "pdbx_database_status.recvd_initial_deposition_date")
+    return StructureEntry(path, out, min(released) if released else None, min(deposited) if deposited else None)
 
 
 def _entity_sequences(cif) -> dict[str, str]:

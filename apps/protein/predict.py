@@ -18,7 +18,9 @@ activations over 2 ranks (rank 0 writes the files).
 Templates (a config with `model.templates: true`, e.g. for params_model_1/2): `--template
 1abc.cif.gz:A` (repeatable) aligns the query to that chain with biotite; `--hhr hits.hhr
 --template-dir DIR` takes the first `data.max_templates` hits of an HHsearch file, their mmCIFs
-from DIR (apps.protein.templates). Without either, the prediction is AlphaFold's without hits.
+from DIR; `--template-dir DIR [--max-template-date YYYY-MM-DD]` alone searches DIR's mmCIF files
+(every chain aligned to the query, AlphaFold's hit filters, apps.protein.templates.search_templates).
+Without any of them, the prediction is AlphaFold's without hits.
 """
 from __future__ import annotations
 
@@ -49,9 +51,33 @@ def latest_weights(path: Path) -> tuple[Path, Path | None]:
     return step / "model" / "model.safetensors", ema if ema.is_file() else None
 
 
-def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str | None = None) -> AlphaFold:
+def load_checkpoint_weights(model: AlphaFold, path: Path, ema: bool = True, new: tuple[str, ...] = ()) -> Path:
+    """The weights of a training run or checkpoint into `model` (its EMA average with `ema` when the
+    checkpoint has one, else the trained weights); every parameter must fit, except those under the
+    prefixes `new` (modules the checkpoint's model lacked: they keep their initialisation). Returns
+    the file read."""
     from safetensors.torch import load_file
 
+    weights, ema_file = latest_weights(path)
+    state = load_file(str(weights))
+    if ema and ema_file is not None:
+        state.update(load_file(str(ema_file)))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [f"{k} {tuple(v.shape)} (the model's {shapes[k]})" for k, v in state.items()
+             if k in shapes and tuple(v.shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"{weights}: does not fit the model of this config: {len(wrong)} arrays differ in shape, e.g. "
+                         f"{wrong[0]}; pass the --config it was trained with (the same model section)")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(new)] if new else missing
+    if missing or unexpected:
+        raise ValueError(f"{weights}: does not fit the model of this config (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); pass the --config it was trained with (the same model "
+                         "section)")
+    return weights
+
+
+def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str | None = None) -> AlphaFold:
     model = AlphaFold(cfg.model)
     if af2_params:
         from apps.protein.weights import load_params
@@ -60,14 +86,7 @@ def load_model(cfg: RecipeConfig, checkpoint: str | None = None, af2_params: str
             print(f"{af2_params}: its template stack ({len(unused)} arrays) is not used (model.templates is off), "
                   "so the prediction is AlphaFold's for a query without template hits")
     elif checkpoint:
-        weights, ema = latest_weights(resolve(checkpoint))
-        state = load_file(str(weights))
-        if ema is not None:
-            state.update(load_file(str(ema)))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{weights}: does not fit the model of this config (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}); pass the --config it was trained with")
+        load_checkpoint_weights(model, resolve(checkpoint), ema=True)
     else:
         raise ValueError("give --checkpoint (a training run) or --params (AlphaFold 2 .npz / OpenFold .pt parameters)")
     from phalanx.amp import resolve_precision
@@ -148,8 +167,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="a template structure, aligned to the query with biotite (repeatable; model.templates)")
     parser.add_argument("--hhr", help="HHsearch .hhr hits of the query: its first data.max_templates hits are the "
                                       "templates (mmCIFs from --template-dir)")
-    parser.add_argument("--template-dir", default="apps/protein/data/structures",
-                        help="where the .hhr hits' mmCIF files are (<pdb id>.cif[.gz])")
+    parser.add_argument("--template-dir",
+                        help="a folder of mmCIF files (<pdb id>.cif[.gz]): with --hhr, where its hits' files are "
+                             "(default: the shipped structures); without --hhr, searched for templates (every chain "
+                             "aligned to the query, AlphaFold's filters, the best data.max_templates)")
+    parser.add_argument("--max-template-date", metavar="YYYY-MM-DD",
+                        help="with --template-dir: use only structures released on or before this date")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     cfg = load_recipe(args.config, args.overrides)
@@ -177,21 +200,39 @@ def dap_axial(dap_size: int):
 
 def read_templates(args: argparse.Namespace, sequence: str, cfg: RecipeConfig) -> list | None:
     """The --template / --hhr templates (checked before any weights load), or None."""
-    if not args.template and not args.hhr:
+    from apps.protein.templates import parse_date
+
+    cutoff = parse_date(args.max_template_date, "--max-template-date")
+    if cutoff is not None and not (args.template_dir and not args.hhr):
+        raise ValueError("--max-template-date filters the search of --template-dir (without --hhr): give "
+                         "--template-dir DIR")
+    search = bool(args.template_dir) and not args.hhr
+    if not args.template and not args.hhr and not search:
         return None
     if not cfg.model.templates:
-        raise ValueError("--template/--hhr need a config with model.templates=true (the template stack of "
-                         "params_model_1/2, or a model trained with templates)")
+        raise ValueError("--template/--hhr/--template-dir need a config with model.templates=true (the template stack "
+                         "of params_model_1/2, or a model trained with templates)")
     from apps.protein.io import read_structure
-    from apps.protein.templates import align_to_chain, template_from_hit, templates_from_hhr
+    from apps.protein.templates import align_to_chain, search_templates, template_from_hit, templates_from_hhr
 
     out = []
+    if search:
+        room = cfg.data.max_templates - len(args.template)
+        hits = search_templates(sequence, resolve(args.template_dir), max(room, 0), cutoff) if room > 0 else []
+        for hit in hits:
+            print(f"template hit {hit.name}: score {hit.score}, identity {hit.identity:.2f}, coverage "
+                  f"{hit.coverage:.2f}, released {hit.release_date}")
+        if not hits:
+            print(f"no template hit in {args.template_dir}" + (f" released by {cutoff}" if cutoff else "")
+                  + ": predicting without templates")
+        out += [hit.template for hit in hits]
     for spec in args.template:
         path, _, chain_id = spec.partition(":")
         chain = read_structure(resolve(path), chain_id or None)
         out.append(template_from_hit(align_to_chain(sequence, chain), sequence, chain, f"--template {spec}: "))
     if args.hhr:
-        out += templates_from_hhr(resolve(args.hhr), sequence, resolve(args.template_dir), cfg.data.max_templates)
+        out += templates_from_hhr(resolve(args.hhr), sequence, resolve(args.template_dir or "apps/protein/data/structures"),
+                                  cfg.data.max_templates)
     if len(out) > cfg.data.max_templates:
         raise ValueError(f"{len(out)} templates given, data.max_templates={cfg.data.max_templates}: pass fewer or raise it")
     for template in out:

@@ -10,7 +10,13 @@ alignment of the query to it. Two ways to give the alignment:
   aligned template letters must be that sequence's (checked; a mismatch is an error naming the
   residue);
 - no alignment (`align_to_chain`): the query is aligned to the chain's sequence with biotite
-  (Smith-Waterman, BLOSUM62, gap open -10 / extend -1) -- what `predict --template 1abc.cif:A` does.
+  (Smith-Waterman, BLOSUM62, gap open -10 / extend -1) -- what `predict --template 1abc.cif:A` does;
+- a search of a directory of mmCIF files (`search_templates`, no HHsearch and no network): the
+  query aligned that way to every protein chain there, the hits kept as AlphaFold keeps them
+  (supplement 1.2.3: released after the cutoff date dropped, near-identical copies of the query
+  dropped, tiny alignments dropped), the best `max_templates` by alignment score -- what `predict
+  --template-dir DIR` without an .hhr does, and training with `data.templates_from: search`
+  (each chain only sees structures released before its own).
 
 `template_features(length, templates)` lays each template out on the query's residues:
 `template_aatype` [T, L] (20 residues, X, 21 = gap where no template residue aligns),
@@ -23,6 +29,8 @@ residue-type one-hots) are computed inside the model (`model/template.py`).
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +39,7 @@ import numpy as np
 import torch
 
 from apps.protein import constants as rc
-from apps.protein.io import ProteinChain, ProteinInputError, _text, read_structure
+from apps.protein.io import ProteinChain, ProteinInputError, StructureEntry, _text, read_entry, read_structure
 from apps.protein.model.template import TEMPLATE_KEYS
 from apps.protein.sidechains import atom37_to_atom14, pseudo_beta, true_torsions
 
@@ -114,6 +122,11 @@ def read_hhr(path: str | Path) -> list[TemplateHit]:
 
 def align_to_chain(query: str, chain: ProteinChain) -> TemplateHit:
     """The query aligned to the chain's sequence (biotite: local alignment, BLOSUM62, gaps -10/-1)."""
+    return _align(query, chain)[0]
+
+
+def _align(query: str, chain: ProteinChain) -> tuple[TemplateHit, int]:
+    """(the hit, its alignment score)."""
     from biotite.sequence import ProteinSequence
     from biotite.sequence.align import SubstitutionMatrix, align_optimal
 
@@ -121,13 +134,14 @@ def align_to_chain(query: str, chain: ProteinChain) -> TemplateHit:
         return ProteinSequence("".join(a if a in rc.RESTYPES else "X" for a in s))
     alignment = align_optimal(seq(query), seq(chain.sequence), SubstitutionMatrix.std_protein_matrix(),
                               gap_penalty=(-10, -1), local=True, max_number=1)[0]
+    score = int(alignment.score)
     trace = alignment.trace
     q_rows, t_rows = [], []
     for qi, ti in trace:
         q_rows.append(query[qi] if qi >= 0 else "-")
         t_rows.append(chain.sequence[ti] if ti >= 0 else "-")
     first = trace[0]
-    return TemplateHit(chain.name, int(first[0]) + 1, "".join(q_rows), int(first[1]) + 1, "".join(t_rows))
+    return TemplateHit(chain.name, int(first[0]) + 1, "".join(q_rows), int(first[1]) + 1, "".join(t_rows)), score
 
 
 def find_structure(hit_name: str, template_dir: str | Path) -> tuple[Path, str]:
@@ -183,6 +197,129 @@ def templates_from_hhr(path: str | Path, query: str, template_dir: str | Path, m
         chain = read_structure(file, chain_id)
         out.append(template_from_hit(hit, query, chain, f"{path}: "))
     return out
+
+
+# AlphaFold's template filters (supplement 1.2.3; its TemplateHitFeaturizer): a hit that is a copy of
+# the query -- more than 95% identical over more than 95% of the query -- is dropped (it would give the
+# answer away), and so is one whose alignment covers under 10% of the query.
+MAX_IDENTITY = 0.95
+MAX_COVERAGE = 0.95
+MIN_ALIGNED_SHARE = 0.10
+
+
+@dataclass
+class SearchHit:
+    """A template chain kept by `search_templates`, with what it was ranked and filtered by."""
+    template: Template
+    score: int                     # the local alignment's score (BLOSUM62, gaps -10/-1): the ranking
+    identity: float                # identical residues / aligned residue pairs
+    coverage: float                # aligned residue pairs / query length
+    release_date: datetime.date
+
+    @property
+    def name(self) -> str:
+        return self.template.name
+
+
+def parse_date(value: str | datetime.date | None, what: str) -> datetime.date | None:
+    """A YYYY-MM-DD date (None or '' for none); a clear error for anything else."""
+    if value is None or value == "" or isinstance(value, datetime.date):
+        return value or None
+    try:
+        return datetime.date.fromisoformat(str(value))
+    except ValueError:
+        raise ValueError(f"{what}={value!r}: give a date as YYYY-MM-DD (e.g. 2018-04-30)") from None
+
+
+def entry_date(entry: StructureEntry) -> datetime.date | None:
+    """When the entry became public: its first release (the earliest revision date), else its
+    deposition date (earlier than the release, so never later than the truth)."""
+    return entry.release_date or entry.deposition_date
+
+
+@functools.lru_cache(maxsize=8)
+def _read_directory(directory: str, listing: tuple[tuple[str, float], ...]) -> tuple[StructureEntry, ...]:
+    return tuple(read_entry(Path(directory) / name) for name, _ in listing)
+
+
+def template_entries(template_dir: str | Path) -> tuple[StructureEntry, ...]:
+    """Every mmCIF file (`*.cif`, `*.cif.gz`) of a directory, read once per process (re-read when a
+    file's modification time changes)."""
+    directory = Path(template_dir)
+    if not directory.is_dir():
+        raise ProteinInputError(f"template directory {directory}: no such directory (give a folder of mmCIF files, "
+                                "<pdb id>.cif or .cif.gz)")
+    files = sorted(p for p in directory.iterdir() if p.name.endswith((".cif", ".cif.gz")) and p.is_file())
+    if not files:
+        raise ProteinInputError(f"template directory {directory}: holds no .cif or .cif.gz file")
+    return _read_directory(str(directory.resolve()), tuple((p.name, p.stat().st_mtime) for p in files))
+
+
+def entry_id(name: str) -> str:
+    """The PDB entry of a chain or file name: '3zee_A' -> '3zee'."""
+    return name.rsplit("_", 1)[0].lower()
+
+
+def search_templates(query: str, template_dir: str | Path, max_templates: int,
+                     max_date: str | datetime.date | None = None, before: bool = False,
+                     exclude: tuple[str, ...] = ()) -> list[SearchHit]:
+    """The query aligned to every protein chain of the mmCIF files in `template_dir`, filtered as
+    AlphaFold filters its hits and ranked by alignment score (ties: name), at most `max_templates`:
+
+    - `max_date`: entries released after it are dropped (`before=True`: on or after it, which is
+      how training keeps a chain from its own entry and anything later); an entry without any
+      date is dropped when there is a cutoff;
+    - a copy of the query (identity > 95% over > 95% of the query) is dropped, and an alignment of
+      fewer than 10% of the query's residues;
+    - `exclude`: PDB entries never used (e.g. the query's own);
+    - chains of one entry with the same sequence count once (the first)."""
+    cutoff = parse_date(max_date, "max_date")
+    skip = {e.lower() for e in exclude}
+    hits = []
+    for entry in template_entries(template_dir):
+        date = entry_date(entry)
+        if cutoff is not None and (date is None or date > cutoff or (before and date == cutoff)):
+            continue
+        seen = set()
+        for chain in entry.chains:
+            if entry_id(chain.name) in skip or chain.sequence in seen:
+                continue
+            seen.add(chain.sequence)
+            hit, score = _align(query, chain)
+            pairs = hit.pairs()
+            if not pairs:
+                continue
+            same = sum(query[q] == chain.sequence[t] for q, t in pairs)
+            identity, coverage = same / len(pairs), len(pairs) / len(query)
+            if coverage < MIN_ALIGNED_SHARE or (identity > MAX_IDENTITY and coverage > MAX_COVERAGE):
+                continue
+            hits.append(SearchHit(template_from_hit(hit, query, chain, f"{entry.path}: "), score, identity, coverage,
+                                  date))
+    hits.sort(key=lambda h: (-h.score, h.name))
+    return hits[:max_templates]
+
+
+@functools.lru_cache(maxsize=256)
+def _training_templates(name: str, sequence: str, template_dir: str, max_templates: int) -> tuple[Template, ...]:
+    own = entry_id(name)
+    dates = {entry_id(e.path.name.split(".")[0]): entry_date(e) for e in template_entries(template_dir)}
+    if dates.get(own) is None:
+        from apps.protein.data_sets import structure_path
+        path = structure_path(own)
+        if not path.is_file():
+            raise ProteinInputError(f"chain {name}: its release date is unknown (no {own}.cif[.gz] with a date in "
+                                    f"{template_dir} or the shipped structures), so templates cannot be searched "
+                                    "before it; use data.templates_from=self or none")
+        dates[own] = entry_date(read_entry(path))
+    hits = search_templates(sequence, template_dir, max_templates, dates[own], before=True, exclude=(own,))
+    return tuple(h.template for h in hits)
+
+
+def training_templates(chain: ProteinChain, template_dir: str | Path, max_templates: int) -> list[Template]:
+    """A training or evaluation chain's templates (`data.templates_from: search`): the search of
+    `template_dir` restricted to entries released before the chain's own entry, and never that
+    entry, so a chain sees neither itself nor a later structure. Computed once per chain and process."""
+    return list(_training_templates(chain.name, chain.sequence, str(Path(template_dir).resolve()), max_templates))
 
 
 def self_template(chain: ProteinChain) -> Template:

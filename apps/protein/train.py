@@ -3,6 +3,7 @@
     python -m apps.protein.train --config apps/protein/configs/tiny.yaml
     phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml train.micro_batch_size=2
     phalanx run -n 2 -m apps.protein.train --config apps/protein/configs/tiny.yaml dap_size=2   # one sample, 2 ranks
+    python -m apps.protein.train --config apps/protein/configs/tiny_finetune.yaml   # fine-tune runs/protein/tiny
 
 Flow: chains + MSAs read once -> crops (random, or each chain's fixed evaluated window with
 `data.random_crop: false`, as tiny.yaml; fresh MSA sampling and masking every item) ->
@@ -33,6 +34,44 @@ def build_model(cfg: RecipeConfig) -> AlphaFold:
 
     seed_everything(cfg.train.seed)  # the same initial weights on every rank and every run
     return AlphaFold(cfg.model)
+
+
+FINE_TUNING_HEADS = ("heads.pae.",)
+
+
+def initial_weights(cfg: RecipeConfig) -> Path | None:
+    """The `init_from` weights to start from, or None: none given, or output_dir already holds a
+    checkpoint (fit resumes from it). Checked before any data or model is built."""
+    if not cfg.init_from:
+        return None
+    from phalanx.checkpoint.train_state import latest_checkpoint
+
+    if Path(cfg.train.output_dir).is_dir() and latest_checkpoint(Path(cfg.train.output_dir)) is not None:
+        return None
+    path = Path(cfg.init_from)
+    if not path.exists():
+        raise FileNotFoundError(f"init_from={cfg.init_from}: no such file or directory; give the initial training's "
+                                "output_dir (train.output_dir of its config), one of its checkpoints/step-* "
+                                "directories, or AlphaFold .npz / OpenFold .pt parameters")
+    return path
+
+
+def load_initial_weights(model: AlphaFold, path: Path) -> None:
+    """Fine-tuning's starting point into `model`: a training run's trained weights, or parameters."""
+    if path.is_file() and path.suffix.lower() in (".npz", ".pt", ".pth", ".ckpt"):
+        from apps.protein.weights import load_params
+        unused = load_params(model, path)
+        if unused:
+            print(f"init_from {path}: {len(unused)} arrays unused (the template stack; model.templates is off)")
+        return
+    from apps.protein.predict import load_checkpoint_weights
+    from phalanx.observe import is_main_process
+
+    # The PAE head may be new (AlphaFold's _ptm models added it when fine-tuning): it starts fresh.
+    new = FINE_TUNING_HEADS if model.cfg.pae_head else ()
+    read = load_checkpoint_weights(model, path, ema=False, new=new)
+    if is_main_process():
+        print(f"init_from: starting from {read}")
 
 
 def dap_group(size: int):
@@ -119,9 +158,12 @@ def train(cfg: RecipeConfig):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train_cfg = with_dap_replicas(cfg)
+    init = initial_weights(cfg)
     train_chains, held_chains = train_and_heldout(cfg.max_train_chains, cfg.eval_heldout)
     dataset = CropDataset(train_chains, cfg.data, cfg.samples_per_epoch)
     model = build_model(cfg)
+    if init is not None:
+        load_initial_weights(model, init)
     if cfg.dap_size > 1:
         model.use_axial(DapAxial(dap_group(cfg.dap_size)))
     ema = EMA(cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None

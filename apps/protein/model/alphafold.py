@@ -141,6 +141,16 @@ LABEL_KEYS = frozenset({"all_atom_positions", "all_atom_mask", "atom14_gt_positi
                         "bert_mask"})
 
 
+@dataclass
+class EmbeddedTemplates:
+    """The template inputs with what depends on them alone, computed once per forward pass: the
+    template pair stack's output [B, T, L, L, c_t] and the torsion-angle MSA rows and their mask."""
+    inputs: dict[str, torch.Tensor]
+    pair: torch.Tensor
+    rows: torch.Tensor
+    row_mask: torch.Tensor
+
+
 def plddt_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Expected lDDT-Ca (0..100) per residue from the pLDDT head's bins."""
     centres = (torch.arange(PLDDT_BINS, device=logits.device, dtype=logits.dtype) + 0.5) / PLDDT_BINS
@@ -220,10 +230,21 @@ class AlphaFold(nn.Module):
         prev_z = target_feat.new_zeros(b, n, n, self.cfg.c_z)
         prev_x = target_feat.new_zeros(b, n, 3, dtype=fp32(target_feat[:0]).dtype)
         inputs = (target_feat, residue_index, msa_feat, msa_mask, extra_msa_feat, extra_msa_mask, seq_mask, aatype)
+        template_inputs = templates or None
+        if templates and self.cfg.template.cache:
+            # The template pair stack and the torsion-angle rows read only the template inputs, so
+            # they run once per forward (not once per recycling pass), with the gradient setting of
+            # the last pass: its graph is the one the loss backpropagates through, as without the
+            # cache; the passes before it read the result under no_grad. A local value, never
+            # kept on the module: nothing carries over to the next batch.
+            pair_mask = seq_mask[:, :, None] * seq_mask[:, None, :]
+            template_inputs = EmbeddedTemplates(
+                templates, self.template_embedder.embed(templates, pair_mask, dtype),
+                *self.template_angle_embedder(templates, dtype))
         for cycle in range(recycles + 1):
             last = cycle == recycles
             with torch.set_grad_enabled(last and torch.is_grad_enabled()):
-                out = self.iteration(*inputs, prev_m0, prev_z, prev_x, templates or None)
+                out = self.iteration(*inputs, prev_m0, prev_z, prev_x, template_inputs)
             prev_m0, prev_z = out["msa_first_row"].detach(), out["pair"].detach()
             prev_x = pseudo_beta(out["atom37"], aatype).detach()
         return out
@@ -241,8 +262,12 @@ class AlphaFold(nn.Module):
             # Algorithm 2: the templates' pair embedding joins z before the extra-MSA stack; their
             # torsion-angle rows join the MSA (after the extra-MSA stack, which does not see them).
             # Whole tensors on every rank, like the other embedders.
-            z = z + self.template_embedder(z, templates, pair_mask)
-            rows, row_mask = self.template_angle_embedder(templates, m.dtype)
+            if isinstance(templates, EmbeddedTemplates):      # model.template.cache: embedded once per forward
+                z = z + self.template_embedder.attend(z, templates.pair, templates.inputs)
+                rows, row_mask = templates.rows, templates.row_mask
+            else:
+                z = z + self.template_embedder(z, templates, pair_mask)
+                rows, row_mask = self.template_angle_embedder(templates, m.dtype)
             m, msa_mask = torch.cat([m, rows], 1), torch.cat([msa_mask, row_mask], 1)
         # Split for the stacks: MSA by rows, pair by its first residue axis.
         z = ax.scatter(z, 1)

@@ -49,6 +49,9 @@ class TemplateConfig:
     c_hidden_mul: int = 64        # triangle multiplication channels
     transition_n: int = 2
     unit_vector: bool = False     # AlphaFold's released models: False (the unit-vector features are zeros)
+    cache: bool = True            # run the template pair stack (and the torsion-angle rows) once per forward
+                                  # and reuse them in every recycling pass: they read only the template
+                                  # inputs; only the pointwise attention, which reads z, runs every pass
 
 
 def template_pair_features(aatype: torch.Tensor, positions: torch.Tensor, atom_mask: torch.Tensor,
@@ -161,18 +164,26 @@ class TemplateEmbedder(nn.Module):
         self.pair_stack = TemplatePairStack(template_stack_config(evoformer, cfg), cfg.blocks)
         self.pointwise = TemplatePointwiseAttention(c_z, cfg.c_t, cfg.heads)
 
-    def forward(self, z, batch: dict[str, torch.Tensor], pair_mask):
-        """z [B, L, L, c_z]; batch: the template inputs [B, T, ...]; pair_mask [B, L, L]."""
+    def embed(self, batch: dict[str, torch.Tensor], pair_mask, dtype: torch.dtype) -> torch.Tensor:
+        """The template pair stack's output t [B, T, L, L, c_t]: a function of the template inputs
+        and the residue mask only (not of the pair representation), so one result serves every
+        recycling pass (`AlphaFold.forward` with `model.template.cache`)."""
         b, n_t = batch["template_mask"].shape
-        dtype = z.dtype
         feats = template_pair_features(batch["template_aatype"], batch["template_all_atom_positions"].float(),
                                        batch["template_all_atom_mask"], batch["template_pseudo_beta"].float(),
                                        batch["template_pseudo_beta_mask"], self.unit_vector)
         t = self.pair_embedding(feats.to(dtype))                          # [B, T, L, L, c_t]
         flat = t.flatten(0, 1)
         mask = pair_mask[:, None].expand(b, n_t, *pair_mask.shape[1:]).flatten(0, 1)
-        t = self.pair_stack(flat, mask).unflatten(0, (b, n_t))
-        return self.pointwise(z, t, batch["template_mask"].to(dtype))
+        return self.pair_stack(flat, mask).unflatten(0, (b, n_t))
+
+    def attend(self, z, t, batch: dict[str, torch.Tensor]):
+        """The pointwise attention of z over the embedded templates t: the update of z."""
+        return self.pointwise(z, t, batch["template_mask"].to(z.dtype))
+
+    def forward(self, z, batch: dict[str, torch.Tensor], pair_mask):
+        """z [B, L, L, c_z]; batch: the template inputs [B, T, ...]; pair_mask [B, L, L]."""
+        return self.attend(z, self.embed(batch, pair_mask, z.dtype), batch)
 
 
 class TemplateAngleEmbedder(nn.Module):

@@ -144,15 +144,39 @@ TEMPLATE_OVERRIDES = ["model.templates=true", "model.template.c_t=8", "model.tem
                       "data.max_msa_clusters=4", "data.max_extra_msa=4"]
 
 
-def train_templates_rank(output_dir: str):
-    """Rank body: tiny.yaml with templates (each crop its own structure as template), 3 steps
-    through fit, a checkpoint and an eval at the end. Returns (losses, last eval)."""
+def train_templates_rank(output_dir: str, templates_from: str = "self"):
+    """Rank body: tiny.yaml with templates (each crop its own structure as template, or with
+    templates_from="search" the shipped structures released before the chain's), 3 steps through
+    fit, a checkpoint and an eval at the end. Returns (losses, last eval)."""
     from apps.protein.config import load_recipe
     from apps.protein.train import train
 
     cfg = load_recipe("apps/protein/configs/tiny.yaml", [
-        *TEMPLATE_OVERRIDES, "max_train_chains=2", "eval_heldout=false", "train.micro_batch_size=2",
+        *TEMPLATE_OVERRIDES, f"data.templates_from={templates_from}", "max_train_chains=2", "eval_heldout=false", "train.micro_batch_size=2",
         "train.max_steps=3", "train.eval_every=3", "train.save_every=3", "train.log_every=1",
         "train.progress_bar=false", "train.plot=false", f"train.output_dir={output_dir}"])
     result, _ = train(cfg)
     return result.losses, result.last_eval
+
+
+def finetune_rank(root: str) -> dict:
+    """Rank body: tiny.yaml trains 3 steps (seed 1), then tiny_finetune.yaml fine-tunes it 3 steps
+    from that run (init_from; its own seed 0 and a PAE head tiny.yaml lacks). Returns the fine-tuning
+    losses and eval, and both runs' final trained weights."""
+    from safetensors.torch import load_file
+
+    from apps.protein.config import load_recipe
+    from apps.protein.predict import latest_weights
+    from apps.protein.train import train
+
+    small = ["max_train_chains=2", "eval_heldout=false", "train.micro_batch_size=2", "data.crop_size=16",
+             "data.max_msa_clusters=4", "data.max_extra_msa=4", "train.max_steps=3", "train.eval_every=3",
+             "train.save_every=3", "train.log_every=1", "train.progress_bar=false", "train.plot=false"]
+    initial = f"{root}/initial"
+    train(load_recipe("apps/protein/configs/tiny.yaml", [*small, "train.seed=1", f"train.output_dir={initial}"]))
+    cfg = load_recipe("apps/protein/configs/tiny_finetune.yaml",
+                      [*small, f"init_from={initial}", f"train.output_dir={root}/finetune"])
+    result, _ = train(cfg)
+    weights = {name: load_file(str(latest_weights(run)[0])) for name, run in
+               (("initial", initial), ("finetune", f"{root}/finetune"))}
+    return {"losses": result.losses, "eval": result.last_eval, **weights}

@@ -239,12 +239,15 @@ def test_template_inputs_need_the_template_stack():
 # ------------------------------------------------------------------- train a few steps, predict
 @pytest.mark.slow
 def test_tiny_config_with_templates_trains_and_predicts(tmp_path, capsys):
-    """tiny.yaml with model.templates=true (each crop its own structure as template) trains 3 steps
-    through fit; `predict --template` then predicts held-out 4i6p A with 3zee A as its template."""
+    """tiny.yaml with model.templates=true trains 3 steps through fit, its templates searched among
+    the shipped structures released before each chain (data.templates_from=search: 1psm A, the
+    oldest, gets none; 2q2k A gets hits); `predict --template` then predicts held-out 4i6p A with
+    3zee A as its template, and `predict --template-dir --max-template-date 2013-01-01` with the
+    hits of the search released by then."""
     from phalanx.testing import spawn
     from protein_tiny import train_templates_rank
 
-    (losses, last_eval), = spawn(train_templates_rank, 1, str(tmp_path / "run"), timeout=600)
+    (losses, last_eval), = spawn(train_templates_rank, 1, str(tmp_path / "run"), "search", timeout=600)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert "lddt_ca" in json.dumps(last_eval)
     from apps.protein.predict import main as predict_main
@@ -261,6 +264,17 @@ def test_tiny_config_with_templates_trains_and_predicts(tmp_path, capsys):
     summary = json.loads((tmp_path / "pred" / "4i6p_A.json").read_text())
     assert summary["length"] == 88 and "lddt_ca" in json.dumps(summary["metrics"])
     assert (tmp_path / "pred" / "4i6p_A.cif").is_file()
+    predict_main(["--config", "apps/protein/configs/tiny.yaml", "--checkpoint", str(tmp_path / "run"),
+                  "--fasta", str(tmp_path / "q.fasta"), "--out", str(tmp_path / "searched"),
+                  "--template-dir", "apps/protein/data/structures", "--max-template-date", "2013-01-01",
+                  *TEMPLATE_OVERRIDES])
+    out = capsys.readouterr().out
+    hits = [line.split()[2].rstrip(":") for line in out.splitlines() if line.startswith("template hit ")]
+    assert hits == ["2q2k_A", "2crb_A"], out                      # data.max_templates=2; 5zng A, 4i39 A are later
+    assert "released 2008-02-05" in out and (tmp_path / "searched" / "4i6p_A.pdb").is_file()
+    with pytest.raises(ValueError, match="--max-template-date"):
+        predict_main(["--config", "apps/protein/configs/tiny.yaml", "--checkpoint", str(tmp_path / "run"),
+                      "--fasta", str(tmp_path / "q.fasta"), "--max-template-date", "2013-01-01", *TEMPLATE_OVERRIDES])
     with pytest.raises(ValueError, match="model.templates=true"):
         predict_main(["--config", "apps/protein/configs/tiny.yaml", "--checkpoint", str(tmp_path / "run"),
                       "--fasta", str(tmp_path / "q.fasta"), "--template", "apps/protein/data/structures/3zee.cif.gz:A"])
