@@ -388,3 +388,33 @@ def assert_rel_close(got, want, tol: float, what: str = "") -> float:
 def assert_update_close(got, want, start, tol: float, what: str = "") -> float:
     """`check(update_diff(got, want, start), tol, what)`."""
     return check(update_diff(got, want, start), tol, what)
+
+
+def live_saved_bytes(model, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages that a causal LM's decoder forward (`model.model`) leaves held
+    for backward, parameters excluded. Each saved tensor goes into a weakly referenced box that
+    lives exactly as long as its graph node, so a side branch the model drops (a router's logits)
+    neither counts nor aliases a later tensor's freed address. For checking activation estimates
+    against what autograd really keeps (`phalanx.plan`)."""
+    import weakref
+
+    class Box:
+        __slots__ = ("t", "__weakref__")
+
+        def __init__(self, t):
+            self.t = t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    boxes = []
+
+    def pack(t):
+        box = Box(t)
+        boxes.append(weakref.ref(box))
+        return box
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        out = model.model(input_ids=ids).last_hidden_state
+    storages = {box.t.untyped_storage().data_ptr(): box.t.untyped_storage().nbytes()
+                for box in (ref() for ref in boxes) if box is not None}
+    del out
+    return sum(n for ptr, n in storages.items() if ptr not in params)

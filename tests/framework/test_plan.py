@@ -111,41 +111,20 @@ MLA_FAMILIES = {"deepseek_v2": {}, "deepseek_v3": dict(n_group=2, topk_group=1)}
 
 
 def _saved_bytes_per_token(model_type: str, fields: dict, dtype, batch: int = 2, seq: int = 32):
-    """Bytes autograd saves for backward per token of one decoder layer (distinct storages,
-    parameters excluded): a 2-layer model less a 1-layer one. Only what the output's graph still
-    holds counts: a side branch whose result the model drops (the router's logits) frees its saved
-    tensors during the forward, and their memory may be reused, so each saved tensor is held by a
-    weakly referenced box that lives exactly as long as its graph node."""
-    import weakref
-
+    """Bytes autograd saves for backward per token of one decoder layer (distinct storages still
+    held by the output's graph, parameters excluded: `phalanx.testing.live_saved_bytes`): a
+    2-layer model less a 1-layer one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    class Box:
-        __slots__ = ("t", "__weakref__")
-
-        def __init__(self, t):
-            self.t = t
+    from phalanx.testing import live_saved_bytes
 
     saved = {}
     for layers in (1, 2):
         config = AutoConfig.for_model(model_type, **dict(fields, num_hidden_layers=layers, attn_implementation="sdpa"))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).to(dtype)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        boxes = []
-
-        def pack(t):
-            box = Box(t)
-            boxes.append(weakref.ref(box))
-            return box
-
         ids = torch.randint(0, fields["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
-            out = model.model(input_ids=ids).last_hidden_state
-        live = [box.t.untyped_storage() for box in (ref() for ref in boxes) if box is not None]
-        storages = {s.data_ptr(): s.nbytes() for s in live}
-        saved[layers] = sum(n for ptr, n in storages.items() if ptr not in params)
-        del out
+        saved[layers] = live_saved_bytes(model, ids)
     return (saved[2] - saved[1]) / (batch * seq), config
 
 

@@ -187,7 +187,7 @@ def test_lora_memory_flops_and_traffic_by_hand():
 
 def _saved_bytes_per_token(model_type, fields, dtype, lora):
     """Bytes autograd saves for backward per token of one decoder layer (distinct live storages,
-    parameters excluded: `_live_saved_bytes`): a 2-layer model less a 1-layer one, PEFT adapters
+    parameters excluded: `phalanx.testing.live_saved_bytes`): a 2-layer model less a 1-layer one, PEFT adapters
     added before the model is cast to the compute dtype (as the plugins cast a PeftModel)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -201,7 +201,7 @@ def _saved_bytes_per_token(model_type, fields, dtype, lora):
             model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, target_modules=list(lora.target_modules)))
             model = model.base_model.model
         ids = torch.randint(0, fields["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
-        saved[layers] = _live_saved_bytes(model.to(dtype), ids)
+        saved[layers] = live_saved_bytes(model.to(dtype), ids)
     return (saved[2] - saved[1]) / (batch * seq), config
 
 
@@ -262,34 +262,6 @@ def test_lora_on_latent_attention_activations_against_autograd(q_lora_rank, dtyp
         assert got - est == (0 if reads_input else _rope_table_bytes_per_position(spec, p) / 2), (targets, got, est)
 
 
-def _live_saved_bytes(model, ids) -> int:
-    """Bytes of the distinct storages that the forward's graph still holds for backward
-    (parameters excluded): each saved tensor in a weakly referenced box that lives as long as its
-    graph node, so a dropped side branch neither counts nor aliases a later tensor's address."""
-    import weakref
-
-    class Box:
-        __slots__ = ("t", "__weakref__")
-
-        def __init__(self, t):
-            self.t = t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    boxes = []
-
-    def pack(t):
-        box = Box(t)
-        boxes.append(weakref.ref(box))
-        return box
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
-        out = model.model(input_ids=ids).last_hidden_state
-    storages = {box.t.untyped_storage().data_ptr(): box.t.untyped_storage().nbytes()
-                for box in (ref() for ref in boxes) if box is not None}
-    del out
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_expert_parallel_block_activations_against_autograd(dtype):
     """The expert-parallel block (`phalanx.shard.expert_parallel`, here on one rank: the same
@@ -313,7 +285,7 @@ def test_expert_parallel_block_activations_against_autograd(dtype):
             if ep:
                 for layer in model.model.layers:
                     layer.mlp.experts = ExpertParallelExperts(layer.mlp.experts, ExpertGroups(1, 1, 0, None, None))
-            saved[ep, layers] = _live_saved_bytes(model.to(dtype), ids)
+            saved[ep, layers] = live_saved_bytes(model.to(dtype), ids)
     per_token = {ep: (saved[ep, 2] - saved[ep, 1]) / (batch * seq) for ep in (False, True)}
     p = 4 if dtype == torch.float32 else 2
     assert per_token[True] - per_token[False] == 2 * 2 * 8  # two int64 gather indices per assignment, k = 2
