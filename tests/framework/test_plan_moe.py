@@ -19,6 +19,7 @@ from phalanx.plan.lora import LoRA, adapter_params, layer_adapter_params
 from phalanx.plan.memory import estimate_memory, layer_activation_bytes_per_token, local_model
 from phalanx.plan.timing import estimate_time, training_flops_per_token
 from phalanx.plan.workload import Hardware, Workload
+from phalanx.testing import live_saved_bytes
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
