@@ -16,6 +16,11 @@ from phalanx.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
+# The plugins that run data x sequence parallelism (parallel.sp_size > 1; sequence_replicas.py): DDP deals per
+# SP group itself (ranks_per_replica); ZeRO-1/2, FSDP2 and Gemini shard over every rank and deal per SP group.
+# "hybrid" has its own sequence parallelism for causal LMs and does not take this model.
+SP_PLUGINS = ("ddp", "zero1", "zero2", "fsdp", "gemini")
+
 
 def resolve(path: str | Path) -> Path:
     return resolve_path(path, REPO)
@@ -158,7 +163,8 @@ class EvalConfig:
 class ParallelConfig:
     # Ulysses sequence parallelism over the video tokens: groups of sp_size consecutive ranks share one micro-batch
     # and each computes 1/sp_size of its tokens; the world / sp_size groups are the data-parallel replicas (data x
-    # sequence). sp_size must divide the world size; 1: off. With sp_size > 1, train.plugin=ddp.
+    # sequence). sp_size must divide the world size; 1: off. Under ddp, zero1, zero2, fsdp or gemini: the sharding
+    # plugins shard over every rank (dp x sp), as all of them hold the same parameters.
     sp_size: int = 1
 
 
@@ -262,9 +268,9 @@ class RecipeConfig:
         need(not m.i2v or not self.eval.motion_samples, "eval.motion_samples", self.eval.motion_samples,
              "the motion check samples from prompts alone; an i2v model needs a first frame: set it to 0")
         need(self.parallel.sp_size >= 1, "parallel.sp_size", self.parallel.sp_size, "must be at least 1")
-        need(self.parallel.sp_size == 1 or self.train.plugin == "ddp", "parallel.sp_size", self.parallel.sp_size,
-             f"runs under train.plugin=ddp (the SP groups are DDP's data replicas), got {self.train.plugin!r}: set "
-             "train.plugin=ddp, or parallel.sp_size=1 for fsdp / zero1 / zero2 / gemini")
+        need(self.parallel.sp_size == 1 or self.train.plugin in SP_PLUGINS, "parallel.sp_size", self.parallel.sp_size,
+             f"runs under train.plugin = {' / '.join(SP_PLUGINS)} (the SP groups inside their data-parallel replicas), "
+             f"got train.plugin={self.train.plugin!r}: choose one of those, or parallel.sp_size=1")
         need(self.eval.timesteps >= 1, "eval.timesteps", self.eval.timesteps, "must be at least 1")
 
 

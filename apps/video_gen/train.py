@@ -3,6 +3,7 @@
     python -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml
     torchrun --nproc-per-node 4 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
         parallel.sp_size=2          # data x sequence: 2 replicas of 2 ranks, each rank 1/2 of each clip
+                                    # (DDP; or train.plugin=zero2 / fsdp / gemini, sharded over all 4 ranks)
     torchrun --nproc-per-node 2 -m apps.video_gen.train --config apps/video_gen/configs/tiny.yaml \
         train.plugin=fsdp           # or zero2, gemini (sp_size=1)
 
@@ -43,7 +44,8 @@ from .model import (MOTION_CHANNELS, POSITION_CHANNELS, PooledTextConditioning, 
 from .motion import motion_check as sample_motion_check
 from .pipeline import VideoPipeline, make_meta, sample_clips
 from .sensitivity import direction_gap
-from .sequence_parallel import sequence_layout, with_sequence_replicas
+from .sequence_parallel import sequence_layout
+from .sequence_replicas import fit_data_sequence
 from .text import build_text_encoder, build_tokenizer, load_local_text, tokenize
 from .vae import encode_latents, frames_ok, load_vae, vae_factors
 
@@ -317,12 +319,15 @@ def unsharded_copy(cfg: RecipeConfig, model: VideoFlowModel) -> VideoFlowModel |
     final checkpoint. None elsewhere (the model itself is exported)."""
     import copy
 
-    return copy.deepcopy(model) if is_main_process() and cfg.train.plugin in ("fsdp", "gemini") else None
+    if not (is_main_process() and cfg.train.plugin in ("fsdp", "gemini")):
+        return None
+    with model.sequence_parallel(None):   # a process group is not copied; the export samples without SP
+        return copy.deepcopy(model)
 
 
 def train(cfg: RecipeConfig):
     from phalanx.checkpoint.hf import load_hf_state_dict
-    from phalanx.train import EMA, fit
+    from phalanx.train import EMA
 
     from phalanx.data.buckets import unwrap_single
 
@@ -338,10 +343,10 @@ def train(cfg: RecipeConfig):
     log.info(f"held-out flow loss ({space}) before training: " + ", ".join(f"{k}={v:.4f}" for k, v in initial.items()))
     ema = EMA(cfg.eval.ema_decay) if cfg.eval.ema_decay else None
     export_model = unsharded_copy(cfg, model)
-    result = fit(with_sequence_replicas(cfg.train, cfg.parallel.sp_size), model, batches, collate_fn=unwrap_single,
-                 loss_fn=batch_loss,
-                 eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir, vae, ema), tokenizer=None,
-                 hooks=[ema] if ema is not None else [])
+    result = fit_data_sequence(cfg.train, cfg.parallel.sp_size, model, batches, collate_fn=unwrap_single,
+                               loss_fn=batch_loss,
+                               eval_fn=make_eval_fn(cfg, tokenizer, held, output_dir, vae, ema), tokenizer=None,
+                               hooks=[ema] if ema is not None else [])
     averaged = ema.full_state_dict() if ema is not None else None   # every rank (FSDP gathers)
     if is_main_process():
         model = export_model or model

@@ -83,9 +83,9 @@ def fit_layout(output_dir: str, plugin: str, sp: int, *overrides: str) -> dict:
 
     from phalanx.checkpoint.hf import load_hf_state_dict
     from phalanx.data.buckets import unwrap_single
-    from phalanx.train import fit
 
-    from apps.video_gen.sequence_parallel import sequence_layout, with_sequence_replicas
+    from apps.video_gen.sequence_parallel import sequence_layout
+    from apps.video_gen.sequence_replicas import fit_data_sequence
 
     cfg, model, tokenizer = build(output_dir, f"train.plugin={plugin}", f"parallel.sp_size={sp}", *overrides)
     if sp > 1:
@@ -97,8 +97,7 @@ def fit_layout(output_dir: str, plugin: str, sp: int, *overrides: str) -> dict:
         draws.append(torch.rand(()).item())
         return m(**b)
 
-    result = fit(with_sequence_replicas(cfg.train, sp), model, batches(tokenizer), collate_fn=unwrap_single,
-                 loss_fn=loss_fn)
+    result = fit_data_sequence(cfg.train, sp, model, batches(tokenizer), collate_fn=unwrap_single, loss_fn=loss_fn)
     state = load_hf_state_dict(result.checkpoint_dir / "model") if dist.get_rank() == 0 else None
     return {"losses": result.losses, "state": state, "seen": seen, "draws": draws}
 
