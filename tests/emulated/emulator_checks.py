@@ -62,6 +62,16 @@ def complex_products_and_their_gradients_match_the_cpu():
 
 
 @check
+def the_accelerator_current_stream_waits_on_device_events():
+    """FSDP2 waits on its all-gather events through torch.accelerator.current_stream() (after a
+    recomputed forward): that stream must take the emulated device's events."""
+    event = device_module().current_stream().record_event()
+    torch.accelerator.current_stream().wait_event(event)
+    torch.accelerator.current_stream(DEV).wait_event(event)
+    assert torch.accelerator.current_stream() is device_module().current_stream()
+
+
+@check
 def mixing_a_device_and_a_cpu_tensor_raises_as_cuda_does():
     x = torch.ones(3, 4, device=DEV)
     raises(lambda: x + torch.ones(3, 4), "same device", "emucuda:0", "cpu")

@@ -24,12 +24,12 @@ def test_video_train_on_four_emulated_gpus_data_times_sequence_parallel(tmp_path
     check_video_run(out)
 
 
-# FSDP2 runs without activation checkpointing here: with it, FSDP2's forward prefetch during the recomputed
-# forward leaves an all-gather that finalize_backward waits on through torch.accelerator.current_stream(),
-# which the emulated device does not serve ("Event device type CPU does not match blocking stream's device
-# type EMUCUDA"; the same with sp_size=1 on 2 ranks, so not this layout's). An emulator gap, not a GPU one.
+# FSDP2 with activation checkpointing: its forward prefetch during the recomputed forward leaves an
+# all-gather that finalize_backward waits on through torch.accelerator.current_stream(), which the
+# emulator now answers with its own stream (it failed with "Event device type CPU does not match
+# blocking stream's device type EMUCUDA" before: an emulator gap, not a GPU one).
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin, checkpointing", [("zero2", "true"), ("fsdp", "false")])
+@pytest.mark.parametrize("plugin, checkpointing", [("zero2", "true"), ("fsdp", "true")])
 def test_video_train_on_four_emulated_gpus_data_times_sequence_sharded(tmp_path, plugin, checkpointing):
     out = tmp_path / "video"
     output = emulated(run_module_emulated("apps.video_gen.train", *VIDEO_PIXELS, f"train.output_dir={out}",

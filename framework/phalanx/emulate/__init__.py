@@ -43,6 +43,7 @@ def install() -> None:
     torch.Tensor.is_pinned = tensor.is_pinned
     tensor.patch_data_setter()
     tensor.patch_pinned_factories()
+    runtime.patch_accelerator_streams()
     # transformers' hub kernels refuse devices they do not know (kernelize on `.train()`).
     os.environ.setdefault("USE_HUB_KERNELS", "0")
     collectives.install()

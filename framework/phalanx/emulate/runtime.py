@@ -381,3 +381,27 @@ class EmulatedDeviceModule:
     def set_rng_state_all(states) -> None:
         for i, state in enumerate(states):
             generator(i).set_state(state)
+
+
+def patch_accelerator_streams() -> None:
+    """`torch.accelerator.current_stream()` answers with the emulated device module's own stream.
+
+    torch's version returns a C++ `torch.Stream`, whose `wait_event` accepts only C++ events; the
+    emulated device's events are Python objects (complete when issued). FSDP2 records its
+    all-gather events on the device module's streams and, in `finalize_backward` after a recomputed
+    forward (activation checkpointing), waits on them through `torch.accelerator.current_stream()`:
+    "Event device type CPU does not match blocking stream's device type EMUCUDA" before this."""
+    original = torch.accelerator.current_stream
+    if getattr(original, "_phalanx_emulated", False):
+        return
+
+    def current_stream(device=None):
+        if device is None or isinstance(device, int):
+            accelerator = torch.accelerator.current_accelerator()
+            is_emulated = accelerator is not None and accelerator.type == EMULATED_TYPE
+        else:
+            is_emulated = torch.device(device).type == EMULATED_TYPE
+        return EmulatedDeviceModule.current_stream(device) if is_emulated else original(device)
+
+    current_stream._phalanx_emulated = True
+    torch.accelerator.current_stream = current_stream
