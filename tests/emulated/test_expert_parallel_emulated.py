@@ -34,3 +34,11 @@ def test_lora_with_expert_parallelism_on_the_emulated_gpu():
     an injected overflow) against one process, saving and merging (tests/framework/test_lora_ep.py)."""
     out = pytest_emulated("tests/framework/test_lora_ep.py")
     assert " passed" in out and "failed" not in out and "skipped" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_expert_parallelism_with_sequence_parallelism_on_the_emulated_gpu():
+    """ep2 with Ulysses / ring sequence parallelism (and dp2) against one process, its checkpoints
+    (tests/framework/test_expert_parallel_sp.py)."""
+    out = pytest_emulated("tests/framework/test_expert_parallel_sp.py")
+    assert " passed" in out and "failed" not in out and "skipped" not in out, out[-3000:]

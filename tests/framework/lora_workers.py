@@ -17,16 +17,36 @@ PROBE = torch.arange(2 * cases.SEQ).remainder(128).view(2, cases.SEQ)  # the bat
 
 
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # Mixtral's fused expert tensors
+# DeepSeek (deepseek_workers' tiny random configs: "v3" q_lora_rank 24, sigmoid group routing, one shared
+# expert; "v2" V2-Lite's q_proj, biases, group-limited greedy routing, two shared experts; 8 routed
+# experts, the first layer dense): every multi-head latent attention projection, the routed experts
+# and the shared experts. The shared experts go through target_parameters (their `.weight`): peft
+# 0.21 rewrites any target_modules entry named gate_proj / up_proj / down_proj on a model that
+# transformers 5 fused (DeepSeek, Qwen2-MoE) into the routed experts' fused tensors (its v4 -> v5
+# conversion), so `shared_experts.gate_proj` would silently adapt the routed experts instead.
+DEEPSEEK = {"deepseek_v3": "v3", "deepseek_v2": "v2"}
+MLA_TARGETS = {"deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+               "deepseek_v2": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+SHARED_EXPERT_TARGETS = [f"mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
 
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", *DEEPSEEK)
+
+
+def num_experts(family: str) -> int:
+    """Routed experts per block of `base_model(family)`."""
+    return 8 if family in DEEPSEEK else 4
 
 
 def lora_config(family: str = "llama", random_b: bool = False):
     """LoRA on q/v/down_proj; for the mixture-of-experts models on q/v_proj and on every expert's
-    weights (peft's target_parameters: per-expert A and B in one tensor each). `random_b`: B drawn
+    weights (peft's target_parameters: per-expert A and B in one tensor each); for DeepSeek on its
+    MLA projections, routed and shared experts (`MLA_TARGETS`, `SHARED_EXPERT_TARGETS`). `random_b`: B drawn
     at random too (peft's init_lora_weights=False), so a mix-up of B's expert columns shows."""
     import peft
+    if family in DEEPSEEK:
+        return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=MLA_TARGETS[family],
+                               target_parameters=EXPERT_TARGETS + SHARED_EXPERT_TARGETS, init_lora_weights=not random_b)
     if family in MOE_FAMILIES:
         return peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                target_parameters=EXPERT_TARGETS, init_lora_weights=not random_b)
@@ -35,11 +55,15 @@ def lora_config(family: str = "llama", random_b: bool = False):
 
 def base_model(family: str = "llama"):
     """The tiny LLaMA, or a tiny Mixtral of the same widths (4 experts, top-2), or a tiny Qwen2-MoE
-    (4 routed experts, top-2, and a shared expert), seed 0. The MoE models run transformers' eager
-    experts (its grouped kernel counts tokens with an integer histc on CUDA, which the emulated GPU
-    cannot run)."""
+    (4 routed experts, top-2, and a shared expert), or a tiny DeepSeek-V3 / V2 (`DEEPSEEK`), seed 0.
+    The MoE models run transformers' eager experts (its grouped kernel counts tokens with an
+    integer histc on CUDA, which the emulated GPU cannot run)."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
+    if family in DEEPSEEK:
+        import deepseek_workers
+
+        return deepseek_workers.build(DEEPSEEK[family])  # seed 0, eager experts
     if family == "mixtral":
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(
@@ -215,6 +239,20 @@ def run_lora_ep(directory: str, family: str, random_b: bool = False, **plugin_kw
     finally:
         Booster.boost = real_boost
     return {**got, **captured}
+
+
+def ep_split_only(family: str, random_b: bool = True, **plugin_kwargs) -> dict:
+    """Boost the LoRA `family` model under HybridParallelPlugin(**plugin_kwargs) (no step): this
+    rank's EP index and the local tensor of every expert adapter the split cut."""
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins import make_plugin
+
+    booster = Booster(plugin=make_plugin("hybrid", **plugin_kwargs))
+    model = lora_model(booster.enable_lora, family, random_b)
+    model, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=cases.LR))
+    plan = booster.plugin.ep_plan
+    params = dict(booster.unwrap(model).named_parameters())
+    return {"ep_rank": plan.groups.ep_rank, "local": {n: params[n].detach().cpu().clone() for n in plan.adapters}}
 
 
 def lora_split_pieces(name: str, **plugin_kwargs) -> dict:

@@ -7,7 +7,7 @@ changes) with interleaved RoPE, and with RoPE by halves (rope_interleave=False) 
 expert block. The KV cache holds one latent per token and layer (kv_lora_rank + rope wide), and
 the block budget is sized by it; a batch with preemption, a shared prefix from the prefix cache,
 speculative decoding (the model as its own draft) and tensor parallelism (2 gloo ranks: heads
-split, experts split by width) give the same tokens. LoRA is refused by name."""
+split, experts split by width) give the same tokens. LoRA is refused by name, before any work."""
 from __future__ import annotations
 
 import pytest
@@ -226,6 +226,24 @@ def test_refusals_name_the_problem(models):
         spec_for_inference(deepseek_config(3, n_group=8, topk_group=2))
     with pytest.raises(ValueError, match="topk_method='noaux_tc' is not a routing"):
         spec_for_inference(deepseek_config(2, topk_method="noaux_tc"))
+
+
+def test_lora_is_refused_before_the_weights_are_read(models, monkeypatch):
+    """`enable_lora` on DeepSeek fails with the fix in the message before the model runner is
+    built or a weight is read (from a directory and from a live module), not after loading."""
+    import phalanx.inference.engine as engine_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the engine started work before refusing LoRA on multi-head latent attention")
+    monkeypatch.setattr(engine_module, "ModelRunner", no_work)
+    monkeypatch.setattr(engine_module, "load_weights", no_work)
+    for case in ("v2-groups-biases", "v3-yarn"):
+        path, model = models[case]
+        family = model.config.model_type
+        with pytest.raises(ValueError, match=f"LoRA adapters are not served on {family}.*merge=True"):
+            engine(path, enable_lora=True)
+        with pytest.raises(ValueError, match=f"LoRA adapters are not served on {family}.*merge_and_unload"):
+            LLM.from_model(model, im.make_tokenizer(), enable_lora=True, dtype="float32")
 
 
 def tp_deepseek(cases: list[dict]) -> list[dict]:

@@ -268,12 +268,25 @@ class _ExpertAdapter:
         self.wrapper, self.adapter = wrapper, adapter
         self.names = {f"{path}.{wrapper.parameter_name}": "base", f"{name}.lora_A.{adapter}.weight": "A",
                       f"{name}.lora_B.{adapter}.weight": "B"}
-        self.merged_name = f"{path.replace('.base_layer', '')}.{wrapper.parameter_name}"
+        self.base_path, self.clean_path = path, path.replace(".base_layer", "")  # the wrapped module's names
+        self.merged_name = f"{self.clean_path}.{wrapper.parameter_name}"
 
     def merge(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """W[e] + scaling * (B_e @ A_e), per expert, laid out as W: what peft's get_delta_weight computes."""
-        # the full weight's expert count (under expert parallelism the wrapper holds only its rank's)
+        """W[e] + scaling * (B_e @ A_e), per expert, laid out as W: what peft's get_delta_weight computes.
+        A 2-D parameter (a linear layer's `.weight` named in target_parameters: DeepSeek's shared
+        experts, whose module names peft's v4 -> v5 conversion would take for the routed experts')
+        is one plain linear adapter: W + scaling * B @ A."""
         weight = parts["base"]
+        if weight.dim() == 2:
+            from peft.utils.other import transpose
+
+            delta = transpose(parts["B"].float() @ parts["A"].float(), getattr(self.wrapper, "fan_in_fan_out", False))
+            delta = delta * self.wrapper.scaling[self.adapter]
+            if delta.shape != weight.shape:
+                raise ValueError(f"merge=True: the delta of {self.merged_name} has shape {tuple(delta.shape)}, the "
+                                 f"weight {tuple(weight.shape)}: save the adapter (merge=False) instead")
+            return (weight.float() + delta.to(weight.device)).to(weight.dtype)
+        # the full weight's expert count (under expert parallelism the wrapper holds only its rank's)
         experts = weight.shape[0] if weight.dim() == 3 else self.wrapper.num_experts
         a = parts["A"].float().reshape(experts, -1, parts["A"].shape[-1])  # experts x rank x in
         b = parts["B"].float().reshape(parts["B"].shape[0], -1, experts)  # out x rank x experts
@@ -353,6 +366,8 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
             raise ValueError(_EXPERT_MERGE_UNDER_PP)
         return _LayerElsewhere(peft_model, adapter, layer)
 
+    # the other tensors of a module below target_parameters wrappers (a linear layer's bias): its own names
+    wrapped = {expert.base_path: expert.clean_path for expert, _ in experts.values()}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     expert_parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in pairs:
@@ -364,6 +379,10 @@ def merged_pairs(peft_model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
             if len(parts) == 3:
                 del expert_parts[expert.merged_name]
                 yield expert.merged_name, expert.merge(parts)
+            continue
+        module, _, leaf = name.rpartition(".")
+        if module in wrapped:
+            yield f"{wrapped[module]}.{leaf}", tensor
             continue
         where = _split(name, layers, elsewhere)
         if where is None:

@@ -101,6 +101,16 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def _check_lora_served(spec) -> None:
+    """Refuse `enable_lora` where the engine serves no adapters, before any work (weights read,
+    cache allocated): multi-head latent attention (DeepSeek-V2 / V3). The runner's `lora` setter
+    refuses the same, after the weights are loaded."""
+    if spec.mla:
+        raise ValueError(f"LoRA adapters are not served on {spec.family} (multi-head latent attention) yet: merge "
+                         "the adapter into the base model (booster.save_lora_as_pretrained(..., merge=True), or peft's "
+                         "merge_and_unload then save_pretrained) and serve the merged model without enable_lora")
+
+
 class LLM:
     """A decoder-only model (see `phalanx.models.SUPPORTED`) served with a paged KV cache and continuous
     batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
@@ -142,6 +152,8 @@ class LLM:
         self.model_name = name or "model"
         self.hf_config = config
         self.spec = spec_for_inference(config)
+        if enable_lora:
+            _check_lora_served(self.spec)  # before the weights are read or the cache allocated
         check_tp(self.spec, self.config.tp_size)  # before any process group is touched
         self.tp = TPGroup(self.config.tp_size)
         self.device = torch.device(device) if device is not None else _default_device(self.tp)

@@ -13,8 +13,8 @@ PLUGINS = ("ddp", "zero", "fsdp", "gemini", "hybrid")
 @dataclasses.dataclass(frozen=True)
 class Layout(_BaseLayout):
     """`phalanx.layout.Layout` with expert parallelism: ep, the hybrid plugin's `ep_size` (the
-    routed experts of a mixture of experts split over groups of ep data-parallel ranks; ep divides
-    dp, docs/moe.md). ep = 1 is the base layout unchanged."""
+    routed experts of a mixture of experts split over groups of ep data(× sequence)-parallel ranks;
+    ep divides dp × sp, docs/moe.md). ep = 1 is the base layout unchanged."""
     ep: int = 1
 
     @classmethod
@@ -25,7 +25,7 @@ class Layout(_BaseLayout):
 
     @property
     def expert_shard_group(self) -> int:
-        """Ranks an expert's optimizer state is sharded over: its replicas, dp / ep."""
+        """Ranks an expert's optimizer state is sharded over: its replicas, dp × sp / ep."""
         return max(1, self.shard_group // self.ep)
 
     def name(self) -> str:
@@ -71,12 +71,14 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
             return f"ep={ep}: expert parallelism is the hybrid plugin's (ep_size); {layout.plugin} has none"
         if not spec.is_moe:
             return f"ep={ep}: {spec.name} has no experts to split"
-        if layout.dp % ep:
-            return f"ep={ep} must divide the data-parallel size {layout.dp}: choose ep in {_divisors(layout.dp)}"
+        if layout.sp_mode == "split_gather":
+            return f"ep={ep} is not combined with split-gather sequence parallelism (HybridParallelPlugin): use Ulysses"
+        data = layout.dp * s  # Ulysses/ring: the experts split over dp x sp (each rank routes its own tokens)
+        if data % ep:
+            what = f"data x sequence-parallel size {data}" if s > 1 else f"data-parallel size {data}"
+            return f"ep={ep} must divide the {what}: choose ep in {_divisors(data)}"
         if spec.num_experts % ep:
             return f"ep={ep} must divide the {spec.num_experts} experts: choose ep in {_divisors(spec.num_experts)}"
-        if s > 1 or layout.sp_mode:
-            return f"ep={ep} is not combined with sequence parallelism yet (HybridParallelPlugin)"
     return None
 
 

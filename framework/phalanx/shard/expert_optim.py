@@ -2,12 +2,13 @@
 over different groups (docs/moe.md).
 
 Dense weights (attention, norms, embeddings, router, shared expert) have one replica per
-data-parallel rank, as without experts. An expert has one replica per *expert* data-parallel rank
-(the dp/ep ranks with the same EP index), and its gradient on each of them already sums the
-contributions of the ep ranks whose tokens it served (the backward all-to-all brought them). Its
-gradient is therefore first scaled by 1/ep (a tensor hook, `scale_expert_grads`) and then averaged
-over its own replicas: the sum over dp/ep replicas divided by dp, the mean over every rank's loss,
-as the dense weights get.
+data-parallel rank, as without experts (under Ulysses/ring sequence parallelism: per data ×
+sequence-parallel rank, dp × sp, each rank computing on its own tokens; read dp as dp × sp below).
+An expert has one replica per *expert* data-parallel rank (the dp/ep ranks with the same EP
+index), and its gradient on each of them already sums the contributions of the ep ranks whose
+tokens it served (the backward all-to-all brought them). Its gradient is therefore first scaled by
+1/ep (a tensor hook, `scale_expert_grads`) and then averaged over its own replicas: the sum over
+dp/ep replicas divided by dp, the mean over every rank's loss, as the dense weights get.
 
 - zero_stage 0: `ExpertHybridOptimizer`, `HybridOptimizer` whose replica reduction averages dense
   gradients over the data-parallel group and expert gradients over the expert data-parallel group.

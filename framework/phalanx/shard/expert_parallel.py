@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.shard.loss import _SumOverShards  # (same package)
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertGroups:
@@ -238,8 +240,11 @@ class ExpertParallelPlan:
         self._expert_params |= {id(p) for p in adapter_params}
         self.router_logits: dict[str, torch.Tensor] = {}  # the last forward's, by expert block
         # the ranks whose batches make up the global batch (None: the world); HybridParallelPlugin
-        # sets its data-parallel group (tensor-parallel peers see the same tokens)
+        # sets its data × sequence-parallel group (tensor-parallel peers see the same tokens)
         self.batch_group = None
+        # under Ulysses/ring sequence parallelism, the ranks holding shards of the same rows (a
+        # subgroup of batch_group): the router losses' values are summed over them (None: no sp)
+        self.sequence_group = None
         for name, router in routers.items():
             router.register_forward_hook(self._recorder(name))
 
@@ -256,7 +261,8 @@ class ExpertParallelPlan:
             raise RuntimeError("load_balancing_loss(): run a forward first (the routers record their logits)")
         logits = [self.router_logits[name] for name in self.routers]
         router = next(iter(self.routers.values()))
-        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group or self.batch_group)
+        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group or self.batch_group,
+                                   self.sequence_group)
 
     def router_z_loss(self, attention_mask=None, group=None) -> torch.Tensor:
         """ST-MoE's router z-loss (`router_z_loss`) of the last forward's routers, over every rank's
@@ -264,7 +270,7 @@ class ExpertParallelPlan:
         if len(self.router_logits) != len(self.routers) or not self.routers:
             raise RuntimeError("router_z_loss(): run a forward first (the routers record their logits)")
         return router_z_loss([self.router_logits[name] for name in self.routers], attention_mask,
-                             group or self.batch_group)
+                             group or self.batch_group, self.sequence_group)
 
     def is_expert(self, param: torch.Tensor) -> bool:
         return id(param) in self._expert_params
@@ -483,12 +489,13 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups |
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,
-                        group=None) -> torch.Tensor:
+                        group=None, sequence_group=None) -> torch.Tensor:
     """transformers' auxiliary load-balancing loss (`load_balancing_loss_func`) over the batch of
     every rank in `group` (None: the world; one process: exactly HF's value). Returned per rank as
     world · E · Σ_e f_e · P_e,local, with f_e (the global share of assignments, no gradient) and
     P_e (routing probability summed over rows) divided by the global row count: its mean over
-    ranks is the global loss and its averaged gradient the global gradient."""
+    ranks is the global loss and its averaged gradient the global gradient. `sequence_group`: the
+    ranks of `group` that hold sequence shards of the same rows (`over_sequence_shards`)."""
     logits = torch.cat([layer.float() for layer in router_logits]) if isinstance(router_logits, (tuple, list)) \
         else router_logits.float()
     layers = len(router_logits) if isinstance(router_logits, (tuple, list)) else 1
@@ -506,13 +513,14 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
         dist.all_reduce(totals, group=group)
         counts, rows = totals[:-1], totals[-1:]
     prob_sum = (probs * mask[:, None]).sum(0)
-    return size * num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    return over_sequence_shards(size * num_experts * torch.sum((counts / rows) * (prob_sum / rows)), sequence_group)
 
 
-def router_z_loss(router_logits, attention_mask=None, group=None) -> torch.Tensor:
+def router_z_loss(router_logits, attention_mask=None, group=None, sequence_group=None) -> torch.Tensor:
     """The router z-loss of ST-MoE (Zoph et al. 2022): the mean over every (layer, token) row of
     logsumexp(logits)², padding rows left out, over the batch of every rank in `group` (None: the
-    world). Returned per rank as world · Σ_local / N_global: the mean over ranks is the global value."""
+    world). Returned per rank as world · Σ_local / N_global: the mean over ranks is the global value
+    (`sequence_group`: see `over_sequence_shards`)."""
     layers = router_logits if isinstance(router_logits, (tuple, list)) else [router_logits]
     logits = torch.cat([layer.float() for layer in layers])
     mask = torch.ones(logits.shape[0], device=logits.device) if attention_mask is None else \
@@ -521,4 +529,17 @@ def router_z_loss(router_logits, attention_mask=None, group=None) -> torch.Tenso
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         size = dist.get_world_size(group)
         dist.all_reduce(rows, group=group)
-    return size * (torch.logsumexp(logits, dim=-1) ** 2 * mask).sum() / rows[0]
+    return over_sequence_shards(size * (torch.logsumexp(logits, dim=-1) ** 2 * mask).sum() / rows[0], sequence_group)
+
+
+def over_sequence_shards(loss: torch.Tensor, sequence_group=None) -> torch.Tensor:
+    """A router loss in the per-rank form over dp × sp ranks (the mean over them is the global
+    value) whose value is made that of the rank's rows: under Ulysses/ring sequence parallelism the
+    s ranks of `sequence_group` route shards of the same rows, and each returns the sum of their
+    losses / s (the same value on each: the per-rank form over dp alone, as the cross-entropy
+    `phalanx.shard.loss.CausalLMLoss` is summed over the shards) while its gradient stays its own
+    shard's, so averaging gradients over dp × sp gives the global gradient. None or one rank: `loss`."""
+    if sequence_group is None or dist.get_world_size(sequence_group) == 1:
+        return loss
+    size = dist.get_world_size(sequence_group)
+    return _SumOverShards.apply(loss / size, sequence_group, float(size))

@@ -79,6 +79,8 @@ def split_adapters(module: nn.Module, kind: str, extra: dict, bias_spec: ShardSp
         elif kind == "row":
             module.lora_A[adapter] = RowParallelLinear(take(a.weight, ShardSpec(1)), None, group=group,
                                                        sequence_parallel=sequence_parallel)
+            if getattr(module, "parameter_name", None):  # a weight adapter (peft target_parameters): peft
+                specs[id(b.weight)] = PARTIAL  # adds B·A_r to this rank's weight columns, so B's gradient is partial
         else:  # pragma: no cover - check_adapters refused the rest
             raise AssertionError(kind)
     if kind in ("column", "replicated_heads") and comm != "none":

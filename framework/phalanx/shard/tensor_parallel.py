@@ -294,6 +294,9 @@ def _record_specs(model: nn.Module, policy: Policy, plan: TPPlan, full_shapes: d
     under split-gather sequence parallelism)."""
     layer_prefix = policy.layers + "."
     per_head = set(policy.per_head_params)
+    # LoRA adapters of a replicated per-head module (DeepSeek's q_a_proj, kv_a_proj_with_mqa): their
+    # gradients are this rank's heads' share, partial as their base weight's
+    per_head_adapters = tuple({n.rsplit(".", 1)[0] + ".lora_" for n in per_head})
     for name, p in model.named_parameters(remove_duplicate=False):
         if plan.size == 1:
             spec = REPLICATED
@@ -301,7 +304,8 @@ def _record_specs(model: nn.Module, policy: Policy, plan: TPPlan, full_shapes: d
             spec = split[id(p)]
         elif name.startswith(layer_prefix):
             in_layer = name[len(layer_prefix):].split(".", 1)[1]
-            spec = ShardSpec(partial_grad=in_layer in per_head or plan.sequence_parallel)
+            partial = in_layer in per_head or bool(per_head_adapters) and in_layer.startswith(per_head_adapters)
+            spec = ShardSpec(partial_grad=partial or plan.sequence_parallel)
         else:
             spec = REPLICATED
         plan.params[name] = ParamShard(spec, full_shapes[name])

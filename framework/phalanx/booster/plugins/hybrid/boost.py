@@ -138,7 +138,8 @@ class HybridBoosting:
 
     def _apply_ep(self, model: nn.Module) -> None:
         """ep_size > 1: split the experts over the EP groups (`self.ep_plan`); the load-balancing
-        loss, z-loss and token counts are taken over the data-parallel group (the global batch).
+        loss, z-loss and token counts are taken over the data × sequence-parallel group (the global
+        batch; under Ulysses/ring each rank routes its own shard of the sequence).
         DeepSeek with config.output_router_logits: its own balance loss (HybridModel adds
         `phalanx.models.deepseek.BalanceLoss`, with or without EP) is checked here. Under pp, a
         stage holding only dense layers (DeepSeek's first_k_dense_replace) keeps no expert plan."""
@@ -175,7 +176,10 @@ class HybridBoosting:
             log.info("expert parallelism: no expert block on pipeline rank %d's stages", self.pp_rank)
             return
         self.ep_plan = apply_expert_parallel(model, self.ep_size, self.expert_groups)
-        self.ep_plan.batch_group = self.dp_group
+        # the global batch: every token once over dp x sp (Ulysses/ring ranks hold sequence shards);
+        # the router losses' values are summed over the shards of a sequence, as the cross-entropy's
+        self.ep_plan.batch_group = self.dp_sp_group
+        self.ep_plan.sequence_group = self.sp_group if self.sp_size > 1 else None
         log.info("expert parallelism: %d experts per block on this rank, ep=%d",
                  next(iter(self.ep_plan.experts.values())).local, self.ep_size)
 
@@ -233,7 +237,7 @@ class HybridBoosting:
                                    precision=self.precision)
 
     def _expert_optimizer(self, optimizer, hf: nn.Module, names, weights, partial):
-        """ep_size > 1: dense gradients over dp, expert gradients over their own replicas
+        """ep_size > 1: dense gradients over dp × sp, expert gradients over their own replicas
         (`phalanx.shard.expert_optim`)."""
         from phalanx.shard.expert_optim import ExpertHybridOptimizer, ExpertZeroOptimizer, scale_expert_grads
 
@@ -245,7 +249,7 @@ class HybridBoosting:
             # the norm divides every weight by dp (the dense copies); an expert has dp / ep copies
             weights = {k: w * self.ep_size if k in expert_ids else w for k, w in weights.items()}
             return ExpertHybridOptimizer(optimizer, expert_ids=expert_ids, expert_dp_group=edp, names=names,
-                                         precision=self.precision, max_norm=self.max_norm, dp_group=self.dp_group,
+                                         precision=self.precision, max_norm=self.max_norm, dp_group=self.dp_sp_group,
                                          tp_group=self.tp_group, partial_ids={id(p) for p in partial},
                                          weights=weights, device=self.device)
         config = ZeroConfig(stage=self.zero_stage, max_norm=self.max_norm, **self.zero_options)

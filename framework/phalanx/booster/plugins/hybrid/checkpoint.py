@@ -300,7 +300,8 @@ class HybridCheckpointIO:
         if isinstance(optimizer, HybridZeroOptimizer):
             local = expert_zero_fragments(optimizer, self.ep_plan, self.device)
         else:
-            local = expert_full_state_fragments(optimizer, self.ep_plan, self.dp_group, self.device)
+            # dense state once per data x sequence group (the sequence shards hold the same state)
+            local = expert_full_state_fragments(optimizer, self.ep_plan, self.dp_sp_group, self.device)
         frags = to_full_fragments(local, boosted.plan, device=self.device)
         if boosted.tied and not any(s.is_first for s in boosted.pipeline.stages):
             frags.fragments = [f for f in frags.fragments if f.param not in boosted.tied]

@@ -22,9 +22,11 @@ class HybridModel(nn.Module):
 
     With expert parallelism (`ep`, an ExpertParallelPlan), the router losses are those of the
     global batch: the config's `output_router_logits` adds `router_aux_loss_coef` times the
-    load-balancing loss over every data-parallel rank's tokens (not transformers' per-rank one, which
-    differs: the loss is not linear in the batch), and `z_loss` times the router z-loss; in the
-    per-rank form whose mean over ranks is the global value (phalanx.shard.expert_parallel).
+    load-balancing loss over every data(× sequence)-parallel rank's tokens (not transformers' per-rank
+    one, which differs: the loss is not linear in the batch), and `z_loss` times the router z-loss; in
+    the per-rank form whose mean over ranks is the global value (phalanx.shard.expert_parallel).
+    Under Ulysses/ring each rank routes its own shard of the sequence; the router losses' values are
+    summed over a row's shards (as the cross-entropy's), their gradients each shard's own.
     Without expert parallelism `z_loss` is taken from the router logits transformers returns.
 
     DeepSeek-V2 / V3 (whose configs have no router_aux_loss_coef): `output_router_logits` adds

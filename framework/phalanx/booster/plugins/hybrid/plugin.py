@@ -37,9 +37,10 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
     "zero_bubble") with num_microbatches per batch; virtual_stages: stages per rank for
     "interleaved" (default 2); layers_per_stage: decoder layers of each stage (default: even).
     ep_size: expert-parallel ranks for a mixture-of-experts model (docs/moe.md): the routed experts
-    are split over groups of ep_size data-parallel ranks, tokens travel by all-to-all; ep_size must
-    divide the data-parallel size. router_z_loss: ST-MoE's z-loss coefficient added to the loss
-    (with the load-balancing loss when the config asks for `output_router_logits`).
+    are split over groups of ep_size data(× sequence)-parallel ranks, tokens travel by all-to-all;
+    ep_size must divide dp × sp (Ulysses or ring; not split-gather). router_z_loss: ST-MoE's
+    z-loss coefficient added to the loss (with the load-balancing loss when the config asks for
+    `output_router_logits`).
     """
 
     name = "hybrid"
@@ -78,9 +79,10 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
         self.ep_plan = None  # the ExpertParallelPlan of the boosted model (boost.py)
         if ep_size < 1:
             raise LayoutError(f"ep_size={ep_size} must be at least 1")
-        if ep_size > 1 and (sequence_parallelism is not None or sp_size > 1):
-            raise LayoutError(f"ep_size={ep_size} is not combined with sequence parallelism yet "
-                              f"(sequence_parallelism={sequence_parallelism!r}, sp_size={sp_size}): use one or the other")
+        if ep_size > 1 and sequence_parallelism == "split_gather":
+            raise LayoutError(f"ep_size={ep_size} is not combined with split-gather sequence parallelism (it cuts the "
+                              f"sequence over the tp ranks, which run the expert block on the same tokens): use "
+                              f"sequence_parallelism='ulysses' with sp_size > 1, or no sequence parallelism")
 
     def describe(self) -> str:
         mode = f", sp_mode={self.sequence_parallelism}" if self.sequence_parallelism else ""
@@ -118,11 +120,16 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
         self.expert_groups = None
         if self.ep_size > 1:
             from phalanx.shard.expert_parallel import expert_groups_over
-            if self.dp_size % self.ep_size:
-                raise LayoutError(f"ep_size={self.ep_size} must divide the data-parallel size {self.dp_size} "
-                                  f"(world {dist.get_world_size()} / (tp {self.tp_size} x pp {self.pp_size})): "
-                                  f"choose ep_size in {[d for d in range(1, self.dp_size + 1) if self.dp_size % d == 0]}")
-            blocks = self.mesh.mesh.permute(0, 2, 3, 1).reshape(-1, self.dp_size).tolist()  # every dp group
+            # the experts split over the ranks that see different tokens: dp x sp (each sequence-parallel
+            # rank routes its own shard of the sequence); sp = 1: the data-parallel ranks
+            data = self.dp_size * self.sp_size
+            if data % self.ep_size:
+                sp = f" x sp {self.sp_size}" if self.sp_size > 1 else ""
+                what = "data x sequence-parallel size" if self.sp_size > 1 else "data-parallel size"
+                raise LayoutError(f"ep_size={self.ep_size} must divide the {what} {data} "
+                                  f"(world {dist.get_world_size()} / (tp {self.tp_size} x pp {self.pp_size}){sp}): "
+                                  f"choose ep_size in {[d for d in range(1, data + 1) if data % d == 0]}")
+            blocks = self.mesh.mesh.permute(0, 3, 1, 2).reshape(-1, data).tolist()  # every dp x sp group, dp-major
             self.expert_groups = expert_groups_over(blocks, self.ep_size)
 
     def _flat_group(self, dims: tuple[str, ...], ends_only: bool = False):
@@ -155,9 +162,9 @@ class HybridParallelPlugin(HybridBoosting, HybridPipelineStep, HybridCheckpointI
     def step_metrics(self) -> dict:
         """What the training loop adds to a step's metrics record: with expert parallelism, the
         tokens each expert received in the last forward, per expert block of this rank's stages
-        (summed over the data-parallel ranks: the global batch's load; `expert_tokens`, a list per
-        block) and the most loaded expert's share over an even share (`expert_load_max`, 1.0 is
-        perfectly balanced). A collective over the data-parallel group: every rank calls it."""
+        (summed over the data × sequence-parallel ranks: the global batch's load; `expert_tokens`, a
+        list per block) and the most loaded expert's share over an even share (`expert_load_max`,
+        1.0 is perfectly balanced). A collective over that group: every rank calls it."""
         if self.ep_plan is None:
             return {}
         counts = [c.tolist() for c in self.ep_plan.token_counts().values()]
