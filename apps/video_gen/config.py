@@ -16,8 +16,8 @@ from phalanx.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The plugins that run data x sequence parallelism (parallel.sp_size > 1; sequence_replicas.py): DDP deals per
-# SP group itself (ranks_per_replica); ZeRO-1/2, FSDP2 and Gemini shard over every rank and deal per SP group.
+# The plugins that run data x sequence parallelism (parallel.sp_size > 1; sequence_replicas.py): each deals one
+# micro-batch per SP group and shards over every rank (the plugins' ranks_per_replica).
 # "hybrid" has its own sequence parallelism for causal LMs and does not take this model.
 SP_PLUGINS = ("ddp", "zero1", "zero2", "fsdp", "gemini")
 

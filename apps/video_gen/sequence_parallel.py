@@ -7,10 +7,10 @@ per token and need no communication. With `group=None` it is ordinary attention,
 serves training with SP and sampling without.
 
 Data x sequence (`parallel.sp_size` = sp dividing the world): consecutive groups of sp ranks are
-the SP groups, and the world / sp groups are the data-parallel replicas. `with_sequence_replicas`
-gives fit DDPPlugin(ranks_per_replica=sp): it deals one micro-batch per group (each group's ranks
-get the same batch and draw the same random numbers) and averages gradients over every rank.
-ZeRO-1/2, FSDP2 and Gemini do the same through `sequence_replicas.py`, sharding over every rank. Each
+the SP groups, and the world / sp groups are the data-parallel replicas. `sequence_replicas.py`
+gives fit's plugin (DDP, ZeRO-1/2, FSDP2 or Gemini) `ranks_per_replica=sp`: it deals one
+micro-batch per group (each group's ranks get the same batch and draw the same random numbers),
+shards over every rank and averages gradients over every rank. Each
 rank computes 1/sp of its group's tokens and returns sp x its shard's loss
 (`VideoFlowModel.shard_loss`): the mean over a group is the micro-batch's loss, so the average over
 all ranks is the data-parallel average over the groups, the gradient of one process on the same
@@ -94,17 +94,3 @@ def sequence_layout(sp: int) -> SequenceLayout:
         if first <= rank < first + sp:
             mine = group
     return SequenceLayout(dp=world // sp, sp=sp, dp_rank=rank // sp, sp_rank=rank % sp, group=mine)
-
-
-def with_sequence_replicas(train_cfg, sp: int):
-    """The train config fit gets under DDP: with sp > 1, DDP whose data replicas are the SP groups
-    (`ranks_per_replica=sp`). The sharding plugins (ZeRO, FSDP2, Gemini) take their SP groups through
-    `sequence_replicas.fit_data_sequence`."""
-    if sp == 1:
-        return train_cfg
-    if train_cfg.plugin != "ddp":
-        raise ConfigError(f"config 'parallel.sp_size'={sp} with train.plugin={train_cfg.plugin!r}: this config is "
-                          "DDP's (ranks_per_replica); run the sharding plugins through "
-                          "apps.video_gen.sequence_replicas.fit_data_sequence")
-    options = {**train_cfg.plugin_options, "ranks_per_replica": sp}
-    return dataclasses.replace(train_cfg, plugin_options=options)

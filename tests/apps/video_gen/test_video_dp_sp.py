@@ -124,19 +124,23 @@ def test_sp_size_must_divide_the_world_and_run_under_a_supported_plugin():
     from phalanx.config import ConfigError
     from phalanx.train import TrainConfig
 
-    from apps.video_gen.sequence_parallel import check_sp_size, with_sequence_replicas
-    from apps.video_gen.sequence_replicas import SequenceGroupFSDP, SequenceGroupZero, sequence_group_plugin
+    from phalanx.booster.plugins import make_plugin
 
-    assert with_sequence_replicas(TrainConfig(plugin="ddp"), 2).plugin_options == {"ranks_per_replica": 2}
-    with pytest.raises(ConfigError, match="fit_data_sequence"):
-        with_sequence_replicas(TrainConfig(plugin="fsdp"), 2)
+    from apps.video_gen.sequence_parallel import check_sp_size
+    from apps.video_gen.sequence_replicas import sequence_replicas_config
+
+    for plugin in ("ddp", "zero1", "zero2", "fsdp", "gemini"):   # every plugin takes the SP groups as its replicas
+        assert sequence_replicas_config(TrainConfig(plugin=plugin), 2).plugin_options == {"ranks_per_replica": 2}
+        assert sequence_replicas_config(TrainConfig(plugin=plugin), 1).plugin_options == {}
+    with pytest.raises(ConfigError, match="parallel.sp_size.*'hybrid'"):
+        sequence_replicas_config(TrainConfig(plugin="hybrid"), 2)
     with pytest.raises(ConfigError, match="parallel.sp_size.*ddp / zero1 / zero2 / fsdp / gemini.*'hybrid'"):
         tiny_config("/nonexistent/run", "parallel.sp_size=2", "train.plugin=hybrid")   # before any data is loaded
     for plugin in ("zero1", "zero2", "fsdp", "gemini"):
         assert tiny_config("/nonexistent/run", "parallel.sp_size=2", f"train.plugin={plugin}").parallel.sp_size == 2
-    zero = sequence_group_plugin(TrainConfig(plugin="zero1", plugin_options={"reduce_bucket_mb": 5.0}), "fp32", 2)
-    assert isinstance(zero, SequenceGroupZero) and zero.config.stage == 1 and zero.config.reduce_bucket_mb == 5.0
-    assert isinstance(sequence_group_plugin(TrainConfig(plugin="fsdp"), "fp32", 2), SequenceGroupFSDP)
+    cfg = sequence_replicas_config(TrainConfig(plugin="zero1", plugin_options={"reduce_bucket_mb": 5.0}), 2)
+    zero = make_plugin(cfg.plugin, "fp32", None, **cfg.plugin_options)   # as fit builds it
+    assert zero.config.stage == 1 and zero.config.reduce_bucket_mb == 5.0 and zero.ranks_per_replica == 2
     with pytest.raises(ConfigError, match="choose an sp_size that divides 6"):
         check_sp_size(4, 6)
     assert check_sp_size(2, 6) == 3

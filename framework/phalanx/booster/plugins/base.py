@@ -57,30 +57,57 @@ class Plugin(ABC):
     # tensors reach only that stage's ranks). With neither flag the copy is whole on rank 0.
     spreads_model_copy: bool = False
 
-    def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None):
+    def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None, ranks_per_replica: int = 1):
         self.precision: Precision = resolve_precision(precision)
         self.max_norm = max_norm
+        if isinstance(ranks_per_replica, bool) or not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
+            raise ValueError(f"{type(self).__name__}(ranks_per_replica={ranks_per_replica!r}): must be a whole "
+                             "number >= 1 (the consecutive ranks that share one data-parallel replica's samples)")
+        self.ranks_per_replica = ranks_per_replica
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_rank = 0
         self.dp_size = 1
+        self.shard_rank = 0
+        self.shard_size = 1
         self.device = torch.device("cpu")
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self) -> None:
-        """Called once by the Booster after `launch()`; builds process groups."""
+        """Called once by the Booster after `launch()`; builds process groups.
+
+        `ranks_per_replica` = k: consecutive groups of k ranks work on the same samples, as the
+        ranks of a model-parallel group the plugin does not manage (a sequence-parallel group, the
+        protein recipe's DAP group). The process group and the rank / size the plugin shards by
+        (`shard_rank`, `shard_size`) stay the whole world: every rank holds the same parameters,
+        so what a plugin splits (ZeRO's states, FSDP2's parameters, Gemini's chunks) is split over
+        every rank and gradients are averaged over every rank (the mean over a group is that
+        replica's gradient). The data is dealt per replica: `dp_rank` = rank // k, `dp_size` =
+        world // k, and `seed_rank` is the replica's."""
         from phalanx.launch import context
         ctx = context()
         self.device = ctx.device
         self.dp_group = dist.group.WORLD
-        self.dp_rank = dist.get_rank()
-        self.dp_size = dist.get_world_size()
+        rank, world, k = dist.get_rank(), dist.get_world_size(), self.ranks_per_replica
+        if world % k:
+            raise ValueError(f"{type(self).__name__}(ranks_per_replica={k}) needs a world size that is a multiple of "
+                             f"{k}, got {world} ranks: launch a multiple of {k} processes or change ranks_per_replica")
+        self.shard_rank, self.shard_size = rank, world
+        self.dp_rank, self.dp_size = rank // k, world // k
 
     @property
     def seed_rank(self) -> int:
         """The rank number `fit` seeds this process's per-rank random streams with (data
-        augmentation, dropout): its global rank, unless ranks must draw alike (DDPPlugin's
-        ranks_per_replica)."""
+        augmentation, dropout): its global rank, unless ranks must draw alike (ranks_per_replica
+        > 1: the replica's number, so the ranks of a group draw the same)."""
+        if self.ranks_per_replica > 1:
+            return self.dp_rank
         return dist.get_rank() if dist.is_initialized() else 0
+
+    def describe_data_parallel(self) -> str:
+        """`dp=N`, and with ranks_per_replica > 1 how the replicas sit in the world."""
+        if self.ranks_per_replica == 1:
+            return f"dp={self.dp_size}"
+        return f"dp={self.dp_size} x ranks_per_replica={self.ranks_per_replica} (over all {self.shard_size} ranks)"
 
     @abstractmethod
     def configure_model(self, model: nn.Module) -> nn.Module:
@@ -140,7 +167,7 @@ class Plugin(ABC):
         ...
 
     def describe(self) -> str:
-        return f"{self.name}(precision={self.precision.name}, dp={self.dp_size})"
+        return f"{self.name}(precision={self.precision.name}, {self.describe_data_parallel()})"
 
     # ---- the planner's view -------------------------------------------------------------
     def plan_layout(self, world: int) -> tuple[Layout, dict[str, Any]]:

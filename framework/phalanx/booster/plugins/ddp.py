@@ -29,13 +29,14 @@ class DDPPlugin(Plugin):
     A lazy model (`phalanx.lazy`) is materialised whole on every rank (DDP replicates it by
     design), one tensor at a time, straight into the compute dtype.
 
-    ranks_per_replica=k: consecutive groups of k ranks work on the same samples, as the ranks of
-    a model-parallel group this plugin does not manage (the protein recipe's Dynamic Axial
-    Parallelism: every rank of a DAP group holds a slice of one sample's activations). The data
-    is split over world/k replicas, each group's ranks draw the same random numbers
-    (`seed_rank`), and gradients are still averaged over every rank: the mean over a group is
-    that replica's gradient (each rank's backward gives its share of it), so the mean over the
-    world is the data-parallel mean over replicas.
+    ranks_per_replica=k (`Plugin.setup`): consecutive groups of k ranks work on the same samples,
+    as the ranks of a model-parallel group this plugin does not manage (the protein recipe's
+    Dynamic Axial Parallelism: every rank of a DAP group holds a slice of one sample's
+    activations; the video recipe's sequence-parallel groups). The data is split over world/k
+    replicas, each group's ranks draw the same random numbers (`seed_rank`), and gradients are
+    still averaged over every rank: the mean over a group is that replica's gradient (each
+    rank's backward gives its share of it), so the mean over the world is the data-parallel mean
+    over replicas. The optimizer state is written by global rank 0 alone.
 
     fp8_communication="e4m3" / "e5m2" (True: e4m3): gradient buckets travel as fp8 with one scale
     per rank's part (`phalanx.amp.fp8_comm`: a quarter of fp32's bytes, sums in fp32);
@@ -47,27 +48,12 @@ class DDPPlugin(Plugin):
     def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, static_graph: bool = False, ranks_per_replica: int = 1,
                  fp8_communication: str | bool = False):
-        super().__init__(precision, max_norm)
+        super().__init__(precision, max_norm, ranks_per_replica)  # the replica split: Plugin.setup
         self.fp8_communication = check_format(fp8_communication, "DDPPlugin")
         self.fp8_traffic = Fp8Traffic()  # bytes the fp8 hook sent (and would have sent uncompressed)
-        if not isinstance(ranks_per_replica, int) or ranks_per_replica < 1:
-            raise ValueError(f"DDPPlugin(ranks_per_replica={ranks_per_replica!r}): must be a whole number >= 1")
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
-        self.ranks_per_replica = ranks_per_replica
-
-    def setup(self) -> None:
-        super().setup()
-        k, world = self.ranks_per_replica, self.dp_size
-        if world % k:
-            raise ValueError(f"DDPPlugin(ranks_per_replica={k}) needs a world size that is a multiple of {k}, got "
-                             f"{world} ranks: launch a multiple of {k} processes or change ranks_per_replica")
-        self.dp_rank, self.dp_size = self.dp_rank // k, world // k
-
-    @property
-    def seed_rank(self) -> int:
-        return self.dp_rank if self.ranks_per_replica > 1 else super().seed_rank
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:
         from phalanx import lazy
@@ -121,7 +107,9 @@ class DDPPlugin(Plugin):
             optimizer.load_masters(unwrapped.named_parameters(), state_dict)
 
     def optimizer_fragments(self, optimizer: MixedPrecisionOptimizer) -> OptimizerFragments:
-        if self.dp_rank != 0:  # every rank holds the same state: rank 0 writes it
+        # Every rank holds the same state: one rank writes it. Not `dp_rank == 0`, which with
+        # ranks_per_replica = k is every rank of the first replica (the reader refuses k copies).
+        if self.shard_rank != 0:
             frags = OptimizerFragments()
         else:
             frags = fragments_from_full_state(optimizer.optim, optimizer.names)

@@ -130,8 +130,8 @@ class FSDPPlugin(Plugin):
 
     def __init__(self, precision: str | Precision = "fp32", max_norm: float | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, overlap_reduce: bool = True, grad_collective: str = "auto",
-                 forward_prefetch: bool = True):
-        super().__init__(precision, max_norm)
+                 forward_prefetch: bool = True, ranks_per_replica: int = 1):
+        super().__init__(precision, max_norm, ranks_per_replica)
         choices = ("auto", "reduce_scatter", *GLOO_EXCHANGES)
         if grad_collective not in choices:
             raise ValueError(f"FSDPPlugin(grad_collective={grad_collective!r}): use one of {', '.join(choices)}")
@@ -145,7 +145,9 @@ class FSDPPlugin(Plugin):
 
     def setup(self) -> None:
         super().setup()
-        self.mesh = init_device_mesh(self.device.type, (self.dp_size,), mesh_dim_names=("dp",))
+        # Over every rank (shard_size): with ranks_per_replica > 1 the replicas' ranks hold the same
+        # parameters, so FSDP2 shards them over (and averages gradients over) the whole world.
+        self.mesh = init_device_mesh(self.device.type, (self.shard_size,), mesh_dim_names=("dp",))
         self.dp_group = self.mesh.get_group("dp")
 
     def configure_model(self, model: nn.Module) -> ModelWrapper:

@@ -48,7 +48,11 @@ class GeminiPlugin(Plugin):
     """GeminiPlugin(placement_policy="auto"|"static", device_memory_budget=None, shard_param_frac=1.0,
     offload_optim_frac=0.0, offload_param_frac=0.0, precision="auto", chunk_size_mb=None, max_norm=None,
     prefetch=1, host_memory_budget=None, offload_to_disk=False, disk_dir=None, disk_prefetch=2,
-    disk_drop_cache=False).
+    disk_drop_cache=False, ranks_per_replica=1).
+
+    ranks_per_replica=k (`Plugin.setup`): groups of k consecutive ranks share their samples (a
+    sequence-parallel group); the chunks are still sharded over, and gradients averaged over,
+    every rank (`shard_rank` / `shard_size`).
 
     Disk tier: `offload_to_disk=True` keeps every optimizer chunk that would live on the host
     (fp32 master and Adam moments; gradients stay in memory) in a file under `disk_dir` (default:
@@ -63,8 +67,8 @@ class GeminiPlugin(Plugin):
                  precision: str | Precision = "auto", chunk_size_mb: float | None = None, max_norm: float | None = None,
                  prefetch: int = 1, host_memory_budget: str | int | None = None,
                  offload_to_disk: bool | str = False, disk_dir: str | None = None, disk_prefetch: int = 2,
-                 disk_drop_cache: bool = False):
-        super().__init__(precision, max_norm)
+                 disk_drop_cache: bool = False, ranks_per_replica: int = 1):
+        super().__init__(precision, max_norm, ranks_per_replica)
         if offload_to_disk not in (False, True, "auto"):
             raise ValueError(f"offload_to_disk={offload_to_disk!r}: use False, True (every host optimizer chunk on "
                              "disk) or 'auto' (those host_memory_budget cannot hold)")
@@ -106,7 +110,8 @@ class GeminiPlugin(Plugin):
         budget = self.manager.tiers.budget / MiB if self.manager else float("nan")
         on_disk = sum(c.optim_tier == DISK for c in self.manager.chunks) if self.manager else 0
         disk = f", optimizer chunks on disk={on_disk} in {self.manager.disk.store.directory}" if on_disk else ""
-        return (f"gemini(precision={self.precision.name}, dp={self.dp_size}, placement={self.placement_policy}, "
+        return (f"gemini(precision={self.precision.name}, {self.describe_data_parallel()}, "
+                f"placement={self.placement_policy}, "
                 f"budget={budget:.1f}MiB, chunks={len(self.manager.chunks) if self.manager else '?'}{disk})")
 
     def plan_layout(self, world: int) -> tuple[Layout, dict]:
@@ -123,12 +128,12 @@ class GeminiPlugin(Plugin):
         `modules` and `budget`: within what the budget allows, `phalanx.gemini.chunk_search`)."""
         self._chunk_size_is_smallest = False
         if self.chunk_size_mb is not None:
-            return max(self.dp_size, int(self.chunk_size_mb * MiB) // itemsize)
+            return max(self.shard_size, int(self.chunk_size_mb * MiB) // itemsize)
         lo, hi, step = (int(x * MiB) // itemsize for x in SEARCH_RANGE_MB)
         if modules is None or budget is None:
-            return search_chunk_size(numels, lo, hi, step, self.dp_size)
+            return search_chunk_size(numels, lo, hi, step, self.shard_size)
         size, self._chunk_size_is_smallest = search_chunk_numel(
-            numels, trainable, modules, budget=budget, world=self.dp_size, shard_param_frac=self.shard_param_frac,
+            numels, trainable, modules, budget=budget, world=self.shard_size, shard_param_frac=self.shard_param_frac,
             itemsize=itemsize, default_range=(lo, hi, step))
         return size
 
@@ -156,7 +161,7 @@ class GeminiPlugin(Plugin):
         for buf in model.buffers():
             buf.data = buf.data.to(self.device)
         with torch.no_grad():
-            if self.dp_size > 1:
+            if self.shard_size > 1:  # every rank of the process group, not the data replicas
                 seen = set()
                 for t in list(model.parameters()) + list(model.buffers()):
                     if id(t) not in seen and source is None:
@@ -172,7 +177,7 @@ class GeminiPlugin(Plugin):
         modules = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in model.modules()]
         chunk_numel = self._chunk_numel([p.numel() for _, p in named], dtype.itemsize,
                                         [p.requires_grad for _, p in named], modules, budget)
-        self.manager = ChunkManager(named, chunk_numel=chunk_numel, dp_size=self.dp_size, dp_rank=self.dp_rank,
+        self.manager = ChunkManager(named, chunk_numel=chunk_numel, dp_size=self.shard_size, dp_rank=self.shard_rank,
                                     group=self.dp_group, tiers=tiers, shard_param_frac=self.shard_param_frac,
                                     prefetch=self.prefetch)
         self.tracer = MemoryTracer(self.manager)
@@ -189,7 +194,7 @@ class GeminiPlugin(Plugin):
                                           offload_to_disk=self.offload_to_disk, disk_depth=self.disk_prefetch)
         on_disk = [c for c, t in zip(self.manager.chunks, optim_tiers) if t == DISK]
         if on_disk:
-            store = ChunkFileStore(self.disk_dir, rank=self.dp_rank, drop_cache=self.disk_drop_cache)
+            store = ChunkFileStore(self.disk_dir, rank=self.shard_rank, drop_cache=self.disk_drop_cache)
             record = 3 * max(c.shard_numel for c in on_disk)  # fp32 master and two moments
             self.manager.disk = DiskTier(store, tiers, record, depth=self.disk_prefetch)
         self.manager.materialise(shard_tiers, optim_tiers,

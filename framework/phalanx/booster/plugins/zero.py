@@ -33,16 +33,18 @@ from phalanx.zero.optimizer import ZeroConfig, ZeroOptimizer
 class ZeroPlugin(Plugin):
     """ZeroPlugin(stage=2, precision="bf16", reduce_bucket_mb=25, overlap_communication=True,
     cpu_offload=False, max_norm=1.0, overlap_param_gather=False, grad_collective="auto",
-    fp8_communication=False) — fp8_communication="e4m3"/"e5m2" sends gradient buckets as fp8
-    (`phalanx.amp.fp8_comm`)."""
+    fp8_communication=False, ranks_per_replica=1) — fp8_communication="e4m3"/"e5m2" sends gradient
+    buckets as fp8 (`phalanx.amp.fp8_comm`). ranks_per_replica=k (`Plugin.setup`): groups of k
+    consecutive ranks share their samples (a sequence-parallel group); states and gradients are
+    still partitioned over, and gradients averaged over, every rank."""
 
     full_state_on_every_rank = True
 
     def __init__(self, stage: int = 2, precision: str | Precision = "fp32", reduce_bucket_mb: float = 25.0,
                  overlap_communication: bool = True, cpu_offload: bool = False, max_norm: float | None = None,
                  overlap_param_gather: bool = False, grad_collective: str = "auto",
-                 fp8_communication: str | bool = False):
-        super().__init__(precision, max_norm)
+                 fp8_communication: str | bool = False, ranks_per_replica: int = 1):
+        super().__init__(precision, max_norm, ranks_per_replica)
         self._lazy_source = None  # a lazy model's checkpoint, until the optimizer's masters are read
         self.config = ZeroConfig(stage=stage, reduce_bucket_mb=reduce_bucket_mb,
                                  overlap_communication=overlap_communication, cpu_offload=cpu_offload,
@@ -57,7 +59,8 @@ class ZeroPlugin(Plugin):
 
     def describe(self) -> str:
         c = self.config
-        return (f"{self.name}(precision={self.precision.name}, dp={self.dp_size}, bucket={c.reduce_bucket_mb}MB, "
+        return (f"{self.name}(precision={self.precision.name}, {self.describe_data_parallel()}, "
+                f"bucket={c.reduce_bucket_mb}MB, "
                 f"overlap={c.overlap_communication}, cpu_offload={c.cpu_offload}, "
                 f"overlap_param_gather={c.overlap_param_gather})")
 
@@ -81,7 +84,8 @@ class ZeroPlugin(Plugin):
         if self.precision.mixed:
             model = model.to(self.precision.compute_dtype)
         # A lazy model is already the same on every rank (the same file, or the same agreed seed).
-        if self.dp_size > 1 and source is None:
+        # Over every rank of the process group (shard_size), not the data replicas (dp_size).
+        if self.shard_size > 1 and source is None:
             with torch.no_grad():
                 seen = set()
                 for tensor in list(model.parameters()) + list(model.buffers()):
