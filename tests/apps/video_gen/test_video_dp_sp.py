@@ -24,7 +24,7 @@ import torch
 
 from phalanx.testing import ADAMW_UPDATE_RTOL, check, rel_diff, rounding_rtol, spawn, update_diff
 
-from video_layouts import fit_layout, fit_layouts, reference
+from video_layouts import fit_layout, fit_layouts, recipe_outcome, reference
 from video_tiny import tiny_config
 
 REF = "/nonexistent/video_reference"  # the reference writes nothing; one key for its cache
@@ -69,18 +69,10 @@ def _four_ranks(output_dir: str) -> dict:
     """dp2 x sp2 under DDP, ZeRO-2, FSDP2 and Gemini (the same 2 steps), then the whole recipe under
     FSDP2 dp2 x sp2 with its evaluation and motion check (each forward of the evaluation gathers
     parameters from all four ranks: a rank that skipped it would hang the others)."""
-    import traceback
-
-    from apps.video_gen.train import train
-
     out = fit_layouts(output_dir, [(plugin, 2) for plugin in FOUR_RANK_PLUGINS])
-    cfg = tiny_config(f"{output_dir}/recipe", "train.plugin=fsdp", "parallel.sp_size=2", "train.max_steps=2",
-                      "eval.motion_samples=4", "eval.sample_steps=2", "model.gradient_checkpointing=true")
-    try:
-        result = train(cfg)
-        out["recipe"] = {"final_step": result.final_step, "last_eval": result.last_eval}
-    except Exception:  # noqa: BLE001 - handed to the test
-        out["recipe"] = {"error": traceback.format_exc()}
+    out["recipe"] = recipe_outcome(f"{output_dir}/recipe", "train.plugin=fsdp", "parallel.sp_size=2",
+                                   "train.max_steps=2", "eval.motion_samples=4", "eval.sample_steps=2",
+                                   "model.gradient_checkpointing=true")
     return out
 
 

@@ -16,24 +16,15 @@ import torch
 
 from phalanx.testing import ADAMW_UPDATE_RTOL, check, rel_diff, rounding_rtol, spawn, update_diff
 
-from video_layouts import fit_layouts, reference
-from video_tiny import tiny_config
+from video_layouts import fit_layouts, recipe_outcome, reference
 
 REF = "/nonexistent/video_reference"
 
 
 def _ranks(output_dir: str) -> dict:
-    from apps.video_gen.train import train
-
     out = fit_layouts(output_dir, [("fsdp", 1), ("gemini", 1)])
-    cfg = tiny_config(f"{output_dir}/recipe", "train.plugin=fsdp", "train.max_steps=2", "eval.motion_samples=4",
-                      "eval.sample_steps=2")
-    try:
-        result = train(cfg)
-        out["recipe"] = {"final_step": result.final_step, "last_eval": result.last_eval}
-    except Exception:  # noqa: BLE001 - handed to the test
-        import traceback
-        out["recipe"] = {"error": traceback.format_exc()}
+    out["recipe"] = recipe_outcome(f"{output_dir}/recipe", "train.plugin=fsdp", "train.max_steps=2",
+                                   "eval.motion_samples=4", "eval.sample_steps=2")
     return out
 
 

@@ -113,3 +113,15 @@ def fit_layouts(output_dir: str, layouts: list[tuple]) -> dict:
         except Exception:  # noqa: BLE001 - handed to the test that reads this layout
             out[key] = {"error": traceback.format_exc()}
     return out
+
+
+def recipe_outcome(output_dir: str, *overrides: str) -> dict:
+    """The whole recipe (`apps.video_gen.train`) on tiny_config with these overrides: its final step
+    and last evaluation, or the traceback (handed to the test that reads it)."""
+    from apps.video_gen.train import train
+
+    try:
+        result = train(tiny_config(output_dir, *overrides))
+        return {"final_step": result.final_step, "last_eval": result.last_eval}
+    except Exception:  # noqa: BLE001 - handed to the test
+        return {"error": traceback.format_exc()}
