@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.amp.precision import FP8, fp8_device_support, resolve_precision
+from phalanx.amp.precision import FP8, fp8_device_support, host_fp8_matmul, resolve_precision
 from phalanx.testing import spawn, tiny_llama
 
 FP8_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -19,6 +19,8 @@ def test_fp8_is_refused_on_a_device_without_fp8_matmuls():
     assert FP8.compute_dtype == torch.bfloat16 and FP8.mixed and FP8.fp8_linears and not FP8.loss_scaling
 
 
+@pytest.mark.skipif(not host_fp8_matmul(), reason="this CPU's kernels do not multiply fp8 reliably (AVX2 oneDNN: "
+                    "phalanx.amp.precision.host_fp8_matmul); the conversion is checked where they do")
 def test_the_projections_convert_and_the_head_stays_in_bf16():
     from phalanx.amp.fp8_linear import convert_linears_to_fp8, fp8_layers
 

@@ -14,12 +14,13 @@ honoured everywhere, with one warning per process where it is slower than fp32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import warnings
 
 import torch
 
-from phalanx_kernels.accelerator import current_device
+from phalanx_kernels.accelerator import EMULATED_TYPE, current_device
 
 from phalanx_kernels.capability import bf16_is_fastest, cpu_bf16_support
 
@@ -116,12 +117,32 @@ def resolve_precision(value: str | Precision, device: torch.device | str | None 
     return precision
 
 
+@functools.lru_cache(maxsize=None)
+def host_fp8_matmul() -> bool:
+    """Whether this host's CPU kernels multiply fp8 matrices reliably: the scaled matmul torchao's
+    float8 linears make, after a bf16 matmul. oneDNN does on AVX-512 CPUs; with AVX2 kernels
+    (`ONEDNN_MAX_CPU_ISA=AVX2`) it does until the process has run a bf16 matmul, then fails ("could
+    not create a primitive descriptor for the matmul primitive"). The emulated GPU computes on these
+    kernels, so its fp8 support is the host's."""
+    square = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    square @ square
+    x, w, one = torch.ones(16, 32).to(torch.float8_e4m3fn), torch.ones(48, 32).to(torch.float8_e4m3fn), torch.tensor(1.0)
+    try:
+        torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
+
+
 def fp8_device_support(device: torch.device | str | None = None) -> tuple[bool, str]:
     """Whether `device` has fp8 matrix units (NVIDIA compute capability 8.9 or newer: Ada, Hopper,
-    Blackwell; the emulated GPU reports 9.0) and what the device is, for messages."""
+    Blackwell; the emulated GPU reports 9.0 where the host's kernels multiply fp8) and what the
+    device is, for messages."""
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cpu":
         return False, "the CPU"
+    if device.type == EMULATED_TYPE and not host_fp8_matmul():
+        return False, "the emulated GPU on a host whose CPU kernels do not multiply fp8 (AVX2: oneDNN)"
     backend = getattr(torch, device.type, None)
     if backend is None or not hasattr(backend, "get_device_capability"):
         return False, f"a {device.type} device"
