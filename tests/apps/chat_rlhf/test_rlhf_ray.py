@@ -70,7 +70,9 @@ def test_ray_staleness_0_equals_colocated_first_two_updates(tiny_chat_model, tmp
     assert all(r["zero_spread_frac"] == 0 for r in colocated.hook.history)  # both steps update the weights
     got, want = _losses(tmp_path / "ray"), _losses(tmp_path / "colocated")
     assert len(want) == 2
-    check(rel_diff(got, want), 1e-5, "ray (staleness 0) vs colocated GRPO losses")
+    # as one tensor, at the scale of the run's losses: the first on-policy GRPO loss is rounding-level
+    # (its advantages sum to zero; 6e-9 here, 0 vs -2e-8 with AVX2 kernels), no scale of its own
+    check(rel_diff(torch.tensor(got), torch.tensor(want)), 1e-5, "ray (staleness 0) vs colocated GRPO losses")
     for k in start:
         assert torch.equal(start[k], ray_start[k])
     check(update_diff(ray_run.model.state_dict(), colocated.model.state_dict(), start), 1e-5,
