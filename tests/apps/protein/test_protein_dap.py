@@ -12,8 +12,11 @@ from phalanx.testing import check, rel_diff, rounding_rtol, spawn
 from protein_tiny import dap_ranks, predict_dap_ranks
 
 
-def _compare(results, crop, clusters, zero_ok=()):
-    tol = rounding_rtol(torch.float32, 2 * crop * crop * clusters)
+def _compare(results, crop, rows, zero_ok=()):
+    """`rows`: the MSA rows the trunk reduces over, the extra MSA stack's included (its gradients,
+    e.g. its outer product mean's bias, sum over crop² positions of its rows: with n counting only the
+    clusters, AVX2 kernels measured 1.03x that bound there)."""
+    tol = rounding_rtol(torch.float32, 2 * crop * crop * rows)
     for rank, r in enumerate(results):
         one, dap = r["one"], r["dap"]
         check(rel_diff(dap["loss"], one["loss"]), tol, f"rank {rank} loss")
@@ -35,7 +38,7 @@ def _compare(results, crop, clusters, zero_ok=()):
 
 def test_dap_two_ranks_equals_one_process():
     results = spawn(dap_ranks, 2, 16, 4, 4, timeout=300)
-    _compare(results, 16, 4)
+    _compare(results, 16, 4 + 4)
 
 
 def test_dap_chunked_equals_one_process_whole():
@@ -44,7 +47,7 @@ def test_dap_chunked_equals_one_process_whole():
     AlphaFold's dropout from the same random state: each rank draws the whole row-/column-wise
     mask and keeps its slice, so the split does not change which entries are dropped."""
     results = spawn(dap_ranks, 2, 16, 4, 4, 3, True, timeout=300)
-    _compare(results, 16, 4)
+    _compare(results, 16, 4 + 4)
 
 
 @pytest.mark.slow
@@ -54,13 +57,13 @@ def test_dap_with_templates_equals_one_process():
     results = spawn(dap_ranks, 2, 16, 3, 4, None, False, 1, timeout=300)
     # one template: the pointwise attention's softmax has one entry (weight 1), so its query and
     # key weights have no gradient but rounding noise
-    _compare(results, 16, 4, zero_ok=("pointwise.q.weight", "pointwise.k.weight"))
+    _compare(results, 16, 3 + 1 + 4, zero_ok=("pointwise.q.weight", "pointwise.k.weight"))
 
 
 @pytest.mark.slow
 def test_dap_four_ranks_equals_one_process():
     results = spawn(dap_ranks, 4, 16, 4, 4, timeout=400)
-    _compare(results, 16, 4)
+    _compare(results, 16, 4 + 4)
 
 
 @pytest.mark.slow
