@@ -19,27 +19,21 @@ FILE = "tests/framework/test_deepseek_family.py"
 LOSSES = "tests/framework/test_deepseek_losses.py"
 
 
-@pytest.mark.slow
-def test_deepseek_v3_on_the_emulated_gpu():
-    out = pytest_emulated(f"{FILE}::test_tp2_equals_one_process[v3]",
-                          f"{FILE}::test_ep2_v3_equals_one_process_and_saves_hf_layout",
-                          f"{FILE}::test_bias_balancer_moves_the_correction_bias_against_the_load")
-    assert "3 passed" in out and "failed" not in out, out[-3000:]
+NODES = {
+    "v3": [f"{FILE}::test_tp2_equals_one_process[v3]", f"{FILE}::test_ep2_v3_equals_one_process_and_saves_hf_layout",
+           f"{FILE}::test_bias_balancer_moves_the_correction_bias_against_the_load"],
+    "balance-losses": [f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-sequence]",
+                       f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-batch]",
+                       f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v3]",
+                       f"{LOSSES}::test_uneven_ranks_give_the_global_loss",
+                       f"{LOSSES}::test_layouts_without_the_loss_are_refused"],
+    "v2": [f"{FILE}::test_tp2_equals_one_process[v2]", f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v2-batch]",
+           f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v2]"],
+}
 
 
 @pytest.mark.slow
-def test_deepseek_balance_losses_on_the_emulated_gpu():
-    out = pytest_emulated(f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-sequence]",
-                          f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v3-batch]",
-                          f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v3]",
-                          f"{LOSSES}::test_uneven_ranks_give_the_global_loss",
-                          f"{LOSSES}::test_layouts_without_the_loss_are_refused")
-    assert "5 passed" in out and "failed" not in out, out[-3000:]
-
-
-@pytest.mark.slow
-def test_deepseek_v2_on_the_emulated_gpu():
-    out = pytest_emulated(f"{FILE}::test_tp2_equals_one_process[v2]",
-                          f"{LOSSES}::test_balance_loss_equals_the_formula_by_hand[v2-batch]",
-                          f"{LOSSES}::test_ep2_and_dp2_with_the_balance_loss_equal_one_process[v2]")
-    assert "3 passed" in out and "failed" not in out, out[-3000:]
+@pytest.mark.parametrize("group", list(NODES))
+def test_deepseek_on_the_emulated_gpu(group):
+    out = pytest_emulated(*NODES[group])
+    assert f"{len(NODES[group])} passed" in out and "failed" not in out, out[-3000:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from phalanx.amp.precision import FP8, fp8_device_support, host_fp8_matmul, resolve_precision
-from phalanx.testing import spawn, tiny_llama
+from phalanx.testing import boosted_step, spawn, tiny_llama
 
 FP8_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
@@ -64,11 +64,7 @@ def _train(precision: str, plugin: str = "ddp") -> dict:
     batch = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))  # learnt by heart
     losses = []
     for _ in range(6):
-        local = to_device(batch.chunk(world)[rank], run_device())
-        loss = model(input_ids=local, labels=local).loss
-        booster.backward(loss, optimizer)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = boosted_step(booster, model, optimizer, to_device(batch.chunk(world)[rank], run_device()))
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)

@@ -52,12 +52,9 @@ def _step(booster, model, opt, batch: torch.Tensor) -> float:
     import torch.distributed as dist
 
     from phalanx.device import run_device, to_device
+    from phalanx.testing import boosted_step
 
-    batch = to_device(batch, run_device())
-    loss = model(input_ids=batch, labels=batch).loss
-    booster.backward(loss, opt)
-    opt.step()
-    opt.zero_grad()
+    loss = boosted_step(booster, model, opt, to_device(batch, run_device()))
     mean = loss.detach().clone().float()
     dist.all_reduce(mean)
     return mean.item() / dist.get_world_size()
