@@ -286,8 +286,7 @@ class _ExpertAdapter:
                 raise ValueError(f"merge=True: the delta of {self.merged_name} has shape {tuple(delta.shape)}, the "
                                  f"weight {tuple(weight.shape)}: save the adapter (merge=False) instead")
             return (weight.float() + delta.to(weight.device)).to(weight.dtype)
-        # the full weight's expert count (under expert parallelism the wrapper holds only its rank's)
-        experts = weight.shape[0] if weight.dim() == 3 else self.wrapper.num_experts
+        experts = weight.shape[0]  # the full weight's (under expert parallelism the wrapper holds only its rank's)
         a = parts["A"].float().reshape(experts, -1, parts["A"].shape[-1])  # experts x rank x in
         b = parts["B"].float().reshape(parts["B"].shape[0], -1, experts)  # out x rank x experts
         layout = "e o i" if self.wrapper._did_swap_in_out_features else "e i o"

@@ -126,13 +126,17 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, skips_slots: bool = False) -> None:
     """Write k and v [N, Hkv, D] (already rotated) to their cache slots; negative slots are skipped
-    when `skips_slots` (the profiling step)."""
+    when `skips_slots` (the profiling step). One cache for both (DeepSeek's latent: `v_cache is
+    k_cache` and `v is k`) is written once."""
     heads, dim = k.shape[1:]
+    shared = v_cache is k_cache and v is k
     if skips_slots:
         keep = slot_mapping >= 0
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+        slot_mapping, k = slot_mapping[keep], k[keep]
+        v = k if shared else v[keep]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if not shared:
+        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _window_mask(num_queries: int, context_len: int, window: int, device) -> torch.Tensor:

@@ -103,8 +103,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 def _check_lora_served(spec) -> None:
     """Refuse `enable_lora` where the engine serves no adapters, before any work (weights read,
-    cache allocated): multi-head latent attention (DeepSeek-V2 / V3). The runner's `lora` setter
-    refuses the same, after the weights are loaded."""
+    cache allocated): multi-head latent attention (DeepSeek-V2 / V3)."""
     if spec.mla:
         raise ValueError(f"LoRA adapters are not served on {spec.family} (multi-head latent attention) yet: merge "
                          "the adapter into the base model (booster.save_lora_as_pretrained(..., merge=True), or peft's "

@@ -388,6 +388,8 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             names = ("qkv", "o", "gate_up", "down", "shared_gate_up", "shared_down")
             names += mla.MATMULS if layer.mla else ()
+            if layer.mla:
+                layer.w_uk = mla.absorbed_key_weight(layer)
             layer.packed = {name: p for name in names
                             if getattr(layer, f"{name}_weight") is not None
                             and (p := packed_linear.pack(getattr(layer, f"{name}_weight"))) is not None}

@@ -86,13 +86,21 @@ def init_layer(layer, spec, tp_size: int, param) -> None:
     layer.q_a_norm = param(rq) if rq else None
     layer.kv_a_norm = param(rkv)
     layer.kv_b_weight = param(heads * (nope + v), rkv)
-    layer.kv_b_bias = None
+    layer.w_uk = None  # W_UK in fp32, built after every weight change (absorbed_key_weight)
     layer.o_weight = param(h, heads * v)
     layer.mla_scale = softmax_scale(spec) * (rkv + rope) ** 0.5  # the attention divides by √(rkv + rope)
     layer.mla_interleaved = interleaved_rope(spec.config)
 
 
-MATMULS = ("mla_a", "q", "q_b", "kv_b", "o")
+MATMULS = ("mla_a", "q", "q_b")  # the MLA projections that go through `layer.linear` (o_proj is the dense path's)
+
+
+def absorbed_key_weight(layer) -> torch.Tensor:
+    """W_UK [heads, qk_nope_head_dim, kv_lora_rank] in fp32, which the query is absorbed through:
+    a view of kv_b_proj in fp32, a copy in bf16, made once per weight change
+    (`DecoderModel.pack_weights`) rather than cast in every layer of every step."""
+    rq, rkv, rope, nope, v = layer.mla_dims
+    return layer.kv_b_weight.view(layer.heads, nope + v, rkv)[:, :nope].float()
 
 
 def target(model, layer, role: str, kind: str, index: int):
@@ -156,9 +164,10 @@ def attention(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cach
     latent[:, 0, :rkv] = rms_norm(kv[:, :rkv].contiguous(), layer.kv_a_norm, LOW_RANK_NORM_EPS)
     _rotate_into(kv[:, None, rkv:], cos, sin, latent[:, :, rkv:], layer.mla_interleaved)
     w = layer.kv_b_weight.view(heads, nope + v, rkv)
+    w_uk = layer.w_uk if layer.w_uk is not None else absorbed_key_weight(layer)
     # the query in fp32, rounded to the model's dtype once (absorbed, rotated and scaled)
     query = torch.empty(n, heads, rkv + rope, dtype=torch.float32, device=x.device)
-    query[:, :, :rkv] = torch.bmm(q[:, :, :nope].float().transpose(0, 1), w[:, :nope].float()).transpose(0, 1)
+    query[:, :, :rkv] = torch.bmm(q[:, :, :nope].float().transpose(0, 1), w_uk).transpose(0, 1)
     _rotate_into(q[:, :, nope:].float(), cos.float(), sin.float(), query[:, :, rkv:], layer.mla_interleaved)
     query = query.mul_(layer.mla_scale).to(x.dtype)
     store_kv(latent, latent, cache, cache, batch.slot_mapping, batch.skips_slots)

@@ -91,20 +91,7 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    _lora = None
-
-    @property
-    def lora(self):
-        """The engine's `lora.LoraAdapters` when it serves adapters: told each step's token slots."""
-        return self._lora
-
-    @lora.setter
-    def lora(self, adapters) -> None:
-        if adapters is not None and self.spec.mla:
-            raise ValueError(f"LoRA adapters are not served on {self.spec.family} (multi-head latent attention) yet: "
-                             "merge the adapter into the base model (peft's merge_and_unload, then save_pretrained) "
-                             "and serve the merged model without enable_lora")
-        self._lora = adapters
+    lora = None  # the engine's `lora.LoraAdapters` when it serves adapters: told each step's token slots
 
     def __init__(self, spec: ModelSpec, *, engine_config: EngineConfig, tp: TPGroup, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:

@@ -126,7 +126,8 @@ class ExpertZeroOptimizer(HybridZeroOptimizer):
             twin.update({k: v for k, v in dense.items() if k != "params"})  # an LR scheduler's changes
         scale = self.scaler.scale  # what this step's gradients carry (the dense step may change it)
         super().step(closure)
-        self.experts.scaler.scale = scale if self.scaler.enabled else self.experts.scaler.scale
+        if self.scaler.enabled:
+            self.experts.scaler.scale = scale
         self.experts.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -304,7 +304,7 @@ def _record_specs(model: nn.Module, policy: Policy, plan: TPPlan, full_shapes: d
             spec = split[id(p)]
         elif name.startswith(layer_prefix):
             in_layer = name[len(layer_prefix):].split(".", 1)[1]
-            partial = in_layer in per_head or bool(per_head_adapters) and in_layer.startswith(per_head_adapters)
+            partial = in_layer in per_head or in_layer.startswith(per_head_adapters)
             spec = ShardSpec(partial_grad=partial or plan.sequence_parallel)
         else:
             spec = REPLICATED

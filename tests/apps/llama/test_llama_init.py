@@ -141,7 +141,7 @@ def test_architecture_builds_the_family_its_model_type_names(tiny_run):
     reference = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **arch))
     assert type(llama) is LlamaForCausalLM
-    for (name, a), (_, b) in zip(llama.state_dict().items(), reference.state_dict().items()):
+    for (name, a), (_, b) in zip(llama.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
