@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from apps.protein.config import RecipeConfig, load_recipe, resolve
+from apps.protein.data_sets import STRUCTURES
 from apps.protein.features import FeatureConfig, make_features
 from apps.protein.io import ProteinChain, read_fasta, read_msa
 from apps.protein.model import AlphaFold
@@ -203,10 +204,10 @@ def read_templates(args: argparse.Namespace, sequence: str, cfg: RecipeConfig) -
     from apps.protein.templates import parse_date
 
     cutoff = parse_date(args.max_template_date, "--max-template-date")
-    if cutoff is not None and not (args.template_dir and not args.hhr):
+    search = bool(args.template_dir) and not args.hhr
+    if cutoff is not None and not search:
         raise ValueError("--max-template-date filters the search of --template-dir (without --hhr): give "
                          "--template-dir DIR")
-    search = bool(args.template_dir) and not args.hhr
     if not args.template and not args.hhr and not search:
         return None
     if not cfg.model.templates:
@@ -218,7 +219,7 @@ def read_templates(args: argparse.Namespace, sequence: str, cfg: RecipeConfig) -
     out = []
     if search:
         room = cfg.data.max_templates - len(args.template)
-        hits = search_templates(sequence, resolve(args.template_dir), max(room, 0), cutoff) if room > 0 else []
+        hits = search_templates(sequence, resolve(args.template_dir), room, cutoff) if room > 0 else []
         for hit in hits:
             print(f"template hit {hit.name}: score {hit.score}, identity {hit.identity:.2f}, coverage "
                   f"{hit.coverage:.2f}, released {hit.release_date}")
@@ -231,8 +232,8 @@ def read_templates(args: argparse.Namespace, sequence: str, cfg: RecipeConfig) -
         chain = read_structure(resolve(path), chain_id or None)
         out.append(template_from_hit(align_to_chain(sequence, chain), sequence, chain, f"--template {spec}: "))
     if args.hhr:
-        out += templates_from_hhr(resolve(args.hhr), sequence, resolve(args.template_dir or "apps/protein/data/structures"),
-                                  cfg.data.max_templates)
+        structures = resolve(args.template_dir) if args.template_dir else STRUCTURES
+        out += templates_from_hhr(resolve(args.hhr), sequence, structures, cfg.data.max_templates)
     if len(out) > cfg.data.max_templates:
         raise ValueError(f"{len(out)} templates given, data.max_templates={cfg.data.max_templates}: pass fewer or raise it")
     for template in out:

@@ -145,3 +145,19 @@ def check_against_transformers(eng, model, prompts: list[list[int]], new_tokens:
         want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
         assert max(abs(a - b) for a, b in zip(out.logprobs, want, strict=True)) < logprob_atol
     assert eng.block_manager.all_free()
+
+
+def make_adapter(directory, seed: int, base_overrides: dict | None = None, **fields):
+    """A PEFT adapter (`fields`: peft.LoraConfig's) on the tiny Llama (its config changed by
+    `base_overrides`) with random (non-zero) B, saved to `directory`; returns the adapter's merged
+    model (peft's merge_and_unload) in fp32."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(make_model("llama", **(base_overrides or {})), peft.LoraConfig(**fields))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(str(directory))
+    return model.merge_and_unload().eval()

@@ -24,18 +24,7 @@ ADAPTERS = {  # name -> LoraConfig fields: different targets, ranks and scalings
 }
 
 
-def make_adapter(directory, seed: int, base_overrides: dict | None = None, **fields):
-    """A PEFT adapter on the tiny Llama (its config changed by `base_overrides`) with random
-    (non-zero) B, saved to `directory`; returns the adapter's merged model (peft's
-    merge_and_unload) in fp32."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(im.make_model("llama", **(base_overrides or {})), peft.LoraConfig(**fields))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    model.save_pretrained(str(directory))
-    return model.merge_and_unload().eval()
+make_adapter = im.make_adapter
 
 
 @pytest.fixture(scope="module")

@@ -646,19 +646,12 @@ def test_phalanx_serve_tp2_serves_a_lora_adapter_by_name(tmp_path):
     model's (peft's merge_and_unload) greedy tokens, one naming the base model the base model's;
     Ctrl-C stops every rank without a traceback."""
     import openai
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from transformers import AutoTokenizer
 
     path, base = im.save_model(tmp_path / "m", "llama")
-    torch.manual_seed(3)
-    lora = peft.get_peft_model(im.make_model("llama"), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in lora.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    lora.save_pretrained(str(tmp_path / "sql"))
-    merged = lora.merge_and_unload().eval()
+    merged = im.make_adapter(tmp_path / "sql", 3, r=4, lora_alpha=8,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     prompt = "Tensor parallel adapters split"
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     ids = tokenizer(prompt)["input_ids"]
