@@ -140,36 +140,49 @@ def merged_engine_weights(model: nn.Module, submodule: str = "") -> Iterator[tup
         yield from merged_pairs(whole.get_submodule(submodule), inside(pairs, submodule))
 
 
-class _Tensors:
-    """A state dict standing in for a module where a reader wants only `state_dict()`."""
+class _MergedShards:
+    """A LoRA policy's merged shards standing in for a module's `state_dict()` where
+    `tp_shard_source` reads it: each read of `items()` / `values()` merges again, one layer's
+    tensors at a time (`merged_pairs` streams), so no merged copy of the whole shard is ever held;
+    the merges (rank-r products) are repeated instead, a small cost beside a sync."""
 
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        self._state = state
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._state
+    def _pairs(self):
+        from phalanx.booster.lora import merged_pairs
+        return merged_pairs(self.policy, ((n, t.detach()) for n, t in self.policy.state_dict().items()))
+
+    def state_dict(self) -> "_MergedShards":
+        return self
+
+    def items(self):
+        return self._pairs()
+
+    def values(self):
+        return (tensor for _, tensor in self._pairs())
 
 
-def merged_tp_shards(policy: nn.Module, plan) -> tuple[_Tensors, Any]:
+def merged_tp_shards(policy: nn.Module, plan) -> tuple[_MergedShards, Any]:
     """This rank's shards of the LoRA `policy` with the adapter merged (W_r + scaling·B_r·A_r), named
-    as the base model's weights, and `plan` (the trainer's `TPPlan`) renamed to match, for
-    `phalanx.inference.weights.tp_shard_source`. No communication: tensor parallelism splits each
-    adapter with its base (`phalanx.shard.lora_tp`: B by output rows under a column-parallel base, A
-    by input columns under a row-parallel one, both whole beside replicated key/value heads), so
-    each rank's merge is exactly its shard of the merged weight."""
+    as the base model's weights and merged as they are read, and `plan` (the trainer's `TPPlan`)
+    renamed to match, for `phalanx.inference.weights.tp_shard_source`. No communication: tensor
+    parallelism splits each adapter with its base (`phalanx.shard.lora_tp`: B by output rows under a
+    column-parallel base, A by input columns under a row-parallel one, both whole beside replicated
+    key/value heads), so each rank's merge is exactly its shard of the merged weight."""
     import dataclasses
 
-    from phalanx.booster.lora import PEFT_PREFIX, merged_pairs
+    from phalanx.booster.lora import PEFT_PREFIX
 
-    merged = dict(merged_pairs(policy, ((n, t.detach()) for n, t in policy.state_dict().items())))
+    merged = _MergedShards(policy)
     params = {}
-    for name in merged:
+    for name, _ in merged.items():
         layer, _, leaf = name.rpartition(".")
         for trained in (PEFT_PREFIX + name, f"{PEFT_PREFIX}{layer}.base_layer.{leaf}"):
             if trained in plan.params:
                 params[name] = plan.params[trained]
                 break
-    return _Tensors(merged), dataclasses.replace(plan, params=params)
+    return merged, dataclasses.replace(plan, params=params)
 
 
 class SubmoduleLoRAExport(PolicyExport):
