@@ -71,6 +71,13 @@ def tiny_llama_dir(out: Path, **sizes) -> Path:
     return out
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a host clock read after it times the work itself."""
+    if device.type != "cpu":
+        from phalanx_kernels.accelerator import device_module
+        device_module(device).synchronize()
+
+
 def make_prompts(n: int, vocab: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
@@ -80,11 +87,12 @@ def make_prompts(n: int, vocab: int, low: int, high: int, seed: int = 0) -> list
 def run_hf(model, prompts, new_tokens: int):
     from phalanx.testing import left_padded
 
-    ids, mask = left_padded(prompts)
+    ids, mask = (t.to(model.device) for t in left_padded(prompts))
     with torch.inference_mode():
         start, cpu = time.perf_counter(), time.process_time()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0)
+        synchronize(model.device)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     return elapsed, cpu, out[:, ids.shape[1]:].tolist()
 
@@ -106,8 +114,10 @@ def hf_single_stream(model, prompt, new_tokens: int):
     def timed(n):
         with torch.inference_mode():
             start = time.perf_counter()
-            model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            model.generate(torch.tensor([prompt], device=model.device),
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            synchronize(model.device)
             return time.perf_counter() - start
     ttft, total = timed(1), timed(new_tokens)
     return ttft, (total - ttft) / max(1, new_tokens - 1)
@@ -116,6 +126,23 @@ def hf_single_stream(model, prompt, new_tokens: int):
 def our_single_stream(engine, prompt, new_tokens: int):
     _, _, ttft, tpot, _ = run_ours(engine, [prompt], new_tokens)
     return ttft, tpot
+
+
+def profile_engine(label: str, engine, prompts, new_tokens: int) -> None:
+    """Where one batched run's host time goes: the 25 costliest operators by self host time, and
+    how many kernels were launched and how often the host waited for the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        run_ours(engine, prompts, new_tokens)
+    events = prof.key_averages()
+    count = {e.key: e.count for e in events}
+    launches = sum(n for key, n in count.items() if key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    syncs = sum(n for key, n in count.items() if "Synchronize" in key or key == "aten::_local_scalar_dense")
+    print(f"\nprofile of {label}, {len(prompts)} prompts x {new_tokens} tokens: {launches} kernel launches, "
+          f"{syncs} host waits on the device ({launches / max(1, new_tokens):.0f} launches per decode step)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50))
 
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512bw", "avx512vl", "avx512dq", "avx_ne_convert", "avx2")
@@ -163,6 +190,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compiled", action="store_true", help="skip our compiled engine")
     parser.add_argument("--no-hf-ttft", action="store_true", help="skip HF's separately timed batch TTFT run")
     parser.add_argument("--no-single", action="store_true", help="skip the single-stream latencies")
+    parser.add_argument("--profile", action="store_true", help="after the timings, profile one batched run of each "
+                        "engine (torch.profiler) and print its 25 costliest operators by host time, with the "
+                        "number of kernel launches and device synchronisations")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama, 4 short prompts, 4 new tokens, "
                         "eager only: checks that the bench runs; its numbers mean nothing")
     args = parser.parse_args(argv)
@@ -190,7 +220,10 @@ def main(argv=None) -> int:
         label = "tiny Llama, random init (hidden 512, 8 layers, 8 heads / 4 KV heads, vocab 32000)"
     args.dtype = resolved_dtype(args.dtype)
     dtype = getattr(torch, args.dtype)
+    from phalanx_kernels.accelerator import current_device
+    # HF runs on the engine's device (the GPU where there is one): the same hardware both sides
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
+    hf = hf.to(current_device())
     engines = {}
     if not args.no_eager:
         engines["eager"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False)
@@ -204,8 +237,10 @@ def main(argv=None) -> int:
     single = make_prompts(1, hf.config.vocab_size, 128, 128, seed=1)[0]
     n_tokens = args.prompts * args.new_tokens
     machine = cpu_report()
+    from phalanx_kernels.accelerator import display
+    machine["device"] = display(current_device())
     flags = " ".join(machine["cpu_flags"]) or "(none of " + ", ".join(BF16_FLAGS) + ")"
-    print(f"CPU: {machine['cpu']}; flags {flags}; "
+    print(f"device: {machine['device']}; CPU: {machine['cpu']}; flags {flags}; "
           f"torch kernels {machine['torch_cpu_capability']}; load average {machine['load_avg_1m']}")
     print(f"model: {label}\ndtype: {args.dtype}, torch threads: {torch.get_num_threads()}, "
           f"{args.prompts} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens "
@@ -292,6 +327,9 @@ def main(argv=None) -> int:
             print(f"  {labels[name]:38} {ours[0] * 1000:9.1f} {ours[1] * 1000:9.1f}")
             result.update({f"single_{name}_ttft_ms": round(ours[0] * 1000, 2),
                            f"single_{name}_ms_per_token": round(ours[1] * 1000, 2)})
+    if args.profile:
+        for name, engine in engines.items():
+            profile_engine(labels[name], engine, prompts, args.new_tokens)
     print(json.dumps(result))
     if tmp is not None:
         tmp.cleanup()

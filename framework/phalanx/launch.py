@@ -153,7 +153,8 @@ def launch(
                     "`phalanx run -n N script.py` or torchrun"
                 )
             store = dist.HashStore()
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **kwargs)
     if device.type == "cpu" and world_size > 1:
         from phalanx_kernels.capability import agree_across_ranks
 
@@ -163,6 +164,9 @@ def launch(
     if rank == 0 and device.type == EMULATED_TYPE:
         print(f"phalanx: {world_size} rank(s), device {display(device)}, backend {backend} (PHALANX_EMULATE_GPU=1)",
               flush=True)
+    elif rank == 0 and device.type == "cuda":  # which GPU a run is on, said once at its start
+        print(f"phalanx: {world_size} rank(s), device {display(device)} ({torch.cuda.get_device_name(device)}), "
+              f"backend {backend}", flush=True)
     _CONTEXT = DistContext(rank, world_size, local_rank, local_world_size, device, backend)
     _destroy_at_exit()
     return _CONTEXT

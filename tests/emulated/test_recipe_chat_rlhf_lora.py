@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from emulated_run import run_module_emulated  # noqa: E402
+from emulated_run import DEVICE_LINE, run_module_emulated  # noqa: E402
 
 SHORT_REWARD = "tests.apps.chat_rlhf.test_learning:short_reward"  # 1 - characters / 40: spread in every group
 
@@ -34,7 +34,7 @@ def test_lora_grpo_one_rank(tiny_model, tmp_path):  # 7 s on 2 quiet cores (270-
         "train.max_steps=2", "train.lr=5e-2", "engine.max_model_len=64", "engine.max_num_seqs=4",
         "engine.kv_cache_memory_gib=0.01", "train.progress_bar=false", "train.plot=false", "lora.enabled=true",
         "lora.merge=true", "activation_checkpointing=true", "train_layers=0")
-    assert "device cuda:0 (emulated)" in log
+    assert DEVICE_LINE in log
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rollouts] == [1, 2]
     assert all(r["logprob_gap"] < 1e-2 for r in rollouts)  # the engine sampled from the merged device weights
@@ -62,7 +62,7 @@ def test_lora_ppo_one_rank(tiny_model, tmp_path):
         "ppo.ppo_epochs=1", "ppo.num_mini_batches=1", "train.micro_batch_size=2", "train.max_steps=2",
         "train.lr=5e-2", "engine.max_model_len=256", "engine.max_num_seqs=4", "engine.kv_cache_memory_gib=0.02",
         "train.progress_bar=false", "train.plot=false", "lora.enabled=true", "lora.merge=true")
-    assert "device cuda:0 (emulated)" in log
+    assert DEVICE_LINE in log
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts and all(r["logprob_gap"] < 1e-2 for r in rollouts)  # the engine sampled from the merged actor
     ckpt = sorted((out / "checkpoints").iterdir())[-1]

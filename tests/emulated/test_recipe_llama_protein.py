@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from emulated_run import ROOT, run_module_emulated  # noqa: E402
+from emulated_run import DEVICE_LINE, ROOT, run_module_emulated  # noqa: E402
 
 # ---------------------------------------------------------------------------------------- protein
 
@@ -54,7 +54,7 @@ def test_protein_train_and_predict_one_rank(tmp_path):
     structure by `--reference`."""
     out = tmp_path / "run"
     log = run_module_emulated("apps.protein.train", *PROTEIN_CONFIG, *PROTEIN_SMALL, f"train.output_dir={out}")
-    assert "device cuda:0 (emulated)" in log and "done at step 2" in log
+    assert DEVICE_LINE in log and "done at step 2" in log
     _protein_eval(out)
     assert list((out / "checkpoints").glob("step-00000002"))
 
@@ -129,7 +129,7 @@ def test_llama_pretrain_export_evaluate_generate_one_rank(llama_work):
     export on the emulated GPU (the same numbers as the in-loop eval) -> generate from the checkpoint."""
     work = llama_work / "one"
     log = run_module_emulated("apps.llama.pretrain", *_llama_args(llama_work, f"train.output_dir={work}", *PRETRAIN_2))
-    assert "device cuda:0 (emulated)" in log
+    assert DEVICE_LINE in log
     bpc = _bpc(log)
     assert "zh/bpc" in bpc and all(0.5 < v < 30 and math.isfinite(v) for v in bpc.values())
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@ checkout: the recipes live in apps/, which phalanx itself never imports)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ SMOKES: dict[str, tuple[str, list[str]]] = {
                                                          *_STEPS]),
 }
 
+# the pyproject extra that installs each recipe's own dependencies
+EXTRAS = {"llama": "llama", "protein": "protein", "video_gen": "video", "diffusion": "diffusion"}
+
 
 def _checkout() -> Path | None:
     for root in (Path.cwd(), *Path.cwd().parents):
@@ -36,10 +40,15 @@ def _smoke(module: str, args: list[str], output_dir: str):
     if root is None:
         raise Skip("run from a phalanx checkout (the recipes live in apps/)")
     args = [a.replace("{out}", output_dir) for a in args]
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's path
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=dict(os.environ, PYTHONPATH=path),
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", tail[0])
+        if missing and missing.group(1).split(".")[0] not in ("phalanx", "phalanx_kernels", "apps"):
+            raise Skip(f"python -m {module} needs {missing.group(1)!r}, not installed here "
+                       f"(pip install -e '.[{EXTRAS.get(module.split('.')[1], 'dev')}]')")
         raise AssertionError(f"python -m {module} exited {proc.returncode}: {tail[0][:200]}")
     return f"python -m {module} {' '.join(args)}"
 

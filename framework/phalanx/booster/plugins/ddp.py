@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -18,6 +19,12 @@ from phalanx.checkpoint.optimizer import (FragmentReader, OptimizerFragments, fr
                                           load_full_state_into)
 from phalanx.layout import Layout
 from phalanx.param_binding import optimizer_param_names
+
+
+# Buffers are not broadcast before each forward: torch 2.13 names the switch forward_sync_buffers
+# (broadcast_buffers is deprecated there); the torch of some GPU images (2.11) knows only the old name.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
 
 
 class DDPPlugin(Plugin):
@@ -67,7 +74,7 @@ class DDPPlugin(Plugin):
         device_ids = [self.device.index] if self.device.type == "cuda" else None  # the emulated GPU: None, as a custom device
         ddp = DDP(model, device_ids=device_ids, process_group=self.dp_group, bucket_cap_mb=self.bucket_cap_mb,
                   find_unused_parameters=self.find_unused_parameters, gradient_as_bucket_view=True,
-                  forward_sync_buffers=False, static_graph=self.static_graph)
+                  static_graph=self.static_graph, **_NO_BUFFER_SYNC)
         if self.fp8_communication:
             ddp.register_comm_hook(DDPHookState(self.dp_group, self.fp8_communication, self.fp8_traffic), ddp_fp8_hook)
         return self.boosted(ModelWrapper(ddp, model))
