@@ -11,7 +11,8 @@
 #   selfcheck  phalanx selfcheck (kernels, collectives, plugins, inference, recipe smoke runs)
 #   kernels    bench/kernel_speed.py --part gpu: each kernel against torch eager (bf16)
 #   inference  bench/inference.py on a randomly initialised SmolLM2-135M-shaped Llama in bf16
-#              (HF generate on the same GPU, same dtype, same prompts), then a profile of the engine
+#              (HF generate on the same GPU, same dtype, same prompts), then a profile of the engine;
+#              inference_nographs: the same with every decode step eager (--cuda-graphs off)
 #   recipes    the recipe commands of tests/emulated on this real GPU (PHALANX_TESTS_ON_CUDA=1):
 #              SFT, reward model, DPO, PPO, GRPO (+LoRA), LLaMA pretrain/SFT/export, diffusion, video,
 #              protein on one rank; runs of more ranks than GPUs skip
@@ -20,7 +21,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_session}
-STEPS=${STEPS:-"tests selfcheck kernels inference recipes"}
+STEPS=${STEPS:-"tests selfcheck kernels inference inference_nographs recipes"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline \
        TOKENIZERS_PARALLELISM=false
@@ -51,7 +52,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 SMOL=/tmp/smollm2-shaped
-if [[ " $STEPS " == *" inference "* && ! -f $SMOL/config.json ]]; then
+if [[ " $STEPS " == *" inference"* && ! -f $SMOL/config.json ]]; then
     python3 -c "
 import sys; sys.path.insert(0, 'bench')
 from pathlib import Path
@@ -61,10 +62,12 @@ tiny_llama_dir(Path('$SMOL'), vocab_size=49152, hidden_size=576, intermediate_si
                num_attention_heads=9, num_key_value_heads=3)" >>"$OUT/env.log" 2>&1
 fi
 
-step tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests
+step tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -rA --continue-on-collection-errors tests
 step selfcheck 180 python3 -m phalanx.cli selfcheck --json "$OUT/selfcheck.json"
 step kernels 80 python3 bench/kernel_speed.py --part gpu --no-compile --reps 10
-step inference 90 python3 bench/inference.py --model "$SMOL" --dtype bfloat16 --repeats 2 --no-compiled --profile
+step inference 100 python3 bench/inference.py --model "$SMOL" --dtype bfloat16 --repeats 2 --no-compiled --profile
+step inference_nographs 90 python3 bench/inference.py --model "$SMOL" --dtype bfloat16 --repeats 2 --no-compiled \
+    --profile --cuda-graphs off
 step recipes 180 env PHALANX_TESTS_ON_CUDA=1 python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs \
     tests/emulated/test_recipe_chat_rlhf.py tests/emulated/test_recipe_chat_rlhf_lora.py \
     tests/emulated/test_recipe_llama_protein.py tests/emulated/test_recipe_video_diffusion.py

@@ -190,6 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compiled", action="store_true", help="skip our compiled engine")
     parser.add_argument("--no-hf-ttft", action="store_true", help="skip HF's separately timed batch TTFT run")
     parser.add_argument("--no-single", action="store_true", help="skip the single-stream latencies")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                        help="our engines' decode steps as CUDA graphs (on CUDA; 'off': every step eager)")
     parser.add_argument("--profile", action="store_true", help="after the timings, profile one batched run of each "
                         "engine (torch.profiler) and print its 25 costliest operators by host time, with the "
                         "number of kernel launches and device synchronisations")
@@ -225,10 +227,12 @@ def main(argv=None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").eval()
     hf = hf.to(current_device())
     engines = {}
+    graphs = "auto" if args.cuda_graphs == "auto" else False
     if not args.no_eager:
-        engines["eager"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False)
+        engines["eager"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False,
+                               cuda_graphs=graphs)
     if not args.no_compiled:
-        fast = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=True)
+        fast = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=True, cuda_graphs=graphs)
         if fast.runner.compiled is None:
             print(f"compiled engine unavailable: {fast.runner.compile_reason}")
         else:
@@ -246,6 +250,9 @@ def main(argv=None) -> int:
           f"{args.prompts} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens "
           f"({sum(map(len, prompts))} in all, {args.prompts * max(map(len, prompts))} padded), "
           f"{args.new_tokens} new tokens each, greedy", flush=True)
+    for name, engine in engines.items():
+        reason = engine.runner.graphs_reason
+        print(f"{name} engine: decode steps {'as CUDA graphs' if reason is None else 'eager (' + reason + ')'}")
 
     # warm-up: first calls pay for lazy initialisation on both sides, and the compiled engine
     # compiles here (batched steps and single-row steps), timed on its own
@@ -282,7 +289,8 @@ def main(argv=None) -> int:
     labels = {"eager": "phalanx.inference eager", "compiled": "phalanx.inference compiled"}
     rows = [("Hugging Face generate (padded batch)", hf_tps, n_tokens / hf_cpu, hf_ttft, hf_tpot, hf_wall)]
     result = {"bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "prompts": args.prompts, "new_tokens": args.new_tokens, "prompt_tokens": sum(map(len, prompts)),
+              "prompts": args.prompts, "new_tokens": args.new_tokens, "cuda_graphs": args.cuda_graphs,
+              "prompt_tokens": sum(map(len, prompts)),
               "hf_tokens_per_s": round(hf_tps, 2), "hf_ttft_s": round(hf_ttft, 3) if hf_ttfts else None,
               "hf_ms_per_token": round(hf_tpot * 1000, 2) if hf_ttfts else None, **machine,
               "load_avg_1m_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import get_backend, use_triton
 
 
 def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,7 +56,11 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale [+ causal mask]) v, grouped over KV heads; returns [B, H, T, D]."""
-    if use_triton(q, k, v):
+    """softmax(q k^T * scale [+ causal mask]) v, grouped over KV heads; returns [B, H, T, D].
+
+    On a real CUDA device the default backend takes torch's SDPA (its FlashAttention / cuDNN
+    kernels), measured 1.8x faster forward and 2.3x faster forward + backward than this Triton
+    kernel on an H100 (docs/gpu.md); `use_backend("triton")` still runs the Triton kernel."""
+    if use_triton(q, k, v) and not (q.is_cuda and get_backend() == "auto"):
         return flash_attention_triton(q, k, v, causal, scale)
     return flash_attention_reference(q, k, v, causal, scale)

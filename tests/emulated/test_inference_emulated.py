@@ -44,6 +44,9 @@ NODE_IDS = [
     "tests/framework/test_inference_lora.py::test_a_draft_model_speculates_for_adapter_requests_with_their_greedy_tokens",
     # the one decoder definition, run with the compiled step's pieces (spies: nothing compiles)
     "tests/framework/test_inference_speed_paths.py::test_compiled_step_runs_the_one_decoder_with_its_pieces",
+    # captured decode steps' buffers, padding and scratch block on the device (replayed eagerly: no graphs here)
+    "tests/framework/test_inference_cuda_graphs.py::test_captured_decode_steps_give_the_tokens_of_the_normal_path[llama]",
+    "tests/framework/test_inference_cuda_graphs.py::test_a_narrow_step_after_a_wide_one_writes_only_its_own_slots",
 ]
 
 

@@ -32,6 +32,9 @@ class EngineConfig:
     compile: run the model step through torch.compile ("auto": on CUDA when a working compiler is
         found and the model is not tiny — on CPU "auto" stays eager, where compiling measured no
         faster; True: whenever the compiler works, CPU included; False: eager).
+    cuda_graphs: run decode steps as captured CUDA graphs, one per batch size ("auto": on CUDA for
+        dense models without tensor parallelism or LoRA; True: the same, an error where impossible;
+        False: every step eager). See `phalanx.inference.cuda_graphs`.
     """
 
     max_num_seqs: int = 64
@@ -47,6 +50,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     seed: int = 0
     compile: bool | str = "auto"
+    cuda_graphs: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "block_size", "tp_size", "max_num_batched_tokens", "num_speculative_tokens"):
@@ -65,5 +69,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_blocks={self.num_blocks} must be at least 2")
         if self.compile not in ("auto", True, False):
             raise ValueError(f"EngineConfig.compile={self.compile!r}: choose 'auto', True or False")
+        if self.cuda_graphs not in ("auto", True, False):
+            raise ValueError(f"EngineConfig.cuda_graphs={self.cuda_graphs!r}: choose 'auto', True or False")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"EngineConfig.dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")

@@ -17,7 +17,7 @@ import torch
 from phalanx_kernels.accelerator import device_module, is_accelerator
 
 from phalanx.amp.precision import resolve_precision, warn_if_emulated_bf16
-from phalanx.inference import compiled
+from phalanx.inference import compiled, cuda_graphs
 from phalanx.inference.attention import AttentionBatch, BatchedGroup, PrefillSegment
 from phalanx.inference.config import EngineConfig
 from phalanx.inference.llama import LlamaModel, ModelSpec, kv_bytes_per_block, rope_tables
@@ -114,6 +114,18 @@ class ModelRunner:
         self.num_blocks = 0
         self.compiled: compiled.CompiledModelStep | None = None
         self.compile_reason = self._setup_compile(getattr(engine_config, "compile", "auto"))
+        self.graphs: cuda_graphs.DecodeGraphs | None = None  # built with the KV cache (it needs a scratch block)
+        self.graphs_reason = self._graphs_reason(getattr(engine_config, "cuda_graphs", "auto"))
+
+    def _graphs_reason(self, setting) -> str | None:
+        """None when decode steps will run as CUDA graphs, else why not (an error when asked for
+        with cuda_graphs=True and impossible here)."""
+        why = ("cuda_graphs=False" if setting is False else
+               f"CUDA graphs need a CUDA device (this engine runs on {self.device})" if self.device.type != "cuda"
+               else cuda_graphs.unsupported_reason(self))
+        if why is not None and setting is True:
+            raise ValueError(f"EngineConfig.cuda_graphs=True, but {why}: set cuda_graphs='auto' or False")
+        return why
 
     def _setup_compile(self, setting) -> str:
         """Build the compiled model step when `setting` and the machine allow; else say why not,
@@ -171,12 +183,14 @@ class ModelRunner:
         """Key and value caches [blocks, block_size, heads, dim] per layer; under multi-head latent
         attention one latent cache per layer, which is both (`mla`)."""
         self.kv_caches = []
+        captured = self.graphs_reason is None  # one block more: the captured steps' padding rows write there
         for layer in self.model.layers:
-            shape = (num_blocks, self.block_size, layer.cache_heads, layer.cache_dim)
+            shape = (num_blocks + captured, self.block_size, layer.cache_heads, layer.cache_dim)
             keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
             values = keys if layer.mla else torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((keys, values))
         self.num_blocks = num_blocks
+        self.graphs = cuda_graphs.DecodeGraphs(self, scratch_block=num_blocks) if captured else None
 
     # -- packing ---------------------------------------------------------------------------------
     def pack(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -276,6 +290,10 @@ class ModelRunner:
     def execute(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run one step on every TP rank; the driver gets the logits [sum(num_logits), vocab] in
         chunk order, in the model's dtype (like HF's; the sampler upcasts when it needs to)."""
+        if self.graphs is not None and self.graphs.accepts(chunks):  # a decode step: one graph replay
+            logits = self.graphs.run(chunks)
+            if logits is not None:  # None: the graphs disabled themselves (cuda_graphs.DecodeGraphs.run)
+                return logits[:, :self.spec.vocab_size]
         packed = self.pack(chunks)
         if self.tp.size > 1:
             self.tp.broadcast(packed[:_HEADER].to(self.device))
