@@ -42,6 +42,10 @@ class FeatureConfig:
                                       # before the chain's own entry, as AlphaFold trains) or
                                       # "none" (every slot empty: AlphaFold without template hits)
     template_dir: str = ""            # mmCIF files searched by templates_from: search ("": the shipped structures)
+    template_hits_cache: str = "runs/protein/template_hits"  # templates_from: search -- the hits of every chain
+                                      # searched, in a JSON file per template folder and settings, so a
+                                      # later run reads them instead of searching (relative: to the
+                                      # repository; "": no file, search once per run)
     use_templates: bool = False       # template inputs in every sample: set from model.templates by the recipe
 
     def __post_init__(self):
@@ -49,6 +53,13 @@ class FeatureConfig:
             raise ValueError(f"data.templates_from={self.templates_from!r}: give 'self' (each chain's own structure), "
                              "'search' (hits from data.template_dir released before the chain) or 'none' (no "
                              "template hits)")
+
+
+def search_directory(cfg: FeatureConfig):
+    """The mmCIF folder `templates_from: search` searches."""
+    from apps.protein.data_sets import STRUCTURES
+
+    return cfg.template_dir or STRUCTURES
 
 
 def msa_indices(alignment: Alignment) -> np.ndarray:
@@ -104,8 +115,9 @@ def make_features(chain: ProteinChain, alignment: Alignment | None, cfg: Feature
     if templates is None and cfg.use_templates:
         from apps.protein.templates import self_template, training_templates
         if cfg.templates_from == "search":
-            from apps.protein.data_sets import STRUCTURES
-            templates = training_templates(chain, cfg.template_dir or STRUCTURES, cfg.max_templates)
+            # Datasets pass the hits they searched when built (apps.protein.dataset); a lone call
+            # searches this chain here, once per process.
+            templates = training_templates(chain, search_directory(cfg), cfg.max_templates)
         else:
             templates = [self_template(chain)] if cfg.templates_from == "self" else []
     if templates is not None:

@@ -16,7 +16,8 @@ alignment of the query to it. Two ways to give the alignment:
   (supplement 1.2.3: released after the cutoff date dropped, near-identical copies of the query
   dropped, tiny alignments dropped), the best `max_templates` by alignment score -- what `predict
   --template-dir DIR` without an .hhr does, and training with `data.templates_from: search`
-  (each chain only sees structures released before its own).
+  (each chain only sees structures released before its own; searched once per chain when the
+  dataset is built, `chain_template_hits`, the hits kept without coordinates, `StoredHit`).
 
 `template_features(length, templates)` lays each template out on the query's residues:
 `template_aatype` [T, L] (20 residues, X, 21 = gap where no template residue aligns),
@@ -29,9 +30,15 @@ residue-type one-hots) are computed inside the model (`model/template.py`).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
+import hashlib
+import json
+import os
 import re
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +46,7 @@ import numpy as np
 import torch
 
 from apps.protein import constants as rc
-from apps.protein.io import ProteinChain, ProteinInputError, StructureEntry, _text, read_entry, read_structure
+from apps.protein.io import ProteinChain, ProteinInputError, StructureEntry, _stem, _text, read_entry, read_structure
 from apps.protein.model.template import TEMPLATE_KEYS
 from apps.protein.sidechains import atom37_to_atom14, pseudo_beta, true_torsions
 
@@ -215,6 +222,8 @@ class SearchHit:
     identity: float                # identical residues / aligned residue pairs
     coverage: float                # aligned residue pairs / query length
     release_date: datetime.date
+    path: Path | None = None       # the template's mmCIF file
+    alignment: TemplateHit | None = None   # the query aligned to the chain (what `template` was built from)
 
     @property
     def name(self) -> str:
@@ -246,13 +255,18 @@ def template_entries(template_dir: str | Path) -> tuple[StructureEntry, ...]:
     """Every mmCIF file (`*.cif`, `*.cif.gz`) of a directory, read once per process (re-read when a
     file's modification time changes)."""
     directory = Path(template_dir)
+    files = _mmcif_files(directory)
+    return _read_directory(str(directory.resolve()), tuple((p.name, p.stat().st_mtime) for p in files))
+
+
+def _mmcif_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise ProteinInputError(f"template directory {directory}: no such directory (give a folder of mmCIF files, "
                                 "<pdb id>.cif or .cif.gz)")
     files = sorted(p for p in directory.iterdir() if p.name.endswith((".cif", ".cif.gz")) and p.is_file())
     if not files:
         raise ProteinInputError(f"template directory {directory}: holds no .cif or .cif.gz file")
-    return _read_directory(str(directory.resolve()), tuple((p.name, p.stat().st_mtime) for p in files))
+    return files
 
 
 def entry_id(name: str) -> str:
@@ -294,13 +308,45 @@ def search_templates(query: str, template_dir: str | Path, max_templates: int,
             if coverage < MIN_ALIGNED_SHARE or (identity > MAX_IDENTITY and coverage > MAX_COVERAGE):
                 continue
             hits.append(SearchHit(template_from_hit(hit, query, chain, f"{entry.path}: "), score, identity, coverage,
-                                  date))
+                                  date, entry.path, hit))
     hits.sort(key=lambda h: (-h.score, h.name))
     return hits[:max_templates]
 
 
-@functools.lru_cache(maxsize=256)
-def _training_templates(name: str, sequence: str, template_dir: str, max_templates: int) -> tuple[Template, ...]:
+# -------------------------------------------------------- training's search (data.templates_from: search)
+# Run once per chain when the dataset is built (`chain_template_hits`), never per training item: the
+# dataset keeps each chain's hits -- which chain of which file, and the alignment, no coordinates --
+# and the item builder reads the hit chains (once per process, `load_templates`) and cuts features.
+SEARCH_VERSION = 1   # part of the cache key: raise it when the search or its filters change
+HITS_CACHE_PREFIX = "template_hits-"
+
+
+@dataclass
+class StoredHit:
+    """One template hit as a dataset keeps it: where the template chain is and how the query aligns
+    to it (no coordinates)."""
+    file: str            # the template's mmCIF file
+    chain_id: str        # its author chain id
+    hit: TemplateHit     # the query aligned to that chain (name <entry>_<chain>, 1-based starts)
+    score: int           # the alignment score it was ranked by
+
+    @property
+    def name(self) -> str:
+        return self.hit.name
+
+    def to_json(self) -> dict:
+        h = self.hit
+        return {"file": self.file, "chain_id": self.chain_id, "score": self.score, "name": h.name,
+                "query_start": h.query_start, "query_aligned": h.query_aligned,
+                "template_start": h.template_start, "template_aligned": h.template_aligned}
+
+    @staticmethod
+    def from_json(d: dict) -> "StoredHit":
+        return StoredHit(d["file"], d["chain_id"], TemplateHit(d["name"], d["query_start"], d["query_aligned"],
+                                                             d["template_start"], d["template_aligned"]), d["score"])
+
+
+def _own_release_date(name: str, template_dir: str) -> datetime.date:
     own = entry_id(name)
     dates = {entry_id(e.path.name.split(".")[0]): entry_date(e) for e in template_entries(template_dir)}
     if dates.get(own) is None:
@@ -311,15 +357,180 @@ def _training_templates(name: str, sequence: str, template_dir: str, max_templat
                                     f"{template_dir} or the shipped structures), so templates cannot be searched "
                                     "before it; use data.templates_from=self or none")
         dates[own] = entry_date(read_entry(path))
-    hits = search_templates(sequence, template_dir, max_templates, dates[own], before=True, exclude=(own,))
-    return tuple(h.template for h in hits)
+    return dates[own]
+
+
+def search_training_hits(name: str, sequence: str, template_dir: str | Path, max_templates: int
+                         ) -> tuple[StoredHit, ...]:
+    """One training or evaluation chain's search (`data.templates_from: search`): `search_templates`
+    of `template_dir` restricted to entries released before the chain's own entry, and never that
+    entry, so a chain sees neither itself nor a later structure."""
+    own = entry_id(name)
+    hits = search_templates(sequence, template_dir, max_templates, _own_release_date(name, str(template_dir)),
+                            before=True, exclude=(own,))
+    out = tuple(StoredHit(str(h.path), h.name[len(_stem(h.path)) + 1:], h.alignment, h.score) for h in hits)
+    for stored, h in zip(out, hits, strict=True):
+        _keep_chain(stored.file, stored.chain_id, h.template.chain)
+    return out
+
+
+def _listing(directory: Path) -> list[tuple[str, int, int]]:
+    return [(p.name, st.st_size, st.st_mtime_ns) for p in _mmcif_files(directory) for st in (p.stat(),)]
+
+
+def search_key(template_dir: str | Path, max_templates: int) -> str:
+    """What a chain's hits depend on besides its name and sequence: the search settings and the
+    contents (names, sizes, modification times) of the template folder and of the shipped structures
+    (where a chain's own release date is read when the folder lacks its entry)."""
+    from apps.protein.data_sets import STRUCTURES
+
+    directory = Path(template_dir).resolve()
+    settings = [SEARCH_VERSION, max_templates, MAX_IDENTITY, MAX_COVERAGE, MIN_ALIGNED_SHARE, "BLOSUM62", -10, -1]
+    text = json.dumps([settings, str(directory), _listing(directory),
+                       _listing(STRUCTURES) if STRUCTURES.resolve() != directory else []])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# This process's searched chains: (search key, chain name, sequence) -> hits.
+_SEARCHED: dict[tuple[str, str, str], tuple[StoredHit, ...]] = {}
+
+
+def _read_hits_cache(file: Path, key: str, wanted: dict[str, str]) -> dict[str, tuple[StoredHit, ...]]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+        if data.get("key") != key:
+            return {}
+        return {name: tuple(StoredHit.from_json(h) for h in entry["hits"]) for name, entry in data["chains"].items()
+                if wanted.get(name) == entry["sequence"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"template hits cache {file} unreadable ({exc}); searching again and rewriting it")
+        return {}
+
+
+def _write_hits_cache(file: Path, key: str, template_dir: str, hits: dict[str, tuple[StoredHit, ...]],
+                      sequences: dict[str, str]) -> None:
+    """Merge `hits` into the cache file (atomically: a reader sees the old file or the new one)."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(file.read_text()) if file.is_file() else {}
+        chains = old.get("chains", {}) if old.get("key") == key else {}
+    except (OSError, ValueError):
+        chains = {}
+    chains.update({name: {"sequence": sequences[name], "hits": [h.to_json() for h in hs]} for name, hs in hits.items()})
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"key": key, "template_dir": template_dir, "version": SEARCH_VERSION,
+                                   "chains": chains}))
+        os.replace(tmp, file)
+    except OSError as exc:               # a read-only place: the run goes on without the cache
+        warnings.warn(f"template hits cache {file} not written ({exc}); set data.template_hits_cache to a writable "
+                      "folder, or '' for none")
+        tmp.unlink(missing_ok=True)
+
+
+def chain_template_hits(chains: list[ProteinChain], template_dir: str | Path, max_templates: int,
+                        cache_dir: str | Path | None = None, distributed: bool = True
+                        ) -> dict[str, tuple[StoredHit, ...]]:
+    """Every chain's template hits (`search_training_hits`), keyed by chain name: searched once per
+    chain and process, or read from `<cache_dir>/template_hits-<key>.json` (keyed by the chain's
+    name and sequence, the folder's contents and the search settings: `search_key`).
+
+    Under torch.distributed (`distributed`, every rank calls this with the same chains) rank 0's
+    known hits (this process's and the cache file's) are broadcast, the rest are searched split over
+    the ranks (chain k on rank k mod world) and gathered, so every rank ends with the same hits
+    whichever rank searched them; rank 0 writes the cache file."""
+    import torch.distributed as dist
+
+    if not chains:
+        return {}
+    directory = str(Path(template_dir).resolve())
+    key = search_key(directory, max_templates)
+    wanted: dict[str, str] = {}
+    for chain in chains:
+        if wanted.setdefault(chain.name, chain.sequence) != chain.sequence:
+            raise ProteinInputError(f"two chains named {chain.name} with different sequences: the template hits are "
+                                    "kept by chain name, so give each chain its own name")
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed and dist.is_available() \
+        and dist.is_initialized() else (1, 0)
+    known = {name: _SEARCHED[key, name, seq] for name, seq in wanted.items() if (key, name, seq) in _SEARCHED}
+    file = Path(cache_dir) / f"{HITS_CACHE_PREFIX}{key[:20]}.json" if cache_dir else None
+    remembered = len(known)
+    if rank == 0 and file is not None and len(known) < len(wanted):
+        known = _read_hits_cache(file, key, wanted) | known
+    from_file = len(known) - remembered
+    if world > 1:
+        from phalanx.json_collectives import all_gather_json, broadcast_json
+
+        shared = broadcast_json({n: [h.to_json() for h in hs] for n, hs in known.items()} if rank == 0 else None)
+        known = {n: tuple(StoredHit.from_json(h) for h in hs) for n, hs in shared.items()}
+    missing = [name for name in wanted if name not in known]
+    started = time.perf_counter()
+    found = {name: search_training_hits(name, wanted[name], directory, max_templates) for name in missing[rank::world]}
+    if world > 1:
+        parts = all_gather_json({n: [h.to_json() for h in hs] for n, hs in found.items()})
+        found = {n: tuple(StoredHit.from_json(h) for h in hs) for part in parts for n, hs in part.items()}
+    if rank == 0 and file is not None and found:
+        _write_hits_cache(file, key, directory, found, wanted)
+    if rank == 0 and (found or from_file):
+        print(f"template search of {directory}: {len(wanted)} chains, {len(found)} searched"
+              f"{f' over {world} ranks' if world > 1 else ''} in {time.perf_counter() - started:.1f} s"
+              + (f", {from_file} read from {file}" if from_file else ""), flush=True)
+    hits = known | found
+    for name, seq in wanted.items():
+        _SEARCHED[key, name, seq] = hits[name]
+    return {name: hits[name] for name in wanted}
+
+
+# The hit chains this process has read (file, chain id) -> chain, the least recently used dropped past
+# MAX_TEMPLATE_CHAINS: filled by the search and by `preload_templates` when a dataset is built, so the
+# data-loader workers forked from that process find them instead of reading the mmCIF files again.
+_TEMPLATE_CHAINS: collections.OrderedDict[tuple[str, str], ProteinChain] = collections.OrderedDict()
+MAX_TEMPLATE_CHAINS = 4096
+
+
+def _keep_chain(file: str, chain_id: str, chain: ProteinChain) -> ProteinChain:
+    _TEMPLATE_CHAINS[file, chain_id] = chain
+    _TEMPLATE_CHAINS.move_to_end((file, chain_id))
+    while len(_TEMPLATE_CHAINS) > MAX_TEMPLATE_CHAINS:
+        _TEMPLATE_CHAINS.popitem(last=False)
+    return chain
+
+
+def _template_chain(file: str, chain_id: str) -> ProteinChain:
+    chain = _TEMPLATE_CHAINS.get((file, chain_id))
+    return _keep_chain(file, chain_id, chain if chain is not None else read_structure(file, chain_id))
+
+
+def preload_templates(hits: dict[str, tuple[StoredHit, ...]]) -> None:
+    """Every hit chain of `hits` in this process (each file read once, and not at all for a chain the
+    search already read), so items cut template features without reading files."""
+    need: dict[str, set[str]] = {}
+    for stored in hits.values():
+        for h in stored:
+            if (h.file, h.chain_id) not in _TEMPLATE_CHAINS:
+                need.setdefault(h.file, set()).add(h.chain_id)
+    for file, chain_ids in need.items():
+        entry = read_entry(file)
+        for chain in entry.chains:
+            chain_id = chain.name[len(_stem(entry.path)) + 1:]
+            if chain_id in chain_ids:
+                _keep_chain(file, chain_id, chain)
+
+
+def load_templates(hits: tuple[StoredHit, ...] | list[StoredHit], query: str) -> list[Template]:
+    """The templates of stored hits: each hit chain taken from this process's record (read from its
+    file the first time) and the alignment checked against the query and the chain (a stale or
+    misattributed hit is an error)."""
+    return [template_from_hit(h.hit, query, _template_chain(h.file, h.chain_id), f"{h.file}: ") for h in hits]
 
 
 def training_templates(chain: ProteinChain, template_dir: str | Path, max_templates: int) -> list[Template]:
-    """A training or evaluation chain's templates (`data.templates_from: search`): the search of
-    `template_dir` restricted to entries released before the chain's own entry, and never that
-    entry, so a chain sees neither itself nor a later structure. Computed once per chain and process."""
-    return list(_training_templates(chain.name, chain.sequence, str(Path(template_dir).resolve()), max_templates))
+    """A training or evaluation chain's templates (`search_training_hits`), searched once per chain
+    and process (datasets search all their chains when built: `chain_template_hits`)."""
+    hits = chain_template_hits([chain], template_dir, max_templates, distributed=False)[chain.name]
+    return load_templates(hits, chain.sequence)
 
 
 def self_template(chain: ProteinChain) -> Template:
