@@ -94,16 +94,8 @@ def dap_group(size: int):
 def with_dap_replicas(cfg: RecipeConfig):
     """The train config fit gets: with dap_size > 1, DDP whose data replicas are the DAP groups
     (`ranks_per_replica`): the ranks of a group see the same crops and random numbers, gradients
-    are averaged over every rank (docs/protein.md)."""
-    import dataclasses
-
-    if cfg.dap_size == 1:
-        return cfg.train
-    if cfg.train.plugin != "ddp":
-        raise ValueError(f"dap_size={cfg.dap_size} runs under train.plugin=ddp (DAP's groups are the data "
-                         f"replicas of DDPPlugin(ranks_per_replica)), got train.plugin={cfg.train.plugin!r}")
-    options = {**cfg.train.plugin_options, "ranks_per_replica": cfg.dap_size}
-    return dataclasses.replace(cfg.train, plugin_options=options)
+    are averaged over every rank (docs/protein.md). DAP is tested under DDP only."""
+    return cfg.train.with_replica_groups(cfg.dap_size, "dap_size", plugins=("ddp",))
 
 
 def make_loss_fn(cfg: RecipeConfig):

@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 # The plugins that run data x sequence parallelism (parallel.sp_size > 1; sequence_replicas.py): each deals one
 # micro-batch per SP group and shards over every rank (the plugins' ranks_per_replica).
 # "hybrid" has its own sequence parallelism for causal LMs and does not take this model.
-SP_PLUGINS = ("ddp", "zero1", "zero2", "fsdp", "gemini")
 
 
 def resolve(path: str | Path) -> Path:
@@ -268,9 +267,7 @@ class RecipeConfig:
         need(not m.i2v or not self.eval.motion_samples, "eval.motion_samples", self.eval.motion_samples,
              "the motion check samples from prompts alone; an i2v model needs a first frame: set it to 0")
         need(self.parallel.sp_size >= 1, "parallel.sp_size", self.parallel.sp_size, "must be at least 1")
-        need(self.parallel.sp_size == 1 or self.train.plugin in SP_PLUGINS, "parallel.sp_size", self.parallel.sp_size,
-             f"runs under train.plugin = {' / '.join(SP_PLUGINS)} (the SP groups inside their data-parallel replicas), "
-             f"got train.plugin={self.train.plugin!r}: choose one of those, or parallel.sp_size=1")
+        self.train.with_replica_groups(self.parallel.sp_size, "parallel.sp_size")  # raises if the plugin cannot
         need(self.eval.timesteps >= 1, "eval.timesteps", self.eval.timesteps, "must be at least 1")
 
 

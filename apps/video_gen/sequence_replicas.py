@@ -15,33 +15,18 @@ over the world is the mean over the replicas of full-sequence gradients.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 
-from phalanx.config import ConfigError
 from phalanx.observe import get_logger
 from phalanx.train import fit
 
-from .config import SP_PLUGINS
-
 log = get_logger("apps.video_gen")
-
-
-def check_sp_plugin(plugin: str, sp: int) -> None:
-    if sp > 1 and plugin not in SP_PLUGINS:
-        raise ConfigError(f"config 'parallel.sp_size'={sp} runs under train.plugin = {' / '.join(SP_PLUGINS)} (the "
-                          f"SP groups inside their data-parallel replicas), got train.plugin={plugin!r}: choose one "
-                          "of those, or parallel.sp_size=1")
 
 
 def sequence_replicas_config(train_cfg, sp: int):
     """The train config fit gets for SP groups of `sp` ranks: the plugin's `ranks_per_replica=sp`
     (sp = 1: the config as it is)."""
-    check_sp_plugin(train_cfg.plugin, sp)
-    if sp == 1:
-        return train_cfg
-    return dataclasses.replace(train_cfg, plugin_options={**train_cfg.plugin_options, "ranks_per_replica": sp})
+    return train_cfg.with_replica_groups(sp, "parallel.sp_size")
 
 
 def fit_data_sequence(train_cfg, sp: int, model, train_dataset, **fit_kwargs):

@@ -6,6 +6,7 @@ and types; `validate()` then checks the values and names the key to fix.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +76,22 @@ class TrainConfig:
         """pp_size of a hybrid layout (1 without a pipeline): each rank then holds only its stages,
         so fit trains with the built-in loss and one micro-batch per step (the schedule accumulates)."""
         return int(self.plugin_options.get("pp_size", 1)) if self.plugin == "hybrid" else 1
+
+    def with_replica_groups(self, ranks: int, key: str, plugins: tuple[str, ...] | None = None) -> "TrainConfig":
+        """This config with data replicas of `ranks` consecutive ranks (the plugin's
+        `ranks_per_replica`), for a recipe whose `key` setting splits one sample over that many ranks;
+        `ranks` = 1 gives the config unchanged. Raises ConfigError naming `key` when `plugin` is not
+        one of `plugins` (default: every plugin that takes replica groups)."""
+        from phalanx.booster.plugins import REPLICA_GROUP_PLUGINS
+
+        plugins = plugins or REPLICA_GROUP_PLUGINS
+        if ranks == 1:
+            return self
+        if self.plugin not in plugins:
+            raise ConfigError(f"config '{key}'={ranks} runs under train.plugin = {' / '.join(plugins)} (its groups of "
+                              f"{ranks} ranks are the data replicas, the plugin's ranks_per_replica), got "
+                              f"train.plugin={self.plugin!r}: choose one of those, or {key}=1")
+        return dataclasses.replace(self, plugin_options={**self.plugin_options, "ranks_per_replica": ranks})
 
     def validate(self) -> None:
         """Raise ConfigError naming the first key whose value cannot work."""

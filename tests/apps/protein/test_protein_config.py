@@ -23,6 +23,16 @@ def test_bad_values_name_the_key():
         load_recipe("apps/protein/configs/tiny.yaml", ["model.evoformer.no_such_key=1"])
 
 
+def test_dap_groups_are_ddps_data_replicas():
+    from apps.protein.train import with_dap_replicas
+
+    cfg = load_recipe("apps/protein/configs/tiny.yaml", ["dap_size=2", "train.plugin_options={bucket_cap_mb: 5}"])
+    assert with_dap_replicas(cfg).plugin_options == {"bucket_cap_mb": 5, "ranks_per_replica": 2}
+    assert with_dap_replicas(load_recipe("apps/protein/configs/tiny.yaml")).plugin_options == {}
+    with pytest.raises(ConfigError, match="'dap_size'=2 runs under train.plugin = ddp .*got train.plugin='zero2'"):
+        with_dap_replicas(load_recipe("apps/protein/configs/tiny.yaml", ["dap_size=2", "train.plugin=zero2"]))
+
+
 def test_the_fine_tuning_configs_are_alphafolds_second_stage():
     """alphafold2_finetune.yaml: supplement table 4's fine-tuning (crop 384, 512 MSA clusters, 5,120
     extra sequences, lr 5e-4 constant without warm-up, ~1.5 M samples) and its loss terms (violation

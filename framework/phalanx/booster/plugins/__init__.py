@@ -25,6 +25,9 @@ def __getattr__(name: str) -> Any:
 
 
 PLUGIN_NAMES = ("ddp", "fsdp", "zero1", "zero2", "gemini", "hybrid")
+# Plugins whose data replicas can be groups of consecutive ranks (`Plugin.ranks_per_replica`): the
+# ranks of a group split one sample (video's sequence-parallel groups, protein's DAP groups).
+REPLICA_GROUP_PLUGINS = ("ddp", "zero1", "zero2", "fsdp", "gemini")
 # Plugins that split parameters or optimizer state over ranks: a recipe builds its model on the meta
 # device for them (`phalanx.lazy`) and the plugin materialises each rank's part; DDP gets it eagerly.
 LAZY_BUILD_PLUGINS = ("fsdp", "zero1", "zero2", "gemini", "hybrid")
