@@ -62,7 +62,7 @@ def kv_cache_line(spec, seq: int, dtype: str) -> str:
 
     compute = Workload(seq=seq, micro_batch=1, dtype=dtype).dtype.compute_dtype  # fp8 training: bf16 activations
     label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
-    per_token = kv_cache_bytes_per_token(spec, 1, compute.itemsize)
+    per_token = kv_cache_bytes_per_token(spec, 1, compute)
     if spec.mla:
         full = spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
         what = (f"latent kv_lora_rank {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim} per layer "

@@ -58,6 +58,8 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
         return heads
     if p > spec.num_layers:
         return f"pp={p} stages but the model has {spec.num_layers} layers"
+    if p > 1 and layout.sp_mode in ("ulysses", "ring"):
+        return f"sequence_parallelism={layout.sp_mode!r} is not combined with pp={p} (HybridParallelPlugin): use pp=1"
     if layout.sp_mode == "ulysses":
         if seq % s:
             return f"sequence {seq} does not divide by sp={s}"
@@ -65,6 +67,10 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
             return f"Ulysses needs the {spec.num_heads // t} heads per tp rank divisible by sp={s}"
     if layout.sp_mode == "split_gather" and seq % t:
         return f"sequence {seq} does not divide by tp={t} (split-gather)"
+    if layout.plugin == "hybrid" and (s > 1 or layout.sp_mode) and _deepseek_balance(spec):
+        return ("sequence parallelism with DeepSeek's balance loss (config.output_router_logits=True) is refused by "
+                "HybridParallelPlugin (every router must see whole sequences): set config.output_router_logits=False, "
+                "or no sequence parallelism")
     ep = getattr(layout, "ep", 1)
     if ep > 1:  # HybridParallelPlugin's own checks (docs/moe.md)
         if layout.plugin != "hybrid":
@@ -82,6 +88,14 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
     return None
 
 
+def _deepseek_balance(spec: ModelSpec) -> bool:
+    """Whether the config asks for DeepSeek's balance loss, which HybridParallelPlugin trains only
+    without sequence parallelism (`phalanx.models.deepseek.balance_settings`)."""
+    config = getattr(spec, "config", None)
+    return (getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+            and bool(getattr(config, "output_router_logits", False)))
+
+
 def _expert_sizes(world: int, spec: ModelSpec) -> list[int]:
     """ep sizes worth trying for a mixture of experts: the divisors > 1 of the experts (each also
     dividing the data-parallel size of the layout: checked per layout)."""
@@ -91,7 +105,9 @@ def _expert_sizes(world: int, spec: ModelSpec) -> list[int]:
 def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8) -> Iterator[Layout]:
     """Every layout worth estimating for `world` ranks: the plain plugins, and hybrid with each
     tp (≤ max_tp, dividing the heads) × pp × Ulysses sp, with and without activation checkpointing;
-    for a mixture of experts also hybrid with each ep dividing both dp and the experts (no sp)."""
+    for a mixture of experts also hybrid with each ep dividing the experts and dp × sp (the ranks
+    that route different tokens: with Ulysses each sequence shard routes its own), with tp, with pp
+    (no sp) or with Ulysses sp (no pp): what HybridParallelPlugin builds (never split-gather)."""
     eps = _expert_sizes(world, spec)
     for ckpt in (False, True):
         yield Layout("ddp", world, checkpointing=ckpt)
@@ -109,12 +125,12 @@ def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8)
                     if s > 1 and p > 1:
                         continue  # Ulysses/ring do not compose with pp
                     dp = world // (t * p * s)
-                    ep_choices = [1] + ([e for e in eps if dp % e == 0] if s == 1 else [])
+                    ep_choices = [1] + [e for e in eps if (dp * s) % e == 0]
                     modes = ["ulysses"] if s > 1 else ([None, "split_gather"] if t > 1 else [None])
                     for ep in ep_choices:
                         if t == p == s == ep == 1:
                             continue  # plain data parallel: the zero/ddp rows above
-                        for mode in modes if ep == 1 else [None]:
+                        for mode in modes if ep == 1 else [m for m in modes if m != "split_gather"]:
                             for stage in (1, 2) if p == 1 else (1,):
                                 yield Layout("hybrid", world, zero_stage=stage, tp=t, pp=p, sp=s, sp_mode=mode,
                                              checkpointing=ckpt, ep=ep)

@@ -42,6 +42,7 @@ def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, s
 
     from phalanx.booster import Booster
     from phalanx.booster.plugins import make_plugin
+    from phalanx.device import to_device
 
     kwargs = dict(plugin_kwargs)
     name = kwargs.pop("name")
@@ -70,7 +71,7 @@ def _train_steps(plugin_kwargs: dict, config: Any, seq: int, micro_batch: int, s
     losses = []
     vocab = config.vocab_size
     for _ in range(steps):
-        batch = torch.randint(0, vocab, (micro_batch, seq), generator=g)
+        batch = to_device(torch.randint(0, vocab, (micro_batch, seq), generator=g))  # the run's device
         if peak is not None:
             peak.sample()
         out = model(input_ids=batch, labels=batch).loss
@@ -114,8 +115,11 @@ def measure_training_peak(plugin_kwargs: dict, config_kwargs: dict, seq: int, mi
     `steps` training steps above the baseline, by kind ("anon" device, "shmem" host pool,
     "total"), in bytes. `plugin_kwargs`: make_plugin's arguments with "name" (and optionally
     "checkpointing", "lora"); `config_kwargs`: a LlamaConfig's, or another family's with "model_type"."""
+    from phalanx.device import emulated
     from phalanx.observe.memory import PeakResident, resident_bytes
 
+    if emulated():
+        return {"skip": "the emulated GPU does not model real memory (docs/testing.md): measure on the CPU or a GPU"}
     if not follow_live_memory():
         return {"skip": "resident memory follows live memory only with glibc's mallopt"}
     # warm-up: the same plugin on a tiny model, so per-process first-use memory is in the baseline

@@ -43,6 +43,13 @@ def _ep(layout: Layout) -> int:
     return getattr(layout, "ep", 1)
 
 
+def sequence_shards(layout: Layout) -> int:
+    """Pieces each sequence is cut into across ranks for everything outside attention: sp under
+    Ulysses or ring (each rank embeds, normalises, routes and runs the MLP or experts on seq / sp
+    tokens), else 1 (split-gather cuts only the norms' and dropout's share, over tp)."""
+    return layout.sp if layout.sp_mode in ("ulysses", "ring") else 1
+
+
 def _local_attention(spec: ModelSpec, t: int) -> int:
     """Attention parameters on one tp rank: heads split, key/value heads split or replicated (the
     head rule). Multi-head latent attention (DeepSeek): the per-head projections (q_proj or q_b_proj,
@@ -290,21 +297,23 @@ def _moe_mlp_bytes_per_token(spec: ModelSpec, p: int) -> float:
     return 2 * FP32 * spec.num_experts + routed + shared + router_input
 
 
-def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, p: int = 2) -> int:
-    """Serving's KV cache per token on one tensor-parallel rank, all layers, p bytes per element.
-    Multi-head latent attention (DeepSeek-V2/V3) caches the compressed latent, kv_lora_rank +
-    qk_rope_head_dim per layer (the normalised kv latent and the one RoPE key every head shares; the
-    heads' keys and values are expanded from it by kv_b_proj at each step), as transformers' own
-    cache does; the latent is not split by heads, so every tp rank holds it whole. Other attention
-    caches each key/value head's key and value, 2 · kv_heads · head_dim per layer, with the key/value
-    heads split over tp, or one per rank where they are replicated (`phalanx.inference`'s paged cache)."""
-    from phalanx.models.heads import local_heads
+def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, p=2) -> int:
+    """Serving's KV cache per token on one tensor-parallel rank, all layers; p: bytes per element (1,
+    2, 4, 8) or a torch dtype. The engine's own count (`phalanx.inference.llama.kv_bytes_per_block`
+    for a block of one token), so plan and engine cannot disagree: multi-head latent attention
+    (DeepSeek-V2/V3) caches the compressed latent, kv_lora_rank + qk_rope_head_dim per layer, whole
+    on every tp rank, as transformers' own cache does; other attention each key/value head's key and
+    value, 2 · kv_heads · head_dim per layer, the key/value heads split over tp, or one per rank where
+    they are replicated."""
+    import torch
 
-    if getattr(spec, "mla", False):
-        per_layer = spec.kv_lora_rank + spec.qk_rope_head_dim
-    else:
-        per_layer = 2 * local_heads(spec.heads, tp).kv_heads * spec.head_dim
-    return spec.num_layers * per_layer * p
+    from phalanx.inference.llama import kv_bytes_per_block
+
+    dtypes = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+    dtype = p if isinstance(p, torch.dtype) else dtypes.get(p)
+    if dtype is None:
+        raise ValueError(f"kv_cache_bytes_per_token: p={p!r} must be bytes per element (1, 2, 4 or 8) or a torch dtype")
+    return kv_bytes_per_block(spec, 1, tp, dtype)
 
 
 def loss_bytes_per_token(spec: ModelSpec, layout: Layout, work: Workload) -> float:
@@ -330,7 +339,7 @@ def _rope_table_bytes_per_position(spec: ModelSpec, p: int) -> float:
 def activation_bytes(spec: ModelSpec, layout: Layout, work: Workload, local: LocalModel, microbatches: int) -> dict:
     """{"activations": saved tensors at the start of backward, "loss": the head's working set}."""
     p = work.p
-    tokens = work.micro_batch * work.seq / (layout.sp if layout.sp_mode == "ulysses" else 1)
+    tokens = work.micro_batch * work.seq / sequence_shards(layout)
     per_layer = layer_activation_bytes_per_token(spec, layout, p, work.lora)
     if layout.checkpointing:
         kept = p * spec.hidden_size / (layout.tp if layout.sp_mode == "split_gather" else 1)
@@ -562,10 +571,12 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatche
         raise ValueError(f"unknown plugin {layout.plugin!r}")
     if work.lora and layout.plugin != "fsdp":  # the frozen base, whole on the rank in the compute dtype
         parts.device["parameters"] += work.p * local.params
-    if layout.tp > 1 or layout.pp > 1:  # all-reduce / send-recv buffers of one activation
-        parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.hidden_size
-    if _ep(layout) > 1:  # one all-to-all's send and receive buffers: the rank's k assignments per token
-        parts.backward_extra += 2 * work.p * work.micro_batch * work.seq * spec.experts_per_token * spec.hidden_size
+    if layout.tp > 1 or layout.pp > 1:  # all-reduce / send-recv buffers of one activation (the rank's tokens)
+        parts.backward_extra += 2 * work.p * work.micro_batch * work.seq / sequence_shards(layout) * spec.hidden_size
+    if _ep(layout) > 1:  # one all-to-all's send and receive buffers: the k assignments of the rank's
+        # tokens (its sequence shard under Ulysses/ring)
+        tokens = work.micro_batch * work.seq / sequence_shards(layout)
+        parts.backward_extra += 2 * work.p * tokens * spec.experts_per_token * spec.hidden_size
 
     saved = act["activations"] + act["loss"]
     if parts.backward_floor is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from phalanx.plan.layout import Layout
-from phalanx.plan.memory import local_model
+from phalanx.plan.memory import local_model, sequence_shards
 from phalanx.models import ModelSpec
 from phalanx.plan.workload import Hardware, Workload
 
@@ -60,14 +60,16 @@ def all_to_all_seconds(spec: ModelSpec, layout: Layout, work: Workload, hw: Hard
     """Expert parallelism's exchanges per step on one rank: in each sparse layer of its stage a
     dispatch and a combine forward and both again in backward (4; 6 with activation checkpointing,
     which repeats the forward), each moving the rank's tokens × top-k × hidden × p bytes, of which
-    (ep − 1)/ep leave the rank (balanced routing), at the collective bandwidth."""
+    (ep − 1)/ep leave the rank (balanced routing), at the collective bandwidth. Under Ulysses/ring
+    the rank's tokens are its sequence shard, micro batch × seq / sp."""
     ep = getattr(layout, "ep", 1)
     if ep == 1 or not spec.is_moe:
         return 0.0
     sparse = sum(spec.sparse_layers) / spec.num_layers  # the stage's share of sparse layers
     layers = local_model(spec, layout).layers * sparse
     exchanges = 6 if layout.checkpointing else 4
-    per_exchange = work.micro_batch * work.seq * spec.experts_per_token * spec.hidden_size * work.p * _ring(ep)
+    tokens = work.micro_batch * work.seq / sequence_shards(layout)
+    per_exchange = tokens * spec.experts_per_token * spec.hidden_size * work.p * _ring(ep)
     return microbatches * layers * exchanges * per_exchange / hw.bandwidth
 
 
@@ -105,7 +107,8 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
     hidden = compute if plugin in ("fsdp", "gemini") else compute * 2 / 3  # prefetch vs backward-only overlap
     dp_comm = max(0.0, dp_time - hidden)
 
-    activation = work.micro_batch * work.seq * spec.hidden_size * p  # one microbatch's hidden states
+    # one microbatch's hidden states on this rank (its sequence shard under Ulysses/ring)
+    activation = work.micro_batch * work.seq / sequence_shards(layout) * spec.hidden_size * p
     tp_bytes = 0.0
     if layout.tp > 1:
         # per layer: 2 forward, 2 backward (+2 recomputed); an expert block (whole on every rank) has
@@ -114,8 +117,10 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
         collectives = per_block * (2 - sum(spec.sparse_layers) / spec.num_layers)
         tp_bytes += m * local.layers * collectives * 2 * _ring(layout.tp) * activation
     if layout.sp_mode == "ulysses":
+        # per layer: q, k, v to head shards and the output back (2q + 2kv of the rank's seq / sp
+        # tokens), forward and backward, and again in the recomputed forward with checkpointing
         per_layer = (2 * spec.q_dim + 2 * spec.kv_dim) / layout.tp * work.micro_batch * work.seq / layout.sp * p
-        tp_bytes += m * local.layers * 2 * _ring(layout.sp) * per_layer
+        tp_bytes += m * local.layers * (3 if layout.checkpointing else 2) * _ring(layout.sp) * per_layer
     pp_bytes = 2 * m * activation if layout.pp > 1 else 0.0
     return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_bytes / hw.bandwidth,
                     pp_comm=pp_bytes / hw.bandwidth, offload=offload_bytes / hw.host_bandwidth, tokens=tokens,
