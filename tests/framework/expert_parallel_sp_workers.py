@@ -50,3 +50,45 @@ def resume_from_ep_sp(path: str) -> dict:
     return {f"from ep2 sp2 zero{stage}": resume_elsewhere("mixtral", f"{path}/zero{stage}",
                                                           {"ep_size": 2, "zero_stage": stage, **ulysses}, loads)
             for stage in (0, 1)}
+
+
+def sp_layouts_without_ep(layouts: dict[str, dict]) -> dict:
+    """Under each layout without expert parallelism (Ulysses / ring, with or without dp): two
+    clipped SGD steps of the tiny Mixtral with the router losses on, whose global-batch values the
+    plugin computes from hooks on the routers (transformers' own aux loss would be each sequence
+    shard's), against one process: {layout: losses, gradient norms, on rank 0 the weights}."""
+    from expert_parallel_plugin_workers import _boost, _train, batches, compare_saved_state, reference
+    from phalanx.testing import rel_diff
+
+    ref = reference("mixtral", True, 0.5)
+    out = {}
+    for name, layout in layouts.items():
+        booster, plugin, model, optimizer = _boost("mixtral", {**layout, "max_norm": 0.5}, True)
+        losses, norms = _train(booster, plugin, model, optimizer, batches()[:2])
+        state = plugin.full_model_state_dict(model)
+        got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"])}
+        if dist.get_rank() == 0:
+            got.update(compare_saved_state(state, ref))
+        out[name] = got
+    return out
+
+
+def split_gather_router_loss_refusals() -> dict[str, str]:
+    """The error boost raises for the tiny Mixtral's router losses under split-gather sequence
+    parallelism (tp2): the load-balancing loss (config.output_router_logits) and the z-loss."""
+    import torch
+
+    from expert_parallel_plugin_workers import build
+    from phalanx.booster import Booster
+    from phalanx.booster.plugins.hybrid import HybridParallelPlugin
+
+    out = {}
+    for name, (router_logits, z_loss) in {"aux": (True, 0.0), "z-loss": (False, 0.1)}.items():
+        model = build("mixtral", router_losses=router_logits)
+        plugin = HybridParallelPlugin(tp_size=2, sequence_parallelism="split_gather", router_z_loss=z_loss)
+        try:
+            Booster(plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            out[name] = "no error"
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out

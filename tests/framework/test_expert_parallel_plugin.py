@@ -86,7 +86,7 @@ def test_ep2_with_dp_and_tp_equals_one_process():
 @pytest.mark.slow
 def test_ep2_with_pp2_equals_one_process():
     """ep2 × pp2 on 4 ranks (ZeRO-1, 1F1B with 2 microbatches; cross-entropy only: the router
-    losses couple every stage's routers over the whole batch)."""
+    losses under pp are test_expert_parallel_pp.py's, whose one-process reference is per microbatch)."""
     ranks = spawn(layout_steps, 4, "mixtral", {"ep2 pp2": {"ep_size": 2, "pp_size": 2, "zero_stage": 1,
                                                            "num_microbatches": 2}}, router_losses=False)
     _check(ranks, {"ep2 pp2": 2}, router_losses=False)

@@ -5,11 +5,14 @@ experts, dense ones over dp × sp, the load-balancing loss, z-loss and token cou
 batch (every token once). Two SGD steps of a tiny Mixtral (cross-entropy + 0.5 · load-balancing
 loss + 0.1 · z-loss, clipped at 0.5) equal one process on the whole batch: losses, gradient norms,
 every weight after the steps in Hugging Face layout, the last step's per-expert counts; the saved
-model loads into a layout without sequence parallelism and through from_pretrained."""
+model loads into a layout without sequence parallelism and through from_pretrained. Without EP the
+router losses are the global batch's the same way (hooks on the routers); under split-gather they
+are refused."""
 from __future__ import annotations
 
-from expert_parallel_sp_workers import refusals, resume_from_ep_sp, sp_layouts
-from test_expert_parallel_plugin import FP32_RTOL, _check
+from expert_parallel_sp_workers import (refusals, resume_from_ep_sp, sp_layouts, sp_layouts_without_ep,
+                                        split_gather_router_loss_refusals)
+from test_expert_parallel_plugin import FP32_RTOL, UPDATE_RTOL, _check
 from phalanx.testing import ADAMW_UPDATE_RTOL, check, spawn
 
 ULYSSES = {"sp_size": 2, "sequence_parallelism": "ulysses"}
@@ -97,3 +100,33 @@ def test_fit_under_ep_sp_matches_sp_alone_and_logs_expert_tokens(tmp_path):
     assert len(blocks_per_step) == 3 and all(r is None for r in got["sp2"]["expert_tokens"]), blocks_per_step
     for blocks in blocks_per_step:
         assert len(blocks) == 2 and all(len(b) == 4 and sum(b) == 2 * 16 * 2 for b in blocks), blocks
+
+
+def _check_without_ep(ranks: list[dict]) -> None:
+    for rank, layouts in enumerate(ranks):
+        for name, got in layouts.items():
+            check(got["losses"], FP32_RTOL, f"{name} rank {rank} losses")
+            check(got["norms"], FP32_RTOL, f"{name} rank {rank} gradient norms")
+            if rank == 0:
+                assert got["names"] == [], (name, got["names"])
+                check(got["update"], UPDATE_RTOL, f"{name} weights after the steps")
+
+
+def test_router_losses_without_ep_under_sp_equal_one_process():
+    """No expert parallelism, Ulysses sp2 on 2 ranks (ZeRO 0 and 1): the load-balancing loss and
+    z-loss of the global batch (the shares and row counts summed over dp × sp, each rank's value
+    summed over its row's shards), from hooks on the routers, not transformers' per-shard aux loss."""
+    _check_without_ep(spawn(sp_layouts_without_ep, 2, {"sp2": ULYSSES, "sp2 zero1": {**ULYSSES, "zero_stage": 1}}))
+
+
+def test_router_losses_without_ep_under_sp2_and_dp2_equal_one_process():
+    """4 ranks without expert parallelism: dp2 × Ulysses sp2 (ZeRO-2) and dp2 × ring sp2."""
+    _check_without_ep(spawn(sp_layouts_without_ep, 4, {"dp2 sp2 zero2": {**ULYSSES, "zero_stage": 2},
+                                                       "dp2 ring2": {"sp_size": 2, "sequence_parallelism": "ring"}}))
+
+
+def test_router_losses_under_split_gather_are_refused():
+    """Split-gather runs the expert block on each tp rank's tokens: the router losses (which would
+    have to count over dp × tp) are refused at boost, naming Ulysses/ring and the settings to drop."""
+    for name, message in spawn(split_gather_router_loss_refusals, 2)[0].items():
+        assert "split-gather" in message and "ulysses" in message and "router_z_loss=0" in message, (name, message)

@@ -34,7 +34,6 @@ parallelism splits those: HybridParallelPlugin(ep_size=...), docs/moe.md).
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 import torch.distributed as dist
@@ -151,19 +150,6 @@ FAMILY_V3 = Family("deepseek_v3", ("deepseek_v3",), read_v3, NAMES, POLICY_V3, r
 
 
 # ------------------------------------------------------------------ V3's aux-loss-free balancing
-def _in_pipeline_shape_inference() -> bool:
-    """Whether this forward is torch.distributed.pipelining's metadata inference: at a schedule's
-    first step each stage runs once more to learn its activation shapes (past the first stage on
-    uninitialised tensors); its routings are not the step's, so the balancer does not count them."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_forward_metadata_inference" and "pipelining" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 @dataclasses.dataclass
 class BiasBalancer:
     """DeepSeek-V3's auxiliary-loss-free load balancing (Liu et al. 2024, §2.1.2), which
@@ -199,8 +185,10 @@ class BiasBalancer:
         return balancer
 
     def _recorder(self, name: str):
+        from phalanx.pipeline.runtime import in_shape_inference  # (phalanx.pipeline imports phalanx.models)
+
         def hook(module, args, output):
-            if _in_pipeline_shape_inference():
+            if in_shape_inference():  # torch pipelining's shape inference (PipelineRunner marks it): not the step's
                 return
             bias = module.e_score_correction_bias  # the loads live on its device (collectives, the update)
             counts = torch.zeros(bias.numel(), dtype=torch.long, device=bias.device)
@@ -330,7 +318,7 @@ class BalanceLoss:
         layers = [self.recorded.pop(name) for name in self.routers]
         parts, totals = [], []
         for logits, chosen, rows in layers:
-            part, total = self._layer(logits.float(), chosen, rows, attention_mask)
+            part, total = self.block_parts(logits.float(), chosen, rows, attention_mask)
             parts.append((part, chosen.shape[-1]))
             totals.append(total)
         size = 1
@@ -339,10 +327,10 @@ class BalanceLoss:
             flat = torch.cat([t.reshape(-1) for t in totals])
             dist.all_reduce(flat, group=group)
             totals = list(flat.split([t.numel() for t in totals]))
-        loss = sum(self._combine(part, k, total) for (part, k), total in zip(parts, totals, strict=True))
+        loss = sum(self.block_loss(part, k, total) for (part, k), total in zip(parts, totals, strict=True))
         return self.alpha * size * loss
 
-    def _layer(self, logits: torch.Tensor, chosen: torch.Tensor, rows: tuple, attention_mask):
+    def block_parts(self, logits: torch.Tensor, chosen: torch.Tensor, rows: tuple, attention_mask):
         """One block's local pieces: (the differentiable part, the counts to sum over the group)."""
         experts, k = logits.shape[-1], chosen.shape[-1]
         batch, seq = (1, rows[0]) if len(rows) == 1 else rows
@@ -370,7 +358,7 @@ class BalanceLoss:
             return part, (tokens > 0).sum().to(torch.float32).reshape(1)
         return prob.sum(0), torch.cat([counts.sum(0), tokens.sum().reshape(1)]).detach()
 
-    def _combine(self, part: torch.Tensor, k: int, total: torch.Tensor) -> torch.Tensor:
+    def block_loss(self, part: torch.Tensor, k: int, total: torch.Tensor) -> torch.Tensor:
         """The block's loss from its local part and the group's totals (the class docstring's
         per-rank form: divided by the group's sequences, or f and P over the group's tokens)."""
         if self.per_sequence:

@@ -14,6 +14,9 @@ ignore-index labels leave microbatches with different token counts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import logging
 import time
 from typing import Any, Callable
 
@@ -30,28 +33,58 @@ from phalanx.pipeline.stage import StageModule
 from phalanx.shard.layers import VocabParallelLMHead
 from phalanx.shard.loss import CausalLMLoss
 
+log = logging.getLogger(__name__)
 _TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                     "zero_bubble": ScheduleZBVZeroBubble}
 _MAX_DIMS = 6  # activations sent by pipeline evaluation: [batch, seq, hidden] in practice
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# torch's methods that run a stage (and the last stage's loss) once to learn activation shapes at a
+# schedule's first step (2.10+: forward and backward metadata inference; earlier: _shape_inference)
+_SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+_SHAPE_INFERENCE = contextvars.ContextVar("phalanx_pipeline_shape_inference", default=False)
+
+
+def in_shape_inference() -> bool:
+    """Whether the current forward is torch.distributed.pipelining's shape (metadata) inference,
+    which `PipelineRunner` marks: at a schedule's first step every stage runs once more to learn
+    its activation shapes (past the first stage on uninitialised tensors), so what it routes or
+    computes is not the step's (phalanx.models.deepseek.BiasBalancer counts nothing then)."""
+    return _SHAPE_INFERENCE.get()
+
+
+def _marked_shape_inference(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        token = _SHAPE_INFERENCE.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _SHAPE_INFERENCE.reset(token)
+    return run
 
 
 class _MicrobatchLoss:
     """The schedule's loss function: causal-LM loss of one microbatch over the tokens of the whole
     batch (or a user criterion's value / microbatches), times the fp16 loss scale."""
 
-    def __init__(self, lm_loss: CausalLMLoss, microbatches: int):
+    def __init__(self, lm_loss: CausalLMLoss, microbatches: int, router_losses=None):
         self.lm_loss = lm_loss
         self.microbatches = microbatches
+        self.router_losses = router_losses
         self.tokens: torch.Tensor | None = None
         self.criterion: Callable | None = None
         self.scale = 1.0
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits, labels: torch.Tensor) -> torch.Tensor:
+        carried = ()
+        if isinstance(logits, tuple):  # the last stage's logits and the router losses' totals
+            logits, *carried = logits
         if self.criterion is not None:
             loss = self.criterion(logits, labels) / self.microbatches
         else:
             loss = self.lm_loss(logits, labels, num_items_in_batch=self.tokens)
+        if carried:
+            loss = loss + self.router_losses.loss(*carried, sequences=logits.shape[0], microbatches=self.microbatches)
         return loss * self.scale if self.scale != 1.0 else loss
 
 
@@ -82,19 +115,31 @@ class PipelineRunner:
     """This rank's stages and the schedule that runs them."""
 
     def __init__(self, stages: list[StageModule], layout: StageLayout, *, pp_group, microbatches: int,
-                 device: torch.device, lm_loss: CausalLMLoss):
+                 device: torch.device, lm_loss: CausalLMLoss, router_losses=None):
+        """`router_losses`: a `phalanx.pipeline.router_losses.RouterLossCarry` whose totals ride
+        along the hidden states and whose losses the last stage adds (None: the loss alone)."""
         check_microbatches(layout.schedule, layout.pp, microbatches)
         self.stages = stages
         self.layout = layout
         self.group = pp_group
         self.microbatches = microbatches
-        self.loss = _MicrobatchLoss(lm_loss, microbatches)
+        self.router_losses = router_losses
+        if router_losses is not None:
+            for stage in stages:
+                router_losses.attach(stage)
+        self.loss = _MicrobatchLoss(lm_loss, microbatches, router_losses)
         self.busy = _Busy()
         self.has_last = any(s.is_last for s in stages)
         self.last_rank = dist.get_global_rank(pp_group, layout.rank_of(layout.num_stages - 1))
         self.pipeline_stages = [PipelineStage(s, s.index, layout.num_stages, device, group=pp_group) for s in stages]
         for stage in self.pipeline_stages:
             self.busy.wrap(stage)
+            marked = [name for name in _SHAPE_INFERENCE_METHODS if hasattr(stage, name)]
+            for name in marked:  # the forwards that must not count (in_shape_inference)
+                setattr(stage, name, _marked_shape_inference(getattr(stage, name)))
+            if not marked:
+                log.warning("this torch's PipelineStage has none of %s: its shape-inference forwards are not marked "
+                            "(phalanx.pipeline.in_shape_inference stays False)", _SHAPE_INFERENCE_METHODS)
         cls = _TORCH_SCHEDULES[layout.schedule]
         first = self.pipeline_stages if layout.virtual > 1 else self.pipeline_stages[0]
         self.schedule = cls(first, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False)
@@ -129,6 +174,8 @@ class PipelineRunner:
         with self._head_logits(return_outputs):
             outputs = self.schedule.step(input_ids.to(device), target=labels.to(device), losses=losses,
                                          return_outputs=return_outputs)
+        if isinstance(outputs, tuple):  # the router losses' totals beside the logits
+            outputs = outputs[0]
         return {"loss": self._batch_loss(losses, loss_scale, device),
                 "outputs": outputs if self.has_last and return_outputs else None}
 
@@ -148,7 +195,9 @@ class PipelineRunner:
         last = self.layout.num_stages - 1
         by_index = {s.index: s for s in self.stages}
         x, losses = input_ids.to(device), []
-        with self._head_logits(return_outputs):
+        # one tensor between stages and the cross-entropy alone: the router losses' totals stay home
+        no_carry = self._router_losses_off() if self.router_losses is not None else contextlib.nullcontext()
+        with self._head_logits(return_outputs), no_carry:
             for index in range(self.layout.num_stages):
                 if self.layout.rank_of(index) != me:
                     continue
@@ -166,6 +215,14 @@ class PipelineRunner:
                 losses.append(self.loss.lm_loss(x, labels, num_items_in_batch=tokens))
         return {"loss": self._batch_loss(losses, 1.0, device),
                 "outputs": x if self.has_last and return_outputs else None}
+
+    @contextlib.contextmanager
+    def _router_losses_off(self):
+        self.router_losses.enabled = False
+        try:
+            yield
+        finally:
+            self.router_losses.enabled = True
 
     def _send(self, x: torch.Tensor, stage_rank: int) -> None:
         """An activation to the pipeline rank `stage_rank`: its shape and dtype first, then the data."""

@@ -99,6 +99,7 @@ class StageModule(nn.Module):
                 elif stand_in is not None:
                     self._view[_relative(path, base)] = stand_in()
         self.head = model.get_submodule(policy.head) if self.is_last else None
+        self.router_losses = None  # a RouterLossCarry when the router losses ride along (set by its attach)
         config = getattr(self._base, "config", None)
         self._config = None
         if config is not None and getattr(config, "layer_types", None):
@@ -121,15 +122,23 @@ class StageModule(nn.Module):
             if config is not None:
                 base.config = config
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor):
+        """`carried`: the router losses' running totals from the previous stage (`router_losses`,
+        phalanx.pipeline.router_losses); with them set, the stage returns (its output, the totals
+        after its own routers) — on the first stage too, which starts them."""
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        with self._viewed():
+        router = self.router_losses if self.router_losses is not None and self.router_losses.enabled else None
+        recording = router.recording(self.index) if router is not None else contextlib.nullcontext([])
+        with self._viewed(), recording as logits:
             out = self._base(**inputs, use_cache=False)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         result = self.head(hidden) if self.is_last else hidden
         # torch's zero-bubble backward detaches stage outputs in place, which views do not allow
         # (GPT-2's base model returns a reshaped view)
-        return result.clone() if result._is_view() else result
+        result = result.clone() if result._is_view() else result
+        if router is None:
+            return result
+        return (result, *router.carry(logits, carried, result.device))
 
 
 def tie_aliases(model: nn.Module) -> dict[str, str]:

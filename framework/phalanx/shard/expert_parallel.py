@@ -488,6 +488,54 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups |
                               adapter_params)
 
 
+def named_expert_routers(module: nn.Module) -> dict[str, nn.Module]:
+    """{name: router} of the expert blocks under `module` (each block's `gate`: transformers' own
+    router module, with top_k and num_experts), in module order."""
+    return {f"{name}.gate" if name else "gate": m.gate for name, m in module.named_modules()
+            if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")
+            and hasattr(m.gate, "num_experts")}
+
+
+class RouterLogits:
+    """Hooks on every router (`mlp.gate` of an expert block: transformers' own module, with top_k and
+    num_experts) of a model without expert parallelism: the logits each produced in the last forward,
+    and from them the router losses over the global batch (`load_balancing_loss`, `router_z_loss`:
+    `batch_group` the ranks whose batches make it up, `sequence_group` those holding sequence shards of
+    the same rows under Ulysses/ring), as `ExpertParallelPlan` computes them with EP.
+    HybridParallelPlugin uses it without EP: transformers' own aux loss would be the rank's (or, under
+    sequence parallelism, the shard's) and differs, the loss not being linear in the batch."""
+
+    def __init__(self, routers: dict[str, nn.Module], batch_group=None, sequence_group=None):
+        if not routers:
+            raise ValueError("RouterLogits: no expert block with a router (mlp.gate with top_k and num_experts)")
+        self.routers, self.batch_group, self.sequence_group = routers, batch_group, sequence_group
+        self.logits: dict[str, torch.Tensor] = {}
+        for name, router in routers.items():
+            router.register_forward_hook(self._recorder(name))
+
+    @classmethod
+    def attach(cls, model: nn.Module, batch_group=None, sequence_group=None) -> "RouterLogits":
+        return cls(named_expert_routers(model), batch_group, sequence_group)
+
+    def _recorder(self, name: str):
+        def hook(module, args, output):
+            self.logits[name] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def _recorded(self) -> list[torch.Tensor]:
+        if len(self.logits) != len(self.routers):
+            raise RuntimeError("RouterLogits: run a forward through every router first")
+        return [self.logits[name] for name in self.routers]
+
+    def load_balancing_loss(self, attention_mask=None) -> torch.Tensor:
+        router = next(iter(self.routers.values()))
+        return load_balancing_loss(self._recorded(), router.num_experts, router.top_k, attention_mask,
+                                   self.batch_group, self.sequence_group)
+
+    def router_z_loss(self, attention_mask=None) -> torch.Tensor:
+        return router_z_loss(self._recorded(), attention_mask, self.batch_group, self.sequence_group)
+
+
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,
                         group=None, sequence_group=None) -> torch.Tensor:
     """transformers' auxiliary load-balancing loss (`load_balancing_loss_func`) over the batch of

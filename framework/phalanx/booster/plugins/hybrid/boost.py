@@ -74,6 +74,8 @@ class HybridBoosting:
         local = local_head_counts(heads, self.tp_size)
         check_sequence_layout(self.sequence_parallelism, sp=self.sp_size, tp=self.tp_size,
                               local_heads=local.heads, heads=heads.heads)
+        if self.sequence_parallelism == "split_gather" and self.pp_size == 1:  # (pp: _pipeline_router_losses)
+            self._refuse_router_losses_under_split_gather(model)
         layout = None
         if self.pp_size > 1:  # checked before anything is touched
             layout = split_layers(len(policy.decoder_layers(model)), self.pp_schedule, self.pp_size,
@@ -97,10 +99,25 @@ class HybridBoosting:
         self._sync_replicas(model, plan)
         self._apply_ep(model)
         wrapper = ModelWrapper(HybridModel(model, plan, seq, self.tp_group, ep=self.ep_plan,
-                                           z_loss=self.router_z_loss, dp_group=self.dp_group), model)
+                                           z_loss=self.router_z_loss, dp_group=self.dp_group,
+                                           batch_group=self.dp_sp_group,
+                                           sequence_group=self.sp_group if self.sp_size > 1 else None), model)
         self._record(model, wrapper, plan=plan, param_names=names_before)
         log.info("%s: %s", self.describe(), policy.family)
         return wrapper
+
+    def _refuse_router_losses_under_split_gather(self, model: nn.Module) -> None:
+        """Split-gather runs an expert block on this tensor-parallel rank's tokens (EP is refused with
+        it): the router losses of the global batch would have to count over dp × tp, which the plugin
+        does not do."""
+        from phalanx.models.deepseek import balance_settings
+        config = getattr(model, "config", None)
+        switch = bool(getattr(config, "output_router_logits", False)) and balance_settings(config) is None
+        if switch or self.router_z_loss:
+            raise ValueError("the router losses (config.output_router_logits, router_z_loss) are not combined with "
+                             "split-gather sequence parallelism (each tensor-parallel rank routes its own tokens): use "
+                             "sequence_parallelism='ulysses' or 'ring' with sp_size > 1, or set "
+                             "config.output_router_logits=False and router_z_loss=0")
 
     def _checkpoint_and_cast(self, model: nn.Module) -> None:
         if self.gradient_checkpointing:
@@ -114,6 +131,7 @@ class HybridBoosting:
         """pp > 1: cut the tensor-parallel model into this rank's stages (trimming the rest),
         split-gather per stage, cast, make replicas and tied copies identical, build the schedule."""
         aliases = tie_aliases(model)
+        router_losses = self._pipeline_router_losses(model)  # (every router is still here: before the cut)
         stages = split_model(model, policy, layout, self.pp_rank)
         if self.sequence_parallelism == "split_gather":
             for stage in stages:
@@ -128,13 +146,48 @@ class HybridBoosting:
         last = next((s for s in stages if s.is_last), None)
         head = last.head if last is not None and isinstance(last.head, VocabParallelLMHead) else None
         runner = PipelineRunner(stages, layout, pp_group=self.pp_group, microbatches=self.num_microbatches,
-                                device=self.device, lm_loss=CausalLMLoss(head, self.tp_group))
+                                device=self.device, lm_loss=CausalLMLoss(head, self.tp_group),
+                                router_losses=router_losses)
         wrapper = ModelWrapper(PipelineModel(stages), model)
         self._record(model, wrapper, plan=plan, param_names=names_before, pipeline=runner, tied=tied,
                      tied_aliases=aliases)
         log.info("%s: %s, stages %s on this rank (layers %s)", self.describe(), policy.family,
                  [s.index for s in stages], [s.layer_ids for s in stages])
         return wrapper
+
+    def _pipeline_router_losses(self, model: nn.Module):
+        """pp > 1: the load-balancing loss (config.output_router_logits: Mixtral / Qwen-MoE's Switch loss
+        times router_aux_loss_coef, or DeepSeek's balance loss times aux_loss_alpha) and the z-loss
+        (router_z_loss) as totals carried through the stages (`phalanx.pipeline.router_losses`), over
+        the data-parallel group's batch; None when neither is asked for."""
+        from phalanx.models.deepseek import BalanceLoss, balance_settings
+        from phalanx.pipeline.router_losses import RouterLossCarry, expert_routers
+        config = getattr(model, "config", None)
+        deepseek = balance_settings(config)  # raises when aux_loss_alpha is missing
+        aux = bool(getattr(config, "output_router_logits", False)) and deepseek is None
+        if not aux and not self.router_z_loss and deepseek is None:
+            return None
+        if aux and not hasattr(config, "router_aux_loss_coef"):
+            raise ValueError(f"config.output_router_logits=True on a {config.model_type} model, whose config has no "
+                             "router_aux_loss_coef: the plugin's load-balancing loss is the softmax (Switch) loss of "
+                             "Mixtral / Qwen-MoE, which this family does not train with. Set "
+                             "config.output_router_logits=False")
+        if self.sequence_parallelism is not None:
+            raise ValueError(f"the router losses (config.output_router_logits, router_z_loss) under pipeline parallelism "
+                             f"are not combined with sequence_parallelism={self.sequence_parallelism!r}: set "
+                             f"sequence_parallelism=None, or config.output_router_logits=False and router_z_loss=0")
+        routers = expert_routers(model)
+        if not routers:
+            raise ValueError(f"the router losses (config.output_router_logits, router_z_loss) need expert blocks with a "
+                             f"router (mlp.gate); {type(model).__name__} has none: set config.output_router_logits=False "
+                             f"and router_z_loss=0")
+        if deepseek is not None:  # the form of the loss only: the carry records the routers itself
+            deepseek = BalanceLoss({}, sigmoid=config.model_type == "deepseek_v3", alpha=deepseek[0],
+                                   per_sequence=deepseek[1])
+        return RouterLossCarry(routers[0].num_experts, routers[0].top_k,
+                               aux_coef=float(config.router_aux_loss_coef) if aux else 0.0,
+                               z_coef=float(self.router_z_loss), batch_group=self.dp_sp_group, deepseek=deepseek,
+                               num_layers=config.num_hidden_layers)
 
     def _apply_ep(self, model: nn.Module) -> None:
         """ep_size > 1: split the experts over the EP groups (`self.ep_plan`); the load-balancing
@@ -144,15 +197,7 @@ class HybridBoosting:
         `phalanx.models.deepseek.BalanceLoss`, with or without EP) is checked here. Under pp, a
         stage holding only dense layers (DeepSeek's first_k_dense_replace) keeps no expert plan."""
         from phalanx.models.deepseek import balance_settings
-        if self.pp_size > 1 and self.router_z_loss:
-            raise ValueError("router_z_loss is not applied under pipeline parallelism (it couples every stage's "
-                             "routers over the whole batch): set router_z_loss=0 or pp_size=1")
         deepseek_balance = balance_settings(getattr(model, "config", None))  # raises when aux_loss_alpha is missing
-        if deepseek_balance is not None and self.pp_size > 1:
-            raise ValueError(f"DeepSeek's balance loss (config.output_router_logits=True, aux_loss_alpha) is not applied "
-                             f"under pipeline parallelism (pp_size={self.pp_size}: the pipeline trains the cross-"
-                             f"entropy only). Set config.output_router_logits=False (V3 still balances with "
-                             f"phalanx.models.deepseek.BiasBalancer), or pp_size=1")
         if deepseek_balance is not None and (self.sequence_parallelism is not None or self.sp_size > 1):
             raise ValueError(f"DeepSeek's balance loss (config.output_router_logits=True) needs every router to see "
                              f"whole sequences: set sequence_parallelism=None (now {self.sequence_parallelism!r}, "
@@ -160,10 +205,6 @@ class HybridBoosting:
         if self.ep_size == 1:
             return
         from phalanx.shard.expert_parallel import apply_expert_parallel
-        if self.pp_size > 1 and (getattr(model.config, "output_router_logits", False) or self.router_z_loss):
-            raise ValueError("expert parallelism with pipeline parallelism trains the cross-entropy only: the "
-                             "load-balancing and z-losses couple every layer's router over the whole batch. Set "
-                             "config.output_router_logits=False and router_z_loss=0, or pp_size=1")
         if deepseek_balance is None and getattr(model.config, "output_router_logits", False) and \
                 not hasattr(model.config, "router_aux_loss_coef"):
             raise ValueError(f"config.output_router_logits=True on a {model.config.model_type} model, whose config has no "

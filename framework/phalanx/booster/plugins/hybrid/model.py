@@ -9,6 +9,7 @@ from torch import nn
 from phalanx.mesh import LayoutError
 from phalanx.models.deepseek import BalanceLoss, balance_settings
 from phalanx.sequence import gather_sequence, shard_inputs
+from phalanx.shard.expert_parallel import RouterLogits
 from phalanx.shard.layers import VocabParallelLMHead
 from phalanx.shard.tensor_parallel import TPPlan
 
@@ -27,23 +28,37 @@ class HybridModel(nn.Module):
     the per-rank form whose mean over ranks is the global value (phalanx.shard.expert_parallel).
     Under Ulysses/ring each rank routes its own shard of the sequence; the router losses' values are
     summed over a row's shards (as the cross-entropy's), their gradients each shard's own.
-    Without expert parallelism `z_loss` is taken from the router logits transformers returns.
+    Without expert parallelism the same global-batch losses are computed from hooks on the routers
+    (`phalanx.shard.expert_parallel.RouterLogits`): transformers' own aux loss would be the rank's, or
+    under Ulysses/ring the sequence shard's. Both ways the model runs with output_router_logits=False
+    (transformers adds no aux loss of its own; `outputs.router_logits` / `aux_loss` stay None).
 
     DeepSeek-V2 / V3 (whose configs have no router_aux_loss_coef): `output_router_logits` adds
     `aux_loss_alpha` times DeepSeek's own balance loss (V2's expert-level loss, V3's sequence-wise
     one: `phalanx.models.deepseek.BalanceLoss`, hooks on the routers), over the data-parallel
     group's batch, the same with and without expert parallelism."""
 
-    def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group, ep=None, z_loss: float = 0.0, dp_group=None):
+    def __init__(self, model: nn.Module, plan: TPPlan, seq, tp_group, ep=None, z_loss: float = 0.0, dp_group=None,
+                 batch_group=None, sequence_group=None):
+        """`dp_group`: the data-parallel ranks (DeepSeek's balance loss, refused under sequence
+        parallelism); `batch_group`: the data × sequence-parallel ranks, whose tokens make up the
+        global batch, and `sequence_group` the sequence-parallel ranks under Ulysses/ring (None
+        without): the router losses without EP (with EP, the plan's own)."""
         super().__init__()
         self.model = model
         self.plan = plan
         self.seq = seq
         self.tp_group = tp_group
         self.ep, self.z_loss, self.dp_group = ep, z_loss, dp_group
+        config = getattr(model, "config", None)
         self.balance = None  # DeepSeek's balance loss, when its config asks for it (boost.py checked the layout)
-        if balance_settings(getattr(model, "config", None)) is not None:
+        if balance_settings(config) is not None:
             self.balance = BalanceLoss.attach(model)
+        self.routers = None  # without EP: the router logits of the last forward, for the router losses
+        switch = self.balance is None and bool(getattr(config, "output_router_logits", False)) and \
+            hasattr(config, "router_aux_loss_coef")
+        if ep is None and (switch or z_loss):
+            self.routers = RouterLogits.attach(model, batch_group, sequence_group)
 
     def forward(self, *args: Any, **kwargs: Any):
         if args:
@@ -68,26 +83,20 @@ class HybridModel(nn.Module):
         wanted = kwargs.get("output_router_logits") is not False and \
             bool(getattr(self.model.config, "output_router_logits", False))
         balance = self.balance is not None and wanted  # DeepSeek's own loss, with or without EP
-        aux = self.ep is not None and self.balance is None and wanted  # the Switch loss of Mixtral / Qwen-MoE
-        if self.ep is not None:
+        routers = self.ep if self.ep is not None else self.routers  # the router logits, by hooks
+        aux = routers is not None and self.balance is None and wanted  # the Switch loss of Mixtral / Qwen-MoE
+        if routers is not None:
             kwargs["output_router_logits"] = False
         with local, sharded:
             out = self.model(**kwargs)
         if balance and getattr(out, "loss", None) is not None:
             out.loss = out.loss + self.balance.loss(kwargs.get("attention_mask"), group=self.dp_group)
-        if self.ep is not None and getattr(out, "loss", None) is not None:
+        if routers is not None and getattr(out, "loss", None) is not None:
             mask = kwargs.get("attention_mask")
             if aux:
-                out.loss = out.loss + self.model.config.router_aux_loss_coef * self.ep.load_balancing_loss(mask)
+                out.loss = out.loss + self.model.config.router_aux_loss_coef * routers.load_balancing_loss(mask)
             if self.z_loss:
-                out.loss = out.loss + self.z_loss * self.ep.router_z_loss(mask)
-        elif self.z_loss and getattr(out, "loss", None) is not None:  # no EP: the router logits transformers returns
-            from phalanx.shard.expert_parallel import router_z_loss
-            if getattr(out, "router_logits", None) is None:
-                raise ValueError("router_z_loss needs the router logits: set config.output_router_logits=True "
-                                 "(or pass output_router_logits=True)")
-            out.loss = out.loss + self.z_loss * router_z_loss(out.router_logits, kwargs.get("attention_mask"),
-                                                              self.dp_group)
+                out.loss = out.loss + self.z_loss * routers.router_z_loss(mask)
         logits = getattr(out, "logits", None)
         if wants_logits and logits is not None and seq_len is not None:
             out.logits = gather_sequence(logits, self.seq, seq_len)
