@@ -77,6 +77,18 @@ def test_deepseek_balance_loss_refuses_sequence_parallelism_as_the_plugin_does()
     assert structural_problem(ulysses, load_spec(ds), 64) is None
 
 
+
+def test_router_loss_refuses_split_gather_as_the_plugin_does():
+    """Mixtral with config.output_router_logits=True: HybridParallelPlugin refuses split-gather (each tp
+    rank routes its own tokens), so the planner never lists it; Ulysses stays. Catches: the check left out."""
+    mixtral = dict(model_type="mixtral", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    split, balanced = Layout("hybrid", 4, tp=2, sp_mode="split_gather"), load_spec(dict(mixtral, output_router_logits=True))
+    assert "config.output_router_logits=False" in structural_problem(split, balanced, 64)
+    assert structural_problem(split, load_spec(mixtral), 64) is None
+    assert structural_problem(Layout("hybrid", 4, sp=2, sp_mode="ulysses"), balanced, 64) is None
+
+
 # ---------------------------------------------------------------------------- the estimates by hand
 def test_ep2_x_sp2_memory_and_time_by_hand():
     """hybrid sp2+ep2 ZeRO-2 on 4 ranks (dp 2 × sp 2, two EP groups of 2) against hybrid ep2 on dp 4:

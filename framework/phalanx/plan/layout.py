@@ -71,6 +71,10 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
         return ("sequence parallelism with DeepSeek's balance loss (config.output_router_logits=True) is refused by "
                 "HybridParallelPlugin (every router must see whole sequences): set config.output_router_logits=False, "
                 "or no sequence parallelism")
+    if layout.plugin == "hybrid" and layout.sp_mode == "split_gather" and _switch_router_loss(spec):
+        return ("split-gather sequence parallelism with the router load-balancing loss (config.output_router_logits="
+                "True) is refused by HybridParallelPlugin (each tensor-parallel rank routes its own tokens): use "
+                "Ulysses, or set config.output_router_logits=False")
     ep = getattr(layout, "ep", 1)
     if ep > 1:  # HybridParallelPlugin's own checks (docs/moe.md)
         if layout.plugin != "hybrid":
@@ -86,6 +90,13 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
         if spec.num_experts % ep:
             return f"ep={ep} must divide the {spec.num_experts} experts: choose ep in {_divisors(spec.num_experts)}"
     return None
+
+
+def _switch_router_loss(spec: ModelSpec) -> bool:
+    """Whether the config asks for Mixtral / Qwen-MoE's load-balancing loss (output_router_logits on
+    a non-DeepSeek MoE), which HybridParallelPlugin does not combine with split-gather."""
+    config = getattr(spec, "config", None)
+    return spec.is_moe and bool(getattr(config, "output_router_logits", False)) and not _deepseek_balance(spec)
 
 
 def _deepseek_balance(spec: ModelSpec) -> bool:
