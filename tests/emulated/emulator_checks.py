@@ -31,6 +31,16 @@ def raises(fn, *words: str) -> None:
 
 
 @check
+def histc_counts_integer_tensors_as_cuda_does():
+    """transformers' grouped MoE experts call histc on int32 expert ids on a GPU (float on the CPU);
+    the CPU kernel refuses integers, so Mixtral failed outside the hybrid plugin under emulation."""
+    ids = torch.tensor([0, 2, 2, 3, 5], dtype=torch.int32, device=DEV)
+    counts = torch.histc(ids, bins=4, min=0, max=3)
+    assert counts.device == DEV and counts.dtype == torch.int32, (counts.device, counts.dtype)
+    assert counts.cpu().tolist() == [1, 0, 2, 1], counts.cpu().tolist()
+
+
+@check
 def the_device_context_still_builds_on_the_meta_device():
     """The pinned-memory factory wrappers must not hide the factories from `with torch.device(...)`
     (lazy, meta-device model building): before the fix, modules came out on the CPU."""

@@ -172,6 +172,10 @@ def _dispatch(func, args, kwargs):
 
     if func is aten._to_copy.default:
         return _to_copy(args[0], kwargs)
+    if func is aten.histc.default and not args[0].is_floating_point():
+        # CUDA's histc counts integer tensors (transformers' grouped MoE experts take that branch on a
+        # GPU), the CPU kernel refuses them: count in float32, return the input's dtype as CUDA does
+        return _dispatch(func, (args[0].to(torch.float32), *args[1:]), kwargs).to(args[0].dtype)
     if func is aten.copy_.default:
         return _copy_(args[0], args[1], *args[2:], **kwargs)
     if func in _SYNCING:
