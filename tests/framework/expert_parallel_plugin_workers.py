@@ -73,8 +73,9 @@ def _boost(family: str, layout: dict, router_losses: bool, adamw: bool = False):
     return booster, plugin, model, optimizer
 
 
-def _train(booster, plugin, model, optimizer, data) -> tuple[list[float], list[float]]:
-    per = ROWS // plugin.dp_size
+def _train(booster, plugin, model, optimizer, data, rows: int = ROWS) -> tuple[list[float], list[float]]:
+    """Boosted steps on this rank's share of each batch of `rows` rows: the global losses and grad norms."""
+    per = rows // plugin.dp_size
     losses, norms = [], []
     for batch in data:
         loss = boosted_step(booster, model, optimizer,
@@ -95,17 +96,23 @@ def layout_steps(family: str, layouts: dict[str, dict], router_losses: bool = Tr
     for i, (name, layout) in enumerate(layouts.items()):
         booster, plugin, model, optimizer = _boost(family, {**layout, "max_norm": max_norm}, router_losses)
         losses, norms = _train(booster, plugin, model, optimizer, batches()[:STEPS])
-        state = booster.plugin.full_model_state_dict(model)
         counts = plugin.step_metrics()["expert_tokens"] if plugin.pp_size == 1 else None
         if save is not None and i == 0:
             booster.save_model(model, save)
-        got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"]),
-               "local_experts": sorted({tuple(m.gate_up_proj.shape) for m in plugin.ep_plan.experts.values()}),
-               "counts": None if counts is None else (counts, ref["counts"])}
-        if dist.get_rank() == 0:  # the writer holds every tensor
-            got.update(compare_saved_state(state, ref))
-        out[name] = got
+        out[name] = differences(plugin, model, losses, norms, ref,
+                                local_experts=sorted({tuple(m.gate_up_proj.shape) for m in plugin.ep_plan.experts.values()}),
+                                counts=None if counts is None else (counts, ref["counts"]))
     return out
+
+
+def differences(plugin, model, losses, norms, ref: dict, **extra) -> dict:
+    """A boosted run against one process's: losses and grad norms, `extra` as given, and on rank 0 (the
+    writer, which holds every tensor) the full model's weights."""
+    state = plugin.full_model_state_dict(model)
+    got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"]), **extra}
+    if dist.get_rank() == 0:
+        got.update(compare_saved_state(state, ref))
+    return got
 
 
 def compare_saved_state(state: dict, ref: dict) -> dict:

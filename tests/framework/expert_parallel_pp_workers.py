@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from expert_parallel_plugin_workers import (ROWS, STEPS, Z_LOSS, _boost, _optimizer, _train, batches, build,
-                                            compare_saved_state)
+                                            differences)
 from phalanx.device import run_device, to_device
 from phalanx.testing import rel_diff
 
@@ -67,12 +67,8 @@ def pp_steps(layouts: dict[str, dict], max_norm: float | None = None, layers: in
         losses, norms = _train(booster, plugin, model, optimizer, batches()[:STEPS])
         fresh = to_device(batches()[-1], run_device())  # evaluation: one tensor between stages, no router losses
         evaluation = booster.execute_pipeline(iter([{"input_ids": fresh, "labels": fresh}]), model, forward_only=True)
-        state = booster.plugin.full_model_state_dict(model)
-        got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"]),
-               "evaluation": rel_diff(evaluation["loss"].item(), ref["evaluation"])}
-        if dist.get_rank() == 0:
-            got.update(compare_saved_state(state, ref))
-        out[name] = got
+        out[name] = differences(plugin, model, losses, norms, ref,
+                                evaluation=rel_diff(evaluation["loss"].item(), ref["evaluation"]))
     return out
 
 
@@ -132,25 +128,11 @@ def deepseek_pp_steps(layouts: dict[str, tuple[str, bool, dict]]) -> dict:
     steps under the pipeline with config.output_router_logits=True (the plugin carries DeepSeek's
     balance loss through the stages)."""
     from deepseek_workers import ROWS as DS_ROWS, _boost as deepseek_boost, batches as deepseek_batches
-    from phalanx.device import run_device, to_device
-    from phalanx.testing import boosted_step
 
     out = {}
     for name, (variant, per_sequence, layout) in layouts.items():
         booster, plugin, model, optimizer = deepseek_boost(variant, layout, DEEPSEEK_ALPHA, seq_aux=per_sequence)
         ref = deepseek_reference(variant, per_sequence, plugin.dp_size, plugin.num_microbatches)
-        per = DS_ROWS // plugin.dp_size
-        losses, norms = [], []
-        for batch in deepseek_batches()[:STEPS]:
-            loss = boosted_step(booster, model, optimizer,
-                                to_device(batch[plugin.dp_rank * per:(plugin.dp_rank + 1) * per], run_device()))
-            total = loss.detach().reshape(1).clone()
-            dist.all_reduce(total, group=plugin.dp_group)  # the global batch's loss: the mean over dp
-            losses.append(total.item() / plugin.dp_size)
-            norms.append(optimizer.last_grad_norm)
-        state = plugin.full_model_state_dict(model)
-        got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"])}
-        if dist.get_rank() == 0:
-            got.update(compare_saved_state(state, ref))
-        out[name] = got
+        losses, norms = _train(booster, plugin, model, optimizer, deepseek_batches()[:STEPS], rows=DS_ROWS)
+        out[name] = differences(plugin, model, losses, norms, ref)
     return out

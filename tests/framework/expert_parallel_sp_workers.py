@@ -57,19 +57,14 @@ def sp_layouts_without_ep(layouts: dict[str, dict]) -> dict:
     clipped SGD steps of the tiny Mixtral with the router losses on, whose global-batch values the
     plugin computes from hooks on the routers (transformers' own aux loss would be each sequence
     shard's), against one process: {layout: losses, gradient norms, on rank 0 the weights}."""
-    from expert_parallel_plugin_workers import _boost, _train, batches, compare_saved_state, reference
-    from phalanx.testing import rel_diff
+    from expert_parallel_plugin_workers import _boost, _train, batches, differences, reference
 
     ref = reference("mixtral", True, 0.5)
     out = {}
     for name, layout in layouts.items():
         booster, plugin, model, optimizer = _boost("mixtral", {**layout, "max_norm": 0.5}, True)
         losses, norms = _train(booster, plugin, model, optimizer, batches()[:2])
-        state = plugin.full_model_state_dict(model)
-        got = {"losses": rel_diff(losses, ref["losses"]), "norms": rel_diff(norms, ref["norms"])}
-        if dist.get_rank() == 0:
-            got.update(compare_saved_state(state, ref))
-        out[name] = got
+        out[name] = differences(plugin, model, losses, norms, ref)
     return out
 
 
