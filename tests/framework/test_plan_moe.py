@@ -403,25 +403,13 @@ def test_moe_estimate_within_15_percent_of_measured_peak():
     (the start of backward's), the experts whole on both ranks, and LoRA under ZeRO-2; the worst rank's
     peak resident memory above its baseline against the plan. 15%: the planner's stated target."""
     pytest.importorskip("peft")
-    from phalanx.booster.plugins import make_plugin
-    from phalanx.plan import estimate_for_run
     from phalanx.plan.measure import measure_many
+    from plan_measured import estimate_errors
     from phalanx.testing import spawn
 
     cases = [(dict(kw, precision="fp32"), MEASURED_MOE, seq, mb) for kw, seq, mb in MEASURED_CASES.values()]
     ranks = spawn(measure_many, 2, cases, timeout=600)
     if "skip" in ranks[0][0]:
         pytest.skip(ranks[0][0]["skip"])
-    errors, mib = {}, {}
-    for i, (name, (kwargs, seq, mb)) in enumerate(MEASURED_CASES.items()):
-        kwargs = dict(kwargs)
-        lora = kwargs.pop("lora", None)
-        plugin = make_plugin(kwargs.pop("name"), precision="fp32", **kwargs)
-        est = estimate_for_run(dict(MEASURED_MOE), plugin, seq, mb, 2, loss="hf", lora=lora)
-        measured = max(r[i]["anon"] for r in ranks)
-        errors[name] = round(est.memory.device_total / measured - 1, 4)
-        mib[name] = (round(est.memory.device_total / 2**20, 1), round(measured / 2**20, 1), est.memory.phase)
-        first = ranks[0][i]["losses"]
-        assert len(first) == 3 and first[-1] < first[0], (name, first)  # training ran and learned
-    print("\n  estimate / measured - 1:", errors, "\n  MiB (estimate, measured, peak in):", mib)
+    errors = estimate_errors(MEASURED_MOE, MEASURED_CASES, ranks, 2)
     assert all(abs(e) <= 0.15 for e in errors.values()), errors
