@@ -13,6 +13,9 @@
 #   inference  bench/inference.py on a randomly initialised SmolLM2-135M-shaped Llama in bf16
 #              (HF generate on the same GPU, same dtype, same prompts), then a profile of the engine;
 #              inference_nographs: the same with every decode step eager (--cuda-graphs off)
+#   engine_tests  the inference engine's CPU test files as they are: on a GPU machine an engine's
+#              default device is the GPU, so greedy tokens are checked against transformers there
+#              (CUDA graphs on, the Triton kernels compiled)
 #   recipes    the recipe commands of tests/emulated on this real GPU (PHALANX_TESTS_ON_CUDA=1):
 #              SFT, reward model, DPO, PPO, GRPO (+LoRA), LLaMA pretrain/SFT/export, diffusion, video,
 #              protein on one rank; runs of more ranks than GPUs skip
@@ -21,7 +24,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_session}
-STEPS=${STEPS:-"tests selfcheck kernels inference inference_nographs recipes"}
+STEPS=${STEPS:-"tests selfcheck kernels inference inference_nographs engine_tests recipes"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline \
        TOKENIZERS_PARALLELISM=false
@@ -68,6 +71,10 @@ step kernels 80 python3 bench/kernel_speed.py --part gpu --no-compile --reps 10
 step inference 100 python3 bench/inference.py --model "$SMOL" --dtype bfloat16 --repeats 2 --no-compiled --profile
 step inference_nographs 90 python3 bench/inference.py --model "$SMOL" --dtype bfloat16 --repeats 2 --no-compiled \
     --profile --cuda-graphs off
+step engine_tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --continue-on-collection-errors \
+    tests/framework/test_inference_engine.py tests/framework/test_inference_cuda_graphs.py \
+    tests/framework/test_inference_families.py tests/framework/test_inference_speed_paths.py \
+    tests/framework/test_inference_sampler.py tests/framework/test_inference_lora.py
 step recipes 180 env PHALANX_TESTS_ON_CUDA=1 python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs \
     tests/emulated/test_recipe_chat_rlhf.py tests/emulated/test_recipe_chat_rlhf_lora.py \
     tests/emulated/test_recipe_llama_protein.py tests/emulated/test_recipe_video_diffusion.py
