@@ -101,6 +101,37 @@ def test_a_narrow_step_after_a_wide_one_writes_only_its_own_slots(models):
         assert set(changed) <= written | scratch and set(changed) & written
 
 
+def test_lora_adapters_in_captured_steps_give_each_merged_models_tokens(models, tmp_path):
+    """Base, a1 and a2 requests in one captured batch: each row's adapter is a one-hot over every
+    slot in a fixed buffer, so one capture serves any mix; greedy tokens equal each adapter's merged
+    model. An adapter loaded afterwards that adapts other matmuls (new factor stacks: the forward
+    changed) is captured again; one loaded into existing stacks is read in place."""
+    pytest.importorskip("peft")
+    path, base = models["llama"]
+    refs = {None: base}
+    refs["a1"] = im.make_adapter(tmp_path / "a1", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    refs["a2"] = im.make_adapter(tmp_path / "a2", 2, r=8, lora_alpha=8, target_modules=["o_proj", "down_proj"])
+    refs["a3"] = im.make_adapter(tmp_path / "a3", 3, r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj"])
+    eng = _engine(path, enable_lora=True, max_loras=3, max_lora_rank=8)
+    for name in ("a1", "a2"):
+        eng.load_lora_adapter(name, tmp_path / name)
+    _with_decode_graphs(eng)
+    prompts = im.mixed_prompts(5, seed=6, low=4, high=24)
+
+    def run(names):
+        params = [SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, lora_name=n) for n in names]
+        for out, prompt, name in zip(eng.generate(prompts, params), prompts, names, strict=True):
+            assert out.token_ids == im.hf_greedy(refs[name], prompt, 6), name
+    run([None, "a1", "a2", "a2", None])
+    graphs = eng.runner.graphs
+    captured = graphs.captures
+    assert graphs.replays > 0 and captured == len(graphs.steps)
+    eng.load_lora_adapter("a3", tmp_path / "a3")  # gate_up gains stacks: captures are redone
+    run(["a3", "a1", None, "a3", "a2"])
+    assert eng.runner.graphs is graphs and graphs.captures == captured + len(graphs.steps)
+    assert eng.block_manager.all_free()
+
+
 def test_prefills_and_speculative_verification_stay_on_the_normal_path(models):
     """Only one-token, one-logit chunks are captured: a draft model's proposals are, the target's
     verification of k + 1 tokens is not; speculative output equals plain greedy output."""
@@ -172,3 +203,27 @@ def test_cuda_graph_decode_matches_the_eager_engine_and_transformers(models, fam
     assert got == [im.hf_greedy_batch(hf, [p], q.max_new_tokens, device="cuda")[0] for p, q in zip(prompts, params)]
     assert graphed.runner.graphs.replays > 0 and {16, 8, 4, 2, 1} <= set(graphed.runner.graphs.steps)
     assert graphed.block_manager.all_free()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_with_lora_adapters_matches_the_eager_engine(models, tmp_path):
+    """Captured decode steps with base / a1 / a2 rows mixed: fp32 greedy tokens equal the engine without
+    graphs on the same GPU and each adapter's merged model."""
+    pytest.importorskip("peft")
+    path, base = models["llama"]
+    refs = {None: base}
+    refs["a1"] = im.make_adapter(tmp_path / "a1", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    refs["a2"] = im.make_adapter(tmp_path / "a2", 2, r=8, lora_alpha=8, target_modules=["o_proj", "down_proj"])
+    prompts = im.mixed_prompts(5, seed=6, low=4, high=24)
+    names = [None, "a1", "a2", "a2", None]
+    params = [SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, lora_name=n) for n in names]
+    got = {}
+    for graphs in ("auto", False):
+        eng = _engine(path, device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8, cuda_graphs=graphs)
+        for name in ("a1", "a2"):
+            eng.load_lora_adapter(name, tmp_path / name)
+        got[graphs] = [o.token_ids for o in eng.generate(prompts, params)]
+        if graphs == "auto":
+            assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0, eng.runner.graphs_reason
+    assert got["auto"] == got[False] == [im.hf_greedy(refs[n], p, 6) for n, p in zip(names, prompts)]

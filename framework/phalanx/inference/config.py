@@ -33,7 +33,7 @@ class EngineConfig:
         found and the model is not tiny — on CPU "auto" stays eager, where compiling measured no
         faster; True: whenever the compiler works, CPU included; False: eager).
     cuda_graphs: run decode steps as captured CUDA graphs, one per batch size ("auto": on CUDA for
-        dense models without tensor parallelism or LoRA; True: the same, an error where impossible;
+        dense models without tensor parallelism, LoRA adapters included; True: the same, an error where impossible;
         False: every step eager). See `phalanx.inference.cuda_graphs`.
     """
 

@@ -14,11 +14,12 @@ and returns the first n rows of its logits (copied out of the graph's memory).
 
 When: steps whose every chunk is one token with one logit (decode, and the draft model's
 proposals), on CUDA, for dense models (mixture-of-experts routing and multi-head latent attention
-stay eager), without tensor parallelism or LoRA (their per-step host work lives outside the
-forward). Prefills, chunked prefills and speculative verification run eagerly as before. Each
-batch size is captured the first time a step needs it (two warm-up forwards, then the capture;
-about a second for all sizes of a 30-layer model), so a server pays nothing for sizes it never
-sees.
+stay eager), without tensor parallelism. With LoRA adapters each row's adapter is a one-hot over
+every slot in a fixed buffer, so one capture serves any mix of adapters; an adapter that adapts a
+matmul no loaded adapter adapted before changes the forward, and the sizes are captured again.
+Prefills, chunked prefills and speculative verification run eagerly as before. Each batch size is
+captured the first time a step needs it (two warm-up forwards, then the capture), so a server
+pays nothing for sizes it never sees.
 
 Off CUDA the same buffers and padding run with `mode="eager"` (the forward called on the buffers
 instead of a replay): the tests check it token for token against the normal path on the CPU, and
@@ -75,13 +76,19 @@ class DecodeGraphs:
         self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.context_lens = torch.ones(self.max_batch, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(self.max_batch, self.width, dtype=torch.long, device=device)
+        lora = runner.lora
+        # LoRA: each row's adapter as a one-hot over every slot (padding rows: none), so the captured
+        # delta matmuls have one shape whichever adapters a step mixes
+        self.lora_mask = (torch.zeros(self.max_batch, lora.max_loras, dtype=lora.dtype, device=device)
+                          if lora is not None else None)
+        self._lora_structure = lora.structure if lora is not None else 0
         self._pad(0, self.max_batch)
         self.steps: dict[int, Callable[[], torch.Tensor]] = {}  # batch size -> run the step, get its logits
-        self.replays = 0
+        self.replays = self.captures = 0
 
     def accepts(self, chunks) -> bool:
         """Whether this step is a plain decode step the graphs can run."""
-        return (0 < len(chunks) <= self.max_batch and self.runner.lora is None
+        return (0 < len(chunks) <= self.max_batch and (self.runner.lora is None) == (self.lora_mask is None)
                 and all(len(c.token_ids) == 1 and c.num_logits == 1 and c.start > 0 for c in chunks))
 
     def run(self, chunks) -> torch.Tensor | None:
@@ -105,6 +112,8 @@ class DecodeGraphs:
         self.slots[:n].copy_(staged[2 * n:3 * n])
         self.context_lens[:n].copy_(staged[3 * n:4 * n])
         self.block_tables[:n, :width].copy_(staged[4 * n:].view(n, width))
+        if self.lora_mask is not None:
+            self._set_adapters(chunks)
         if size > n:
             self._pad(n, size)
         if size not in self.steps:
@@ -132,6 +141,18 @@ class DecodeGraphs:
         log.warning("decode steps run eagerly: %s", why)
         self.runner.graphs, self.runner.graphs_reason = None, why
 
+    def _set_adapters(self, chunks) -> None:
+        """Each row's adapter slot into the mask; a matmul that gained adapter factors since the
+        captures (a newly loaded adapter adapts it) changes the forward: capture again. Factors
+        loaded into existing stacks are written in place, which the graphs read as they are."""
+        lora = self.runner.lora
+        if lora.structure != self._lora_structure:
+            self.steps.clear()
+            self._lora_structure = lora.structure
+        slots = torch.tensor([c.lora_slot for c in chunks])
+        rows = torch.nn.functional.one_hot(slots, lora.max_loras + 1)[:, 1:].to(self.lora_mask.dtype)
+        self.lora_mask[:len(chunks)].copy_(rows.to(self.lora_mask.device, non_blocking=True))
+
     def _pad(self, start: int, end: int) -> None:
         """Rows [start, end) decode a dummy token into the scratch block and attend to it alone."""
         self.ids[start:end] = 0
@@ -139,9 +160,13 @@ class DecodeGraphs:
         self.slots[start:end] = self.scratch_block * self.block_size
         self.context_lens[start:end] = 1
         self.block_tables[start:end, 0] = self.scratch_block
+        if self.lora_mask is not None:
+            self.lora_mask[start:end] = 0
 
     def _forward(self, size: int) -> torch.Tensor:
         model, runner = self.runner.model, self.runner
+        if runner.lora is not None:
+            runner.lora.use_mask(self.lora_mask[:size])
         batch = AttentionBatch(slot_mapping=self.slots[:size], block_size=self.block_size,
                                groups=[BatchedGroup(0, size, 1, self.block_tables[:size], self.context_lens[:size])])
         with torch.inference_mode():
@@ -149,11 +174,14 @@ class DecodeGraphs:
             return model.logits(hidden)
 
     def _capture(self, size: int) -> Callable[[], torch.Tensor]:
+        self.captures += 1
         if self.mode == "eager":
             return lambda: self._forward(size)
         # The capture records whatever the current rows hold: padding rows only, so the warm-up and
         # capture forwards write their keys to the scratch block alone.
-        saved = [t[:size].clone() for t in (self.ids, self.positions, self.slots, self.context_lens)]
+        buffers = [self.ids, self.positions, self.slots, self.context_lens]
+        buffers += [self.lora_mask] if self.lora_mask is not None else []
+        saved = [t[:size].clone() for t in buffers]
         saved_tables = self.block_tables[:size].clone()
         self._pad(0, size)
         stream = torch.cuda.Stream(self.runner.device)
@@ -165,7 +193,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self._forward(size)
-        for t, values in zip((self.ids, self.positions, self.slots, self.context_lens), saved):
+        for t, values in zip(buffers, saved):
             t[:size].copy_(values)
         self.block_tables[:size].copy_(saved_tables)
 

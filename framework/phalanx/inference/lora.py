@@ -336,6 +336,7 @@ class LoraAdapters:
                 raise ValueError(f"{what}={value!r} must be a positive integer")
         self.step = StepSlots()
         self.layers: dict[int, LoraLayer] = {}
+        self.structure = 0  # bumped when a matmul gains its stack: captured decode steps re-capture
         self._loads = itertools.count(1)
         param = self.model.embed
         self.dtype, self.device = param.dtype, param.device
@@ -405,6 +406,7 @@ class LoraAdapters:
             layer.linear = wrapper  # module replacement: every matmul of the layer goes through it
         stack = wrapper.stacks.get(linear)
         if stack is None:
+            self.structure += 1
             fan_in = getattr(layer, f"{linear}_weight").shape[1]
             stack = wrapper.stacks[linear] = LowRankStack(output_pieces(layer, linear), fan_in, self.max_loras,
                                                           self.max_lora_rank, self.dtype, self.device)
@@ -413,3 +415,8 @@ class LoraAdapters:
     def set_step(self, token_slots: list[int] | torch.Tensor) -> None:
         """The adapter slot of every token of the next forward, in the order of its rows."""
         self.step.set(token_slots, self.dtype, self.device)
+
+    def use_mask(self, mask: torch.Tensor) -> None:
+        """The next forward reads every slot's lanes through `mask` [tokens, max_loras] (a captured
+        decode step's fixed buffer: its shape does not depend on which adapters the step uses)."""
+        self.step.hi, self.step.mask = self.max_loras, mask
