@@ -191,7 +191,8 @@ class DecodeGraphs:
                 self._forward(size)
         torch.cuda.current_stream(self.runner.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work another thread may do meanwhile (the server's) is not the capture's concern
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = self._forward(size)
         for t, values in zip(buffers, saved):
             t[:size].copy_(values)
