@@ -5,7 +5,8 @@ whole batches for `fit`.
 A sample is {"video": [C, F, H, W] in [-1, 1], "prompt_ids": [tokens]}; images are 1-frame
 videos. The in-memory clips (shapes, `data.clips_dir`) are resized to their bucket's shape (first
 `frames` frames, area resampling); manifest clips are decoded when drawn (`manifest.py`: strided
-frames from a random offset, cropped to the bucket's aspect). The held-out set (for the evaluation
+frames from a random offset, cropped to the bucket's aspect, drawn from a per-item generator so that a
+resumed run draws what an uninterrupted one does). The held-out set (for the evaluation
 loss) is a share of the moving-shapes clips and a share of the manifest's videos.
 """
 from __future__ import annotations
@@ -112,6 +113,16 @@ def load_manifest_split(d: DataConfig, buckets: list[Bucket], max_held_per_bucke
     return m, np.flatnonzero(~held), [Clip(v, c) for v, c in clips], probed
 
 
+class TrainingParts(ConcatDataset):
+    """The in-memory batches followed by the manifest's: `set_epoch` (called by `fit` before each pass)
+    reaches the parts that draw per epoch (`ManifestBatches`, `LatentShards`)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        for part in self.datasets:
+            if hasattr(part, "set_epoch"):
+                part.set_epoch(epoch)
+
+
 def training_dataset(d: DataConfig, buckets: list[Bucket], tokenizer, clips: list[Clip], manifest: Manifest | None,
                      rows: np.ndarray | None, seed: int, latents: bool = False,
                      keep_std: bool = False) -> tuple[Dataset, BucketedClips | None]:
@@ -128,4 +139,4 @@ def training_dataset(d: DataConfig, buckets: list[Bucket], tokenizer, clips: lis
         parts.append(LatentShards(resolve(d.latent_cache), manifest, buckets, tokenizer, seed, keep_std))
     elif manifest is not None:
         parts.append(ManifestBatches(manifest, rows, buckets, tokenizer, d.clip_stride, d.clip_fps, d.crop, seed))
-    return (parts[0] if len(parts) == 1 else ConcatDataset(parts)), in_memory
+    return (parts[0] if len(parts) == 1 else TrainingParts(parts)), in_memory

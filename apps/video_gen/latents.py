@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from phalanx.data.buckets import Bucket, BucketBatchSampler
 
-from .manifest import Manifest, assign_rows, load_clip
+from .manifest import Manifest, assign_rows, item_generator, load_clip
 
 SHARD_CLIPS = 256
 
@@ -111,6 +111,11 @@ class LatentShards(Dataset):
         grouping = BucketBatchSampler(self.entries[:, 1].tolist(), buckets, seed=seed).epoch_batches(0)
         self.starts = np.cumsum([0] + [len(b) for b in grouping])
         self.members = np.fromiter((i for b in grouping for i in b), np.int64)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by `fit` before each pass: the epoch of the caption draws (`manifest.item_generator`)."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -119,6 +124,7 @@ class LatentShards(Dataset):
         from safetensors import safe_open
 
         means, stds, texts = [], [], []
+        g = item_generator(self.seed, self.epoch, k)     # the caption draws: the same after a resume
         for e in self.members[self.starts[k]:self.starts[k + 1]]:
             row, _, shard, j = (int(x) for x in self.entries[e])
             with safe_open(str(self.directory / self.files[shard]), framework="pt") as f:
@@ -126,7 +132,7 @@ class LatentShards(Dataset):
                 if self.keep_std:
                     stds.append(f.get_tensor(f"std.{j}"))
             options = self.manifest.captions_of(row)
-            texts.append(options[int(torch.randint(len(options), ()).item())])
+            texts.append(options[int(torch.randint(len(options), (), generator=g).item())])
         out = {"video": torch.stack(means), "prompt_ids": self.tokenize(self.tokenizer, texts)}
         if self.keep_std:
             out["latent_std"] = torch.stack(stds)

@@ -13,7 +13,10 @@ Only the metadata is kept (paths and captions packed into two byte buffers, size
 arrays): no decoded video, so memory stays flat in the number of clips. A training item is one
 bucket's batch: its clips are decoded on the DataLoader's workers with PyAV when the item is drawn,
 only up to the last frame the bucket needs, every `stride`-th frame from a random offset, cropped
-to the bucket's aspect ratio (centre or random) and then resized (no aspect distortion). The
+to the bucket's aspect ratio (centre or random) and then resized (no aspect distortion). Those
+random draws (offset, crop, caption) come from the item's own generator, seeded by (train.seed,
+epoch, item) (`item_generator`; `fit` tells the dataset the epoch through `set_epoch`), not from
+the workers' RNG: the same item draws alike with any number of workers and after a resume. The
 held-out split is a share of the manifest's videos (by a seeded hash of the path, so every row of
 one video falls on the same side); its clips are decoded once, deterministically (centre offset,
 centre crop, first caption).
@@ -279,13 +282,23 @@ def frame_indices(total: int, frames: int, stride: int, offset: int) -> list[int
     return [offset + k * stride for k in range(frames)]
 
 
-def temporal_offset(total: int, frames: int, stride: int, rand: bool) -> int:
-    """The first frame: uniform over the starts that fit (rand), else the centred start."""
+def item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The random stream of training item `index` in `epoch`: a function of the three numbers only.
+    A DataLoader worker's own RNG depends on which worker draws the item and on how many items that
+    worker drew since its iterator started (a resumed run starts a fresh one mid-epoch), and no
+    checkpoint holds it."""
+    state = np.random.SeedSequence([seed % 2 ** 64, epoch, index]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
+def temporal_offset(total: int, frames: int, stride: int, rand: bool, generator: torch.Generator | None = None) -> int:
+    """The first frame: uniform over the starts that fit (rand, drawn from `generator`), else the centred start."""
     free = total - (frames - 1) * stride - 1
-    return int(torch.randint(free + 1, ()).item()) if rand else free // 2
+    return int(torch.randint(free + 1, (), generator=generator).item()) if rand else free // 2
 
 
-def crop_box(height: int, width: int, bucket_height: int, bucket_width: int, rand: bool) -> tuple[int, int, int, int]:
+def crop_box(height: int, width: int, bucket_height: int, bucket_width: int, rand: bool,
+             generator: torch.Generator | None = None) -> tuple[int, int, int, int]:
     """(top, left, crop height, crop width): the largest window with the bucket's aspect ratio,
     centred or at a random place."""
     if width * bucket_height > height * bucket_width:          # wider than the bucket: cut the sides
@@ -293,7 +306,7 @@ def crop_box(height: int, width: int, bucket_height: int, bucket_width: int, ran
     else:                                                      # taller: cut top and bottom
         ch, cw = max(1, min(height, round(width * bucket_height / bucket_width))), width
     if rand:
-        top, left = (int(torch.randint(n + 1, ()).item()) for n in (height - ch, width - cw))
+        top, left = (int(torch.randint(n + 1, (), generator=generator).item()) for n in (height - ch, width - cw))
     else:
         top, left = (height - ch) // 2, (width - cw) // 2
     return top, left, ch, cw
@@ -307,12 +320,15 @@ def clip_stride(fps: float, stride: int, target_fps: float | None) -> int:
 
 
 def load_clip(path: str, total: int, bucket: Bucket, stride: int, random_offset: bool,
-              random_crop: bool) -> torch.Tensor:
+              random_crop: bool, generator: torch.Generator | None = None) -> torch.Tensor:
     """[3, bucket.frames, bucket.height, bucket.width] in [-1, 1]: sampled in time (every `stride`-th
-    frame from a random or the centred offset), cropped to the bucket's aspect, then resized (area)."""
+    frame from a random or the centred offset), cropped to the bucket's aspect, then resized (area);
+    the random offset and crop are drawn from `generator`."""
     frames = decode_frames(path, frame_indices(total, bucket.frames, stride,
-                                               temporal_offset(total, bucket.frames, stride, random_offset)))
-    top, left, ch, cw = crop_box(frames.shape[1], frames.shape[2], bucket.height, bucket.width, random_crop)
+                                               temporal_offset(total, bucket.frames, stride, random_offset,
+                                                               generator)))
+    top, left, ch, cw = crop_box(frames.shape[1], frames.shape[2], bucket.height, bucket.width, random_crop,
+                                 generator)
     x = torch.from_numpy(np.ascontiguousarray(frames[:, top:top + ch, left:left + cw])).permute(0, 3, 1, 2)
     x = x.float() / 127.5 - 1
     if (ch, cw) != (bucket.height, bucket.width):
@@ -349,7 +365,8 @@ def assign_rows(m: Manifest, rows: np.ndarray, buckets: list[Bucket], stride: in
 
 class ManifestBatches(Dataset):
     """Training items: whole bucket batches of manifest rows, decoded when drawn (on the DataLoader's
-    workers). {"video": [B, 3, F, H, W], "prompt_ids": [B, tokens]}; load with micro_batch_size=1."""
+    workers). {"video": [B, 3, F, H, W], "prompt_ids": [B, tokens]}; load with micro_batch_size=1.
+    Item k's offsets, crops and captions are drawn from `item_generator(seed, epoch, k)`."""
 
     def __init__(self, m: Manifest, rows: np.ndarray, buckets: list[Bucket], tokenizer, stride: int = 1,
                  target_fps: float | None = None, crop: str = "center", seed: int = 0):
@@ -364,19 +381,25 @@ class ManifestBatches(Dataset):
         self.starts = np.cumsum([0] + [len(b) for b in batches])
         self.members = np.fromiter((i for b in batches for i in b), np.int64)  # positions in self.rows
         self.unassigned = int((self.bucket_of < 0).sum())
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by `fit` before each pass over the data (and on resume): the epoch of the draws."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.starts) - 1
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         m, videos, texts = self.manifest, [], []
+        g = item_generator(self.seed, self.epoch, k)
         for pos in self.members[self.starts[k]:self.starts[k + 1]]:
             i = int(self.rows[pos])
             bucket = self.buckets[int(self.bucket_of[pos])]
             videos.append(load_clip(m.paths[i], int(m.frames[i]), bucket, int(self.strides[pos]), True,
-                                    self.random_crop))
+                                    self.random_crop, g))
             options = m.captions_of(i)
-            texts.append(options[int(torch.randint(len(options), ()).item())])
+            texts.append(options[int(torch.randint(len(options), (), generator=g).item())])
         return {"video": torch.stack(videos), "prompt_ids": self.tokenize(self.tokenizer, texts)}
 
 

@@ -107,6 +107,14 @@ class MicroBatches:
         self._iterator = None
 
     def _start(self) -> None:
+        # A dataset with `set_epoch(epoch)` learns the epoch before each pass; the worker processes
+        # get the copy made by `iter`. Random draws inside `__getitem__` on workers come from the
+        # workers' own RNG, which no checkpoint holds and which restarts at a resume point, so a
+        # dataset that draws (random crops, offsets, a caption per draw) seeds each item from
+        # (its seed, the epoch, the index) to resume exactly (apps/video_gen/manifest.py).
+        set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
         # Creating a DataLoader iterator draws a base seed from the global RNG; keep the training
         # RNG streams (dropout, ...) independent of when iterators are created, or a resumed run
         # would drift from an uninterrupted one.
