@@ -28,7 +28,7 @@ from phalanx.inference import mla, packed_linear
 from phalanx.inference.attention import AttentionBatch, paged_attention, rope_and_store, rotate_, store_kv
 from phalanx.inference.kernels import rms_norm, swiglu
 from phalanx.models import SUPPORTED, ModelSpec, family_of, rope_parameters, spec_from_config
-from phalanx.models.heads import first_kv_head, head_problem, local_heads
+from phalanx.models.heads import first_kv_head, head_problem, kv_bytes_per_block, local_heads
 
 __all__ = ["SUPPORTED", "ModelSpec", "DecoderModel", "LlamaModel", "Pieces", "EAGER", "check_tp", "kv_bytes_per_block",
            "rope_tables", "spec_for_inference"]
@@ -59,17 +59,6 @@ def check_tp(spec: ModelSpec, tp_size: int) -> None:
                        f"choose a tp_size that divides {width}")
     if problem:
         raise ValueError(problem)
-
-
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, tp_size: int, dtype: torch.dtype) -> int:
-    """KV-cache bytes of one block on one rank: its key/value heads (one when replicated); for
-    multi-head latent attention the one latent per token and layer (kv_lora_rank +
-    qk_rope_head_dim, whole on every rank, serving as key and value: `mla`)."""
-    if spec.mla:
-        per_token = spec.num_layers * mla.latent_width(spec)
-    else:
-        per_token = 2 * spec.num_layers * local_heads(spec.heads, tp_size).kv_heads * spec.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def rope_tables(spec: ModelSpec, max_positions: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,11 +55,6 @@ def interleaved_rope(config) -> bool:
     return config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
 
 
-def latent_width(spec) -> int:
-    """Values cached per token and layer: kv_lora_rank + qk_rope_head_dim."""
-    return spec.kv_lora_rank + spec.qk_rope_head_dim
-
-
 def init_layer(layer, spec, tp_size: int, param) -> None:
     """MLA's weights on a decoder layer (`param(*shape)` makes one): `mla_a` = [q_a_proj ;
     kv_a_proj_with_mqa] fused along outputs (both read the layer input, both whole on every rank),

@@ -185,7 +185,7 @@ class BiasBalancer:
         return balancer
 
     def _recorder(self, name: str):
-        from phalanx.pipeline.runtime import in_shape_inference  # (phalanx.pipeline imports phalanx.models)
+        from phalanx.models.shape_inference import in_shape_inference
 
         def hook(module, args, output):
             if in_shape_inference():  # torch pipelining's shape inference (PipelineRunner marks it): not the step's

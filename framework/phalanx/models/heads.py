@@ -55,3 +55,23 @@ def kv_weight_heads(heads: HeadCounts, tp: int) -> int:
     replicated (`ReplicatedHeadsLinear` keeps the whole small projection and its partial
     gradient), else its share."""
     return heads.kv_heads if kv_replicated(heads, tp) else heads.kv_heads // tp
+
+
+def latent_width(spec) -> int:
+    """Multi-head latent attention (DeepSeek-V2/V3): values cached per token and layer, the
+    compressed latent and the rotary key part, kv_lora_rank + qk_rope_head_dim."""
+    return spec.kv_lora_rank + spec.qk_rope_head_dim
+
+
+def kv_bytes_per_block(spec, block_size: int, tp_size: int, dtype) -> int:
+    """KV-cache bytes of one block of `block_size` tokens on one tensor-parallel rank, all layers:
+    each local key/value head's key and value (one per rank where they are replicated), or under
+    multi-head latent attention the one latent per token and layer, whole on every rank (serving as
+    key and value). The engine sizes its cache by it and the planner counts serving memory by it."""
+    import torch
+
+    if spec.mla:
+        per_token = spec.num_layers * latent_width(spec)
+    else:
+        per_token = 2 * spec.num_layers * local_heads(spec.heads, tp_size).kv_heads * spec.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()

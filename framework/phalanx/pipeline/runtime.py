@@ -14,8 +14,6 @@ ignore-index labels leave microbatches with different token counts.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import logging
 import time
 from typing import Any, Callable
@@ -27,6 +25,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 
 from phalanx.launch import collective
+from phalanx.models.shape_inference import in_shape_inference, marked_shape_inference  # noqa: F401 (re-exported)
 from phalanx.pipeline.layout import StageLayout, check_microbatches
 from phalanx.data.labels import IGNORE_INDEX
 from phalanx.pipeline.stage import StageModule
@@ -41,26 +40,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # torch's methods that run a stage (and the last stage's loss) once to learn activation shapes at a
 # schedule's first step (2.10+: forward and backward metadata inference; earlier: _shape_inference)
 _SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
-_SHAPE_INFERENCE = contextvars.ContextVar("phalanx_pipeline_shape_inference", default=False)
-
-
-def in_shape_inference() -> bool:
-    """Whether the current forward is torch.distributed.pipelining's shape (metadata) inference,
-    which `PipelineRunner` marks: at a schedule's first step every stage runs once more to learn
-    its activation shapes (past the first stage on uninitialised tensors), so what it routes or
-    computes is not the step's (phalanx.models.deepseek.BiasBalancer counts nothing then)."""
-    return _SHAPE_INFERENCE.get()
-
-
-def _marked_shape_inference(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        token = _SHAPE_INFERENCE.set(True)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _SHAPE_INFERENCE.reset(token)
-    return run
 
 
 class _MicrobatchLoss:
@@ -136,7 +115,7 @@ class PipelineRunner:
             self.busy.wrap(stage)
             marked = [name for name in _SHAPE_INFERENCE_METHODS if hasattr(stage, name)]
             for name in marked:  # the forwards that must not count (in_shape_inference)
-                setattr(stage, name, _marked_shape_inference(getattr(stage, name)))
+                setattr(stage, name, marked_shape_inference(getattr(stage, name)))
             if not marked:
                 log.warning("this torch's PipelineStage has none of %s: its shape-inference forwards are not marked "
                             "(phalanx.pipeline.in_shape_inference stays False)", _SHAPE_INFERENCE_METHODS)

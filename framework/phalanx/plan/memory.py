@@ -299,7 +299,7 @@ def _moe_mlp_bytes_per_token(spec: ModelSpec, p: int) -> float:
 
 def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, p=2) -> int:
     """Serving's KV cache per token on one tensor-parallel rank, all layers; p: bytes per element (1,
-    2, 4, 8) or a torch dtype. The engine's own count (`phalanx.inference.llama.kv_bytes_per_block`
+    2, 4, 8) or a torch dtype. The engine's own count (`phalanx.models.heads.kv_bytes_per_block`
     for a block of one token), so plan and engine cannot disagree: multi-head latent attention
     (DeepSeek-V2/V3) caches the compressed latent, kv_lora_rank + qk_rope_head_dim per layer, whole
     on every tp rank, as transformers' own cache does; other attention each key/value head's key and
@@ -307,7 +307,7 @@ def kv_cache_bytes_per_token(spec: ModelSpec, tp: int = 1, p=2) -> int:
     they are replicated."""
     import torch
 
-    from phalanx.inference.llama import kv_bytes_per_block
+    from phalanx.models.heads import kv_bytes_per_block
 
     dtypes = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
     dtype = p if isinstance(p, torch.dtype) else dtypes.get(p)
