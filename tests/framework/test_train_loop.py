@@ -123,6 +123,22 @@ def test_existing_checkpoints_need_resume(tmp_path):
     assert again.start_step == 2 and again.final_step == 2 and again.losses == []
 
 
+def test_resume_says_when_the_schedule_changed(tmp_path, capfd):
+    """The lr schedule is rebuilt from the config: a resumed run with a raised max_steps (decay_steps
+    unset) decays on another curve than the first session, which looked like a resume bug in the video
+    recipe. One warning names it; raising max_steps with decay_steps kept at the old horizon does not."""
+    th.train(tmp_path, max_steps=2)
+    capfd.readouterr()
+    th.train(tmp_path, max_steps=3)
+    out = capfd.readouterr()
+    warned = [line for line in (out.out + out.err).splitlines() if "learning-rate schedule" in line]
+    assert len(warned) == 1 and "cosine ends at step 2 -> 3" in warned[0], warned
+    th.train(tmp_path / "kept", max_steps=2, decay_steps=4)
+    th.train(tmp_path / "kept", max_steps=3, decay_steps=4)
+    out = capfd.readouterr()
+    assert "learning-rate schedule" not in out.out + out.err
+
+
 def _wandb_records(path: Path):
     """The protobuf records of a wandb run file (`run-<id>.wandb`): a 7-byte header, then
     LevelDB-log blocks of 32 KiB whose chunks (crc32, length, type) carry one record whole

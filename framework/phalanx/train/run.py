@@ -145,6 +145,7 @@ class TrainingRun:
                 self.log.warning(f"resuming a {state.world_size}-rank checkpoint on {dist.get_world_size()} ranks: "
                                  "the data position is carried over, the per-rank RNG streams restart")
             self.log.info(f"resumed from {self.resume_from} (step {state.step})")
+            self._warn_if_schedule_changed(state.extra.get("train_config"))
         self.progress = Progress(start_step=state.step, step=state.step, tokens_seen=state.tokens_seen)
         self.log.info(f"training {type(self.model).__name__} with {self.booster.plugin.describe()}: steps "
                       f"{state.step + 1}..{cfg.max_steps}, global batch {cfg.micro_batch_size} x "
@@ -158,6 +159,24 @@ class TrainingRun:
                                       wandb_run_id=state.extra.get("wandb_run_id"),
                                       measure_flops=self.step_flops is not None, log=self.log)
         self.wandb_run_id = self.observers.wandb_id or state.extra.get("wandb_run_id")
+
+    def _warn_if_schedule_changed(self, saved: dict | None) -> None:
+        """The learning-rate schedule is rebuilt from the config, not stored: resuming with other
+        schedule settings (most often a raised max_steps with decay_steps unset, which moves the
+        cosine's end) continues on another curve than the checkpoint's run. Say so, once."""
+        if not saved:
+            return
+        cfg, changed = self.cfg, []
+        for key in ("lr", "warmup_steps", "min_lr_ratio"):
+            if key in saved and saved[key] != getattr(cfg, key):
+                changed.append(f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}")
+        was = saved.get("decay_steps") or saved.get("max_steps")
+        if was is not None and was != cfg.lr_decay_steps:
+            changed.append(f"the cosine ends at step {was} -> {cfg.lr_decay_steps} (decay_steps, else max_steps)")
+        if changed:
+            self.log.warning("resuming with another learning-rate schedule than the checkpoint's run: "
+                             + "; ".join(changed) + ". The resumed steps follow the new one; to extend a run on its "
+                             "schedule, set train.decay_steps to the old horizon when raising max_steps")
 
     def _restore(self, checkpoint: Path) -> TrainState:
         restored = self.booster.load_checkpoint(checkpoint, self.model_b, self.optim_b, self.scheduler)
