@@ -10,7 +10,9 @@ and `phalanx.inference` read it.
 - `Family` (family.py), `Policy` (policy.py), `NameTable`/`Piece` (names.py);
 - one file per family: llama, mistral, qwen2, qwen3, gpt2, opt, and the mixtures of experts
   mixtral, qwen2_moe, qwen3_moe (shared parts in moe.py) and deepseek (DeepSeek-V2 and -V3:
-  multi-head latent attention); `registry`: the list of them.
+  multi-head latent attention); `registry`: the list of them;
+- `routers` (routers.py): the hooks on mixture-of-experts routers and the per-row sums of the
+  router losses, shared by expert, pipeline and sequence parallelism.
 """
 from phalanx.models.family import Family
 from phalanx.models.heads import HeadCounts, head_problem, local_heads

@@ -43,6 +43,8 @@ from phalanx.models.family import Family, heads_reader
 from phalanx.models.heads import HeadCounts
 from phalanx.models.names import NameTable, at
 from phalanx.models.policy import Policy
+from phalanx.models.routers import RouterCall, RouterRecorder, named_expert_routers
+from phalanx.models.shape_inference import in_shape_inference
 
 REQUIRED = (*llama.REQUIRED, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
             "n_shared_experts", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
@@ -180,21 +182,18 @@ class BiasBalancer:
             raise ValueError(f"{type(model).__name__} has no router with e_score_correction_bias: the aux-loss-free "
                              f"balancing is DeepSeek-V3's (model_type deepseek_v3)")
         balancer = cls(routers, rate)
-        for name, router in routers.items():
-            router.register_forward_hook(balancer._recorder(name))
+        balancer._recorder = RouterRecorder(routers, on_call=balancer._count)
         return balancer
 
-    def _recorder(self, name: str):
-        from phalanx.models.shape_inference import in_shape_inference
-
-        def hook(module, args, output):
-            if in_shape_inference():  # torch pipelining's shape inference (PipelineRunner marks it): not the step's
-                return
-            bias = module.e_score_correction_bias  # the loads live on its device (collectives, the update)
-            counts = torch.zeros(bias.numel(), dtype=torch.long, device=bias.device)
-            counts.index_add_(0, output[2].reshape(-1).to(bias.device), torch.ones_like(output[2].reshape(-1)))
-            self.counts[name] = self.counts[name] + counts if name in self.counts else counts
-        return hook
+    def _count(self, name: str, call: RouterCall) -> None:
+        """Add one forward's top-k assignments of router `name` to its loads."""
+        if in_shape_inference():  # torch pipelining's shape inference (PipelineRunner marks it): not the step's
+            return
+        bias = self.routers[name].e_score_correction_bias  # the loads live on its device (collectives, the update)
+        chosen = call.chosen.reshape(-1)
+        counts = torch.zeros(bias.numel(), dtype=torch.long, device=bias.device)
+        counts.index_add_(0, chosen.to(bias.device), torch.ones_like(chosen))
+        self.counts[name] = self.counts[name] + counts if name in self.counts else counts
 
     def loads(self, group=None, reduce: bool = True) -> dict[str, torch.Tensor]:
         """{router: assignments per expert since the last step, summed over `group` (None: the
@@ -275,9 +274,8 @@ class BalanceLoss:
 
     def __init__(self, routers: dict[str, torch.nn.Module], sigmoid: bool, alpha: float, per_sequence: bool):
         self.routers, self.sigmoid, self.alpha, self.per_sequence = routers, sigmoid, alpha, per_sequence
-        self.recorded: dict[str, tuple] = {}
-        for name, router in routers.items():
-            router.register_forward_hook(self._recorder(name))
+        self._recorder = RouterRecorder(routers)
+        self.recorded: dict[str, RouterCall] = self._recorder.calls  # (logits, top-k, rows) by router
 
     @classmethod
     def attach(cls, model: torch.nn.Module, alpha: float | None = None,
@@ -295,18 +293,10 @@ class BalanceLoss:
                                  "=True and config.aux_loss_alpha")
             alpha = settings[0] if alpha is None else alpha
             per_sequence = settings[1] if per_sequence is None else per_sequence
-        routers = {f"{name}.gate" if name else "gate": m.gate for name, m in model.named_modules()
-                   if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")}
+        routers = named_expert_routers(model)
         if not routers:
             raise ValueError(f"{type(model).__name__} has no expert block with a router (mlp.gate): nothing to balance")
         return cls(routers, config.model_type == "deepseek_v3", float(alpha), bool(per_sequence))
-
-    def _recorder(self, name: str):
-        def hook(module, args, output):
-            hidden = args[0] if args else None
-            rows = tuple(hidden.shape[:-1]) if hidden is not None else (output[0].shape[0],)
-            self.recorded[name] = (output[0], output[2], rows)
-        return hook
 
     def loss(self, attention_mask: torch.Tensor | None = None, group=None, reduce: bool = True) -> torch.Tensor:
         """alpha · the balance loss of the last forward (the class docstring), over the batch of every

@@ -20,7 +20,9 @@ f of the whole batch would need every microbatch's forward before the first back
 z-loss is linear in every row, so it is the whole batch's exactly (each microbatch's sum over the
 batch's row count). The per-rank values are in the form world · (this rank's part) / global count,
 whose mean over the data-parallel ranks is the global value and whose averaged gradient is the
-global gradient (as `phalanx.shard.expert_parallel.load_balancing_loss`).
+global gradient (as `phalanx.shard.expert_parallel.load_balancing_loss`). The per-row sums and the
+router hooks are those of the losses without pipeline parallelism (`phalanx.models.routers`:
+`switch_sums`, `z_sums`, `RouterRecorder`).
 """
 from __future__ import annotations
 
@@ -28,11 +30,10 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from phalanx.launch import collective
-from phalanx.shard.expert_parallel import named_expert_routers
+from phalanx.models.routers import RouterCall, RouterRecorder, group_totals, named_expert_routers, switch_sums, z_sums
 
 
 def expert_routers(module: nn.Module) -> list[nn.Module]:
@@ -63,31 +64,29 @@ class RouterLossCarry:
         self.batch_group = batch_group
         self.deepseek, self.num_layers = deepseek, num_layers
         self.enabled = True  # off while the runner evaluates (one tensor between stages, no loss)
-        # stage index -> (layer id, logits, top-k indices, rows shape) of its routers in this forward
-        self._recorded: dict[int, list[tuple]] = {}
+        # stage index -> (layer id, RouterCall) of its routers in this forward
+        self._recorded: dict[int, list[tuple[int, RouterCall]]] = {}
+        # hooks on the routers, keyed (stage index, layer id, router of the layer)
+        self._recorder = RouterRecorder(on_call=self._record)
 
     def attach(self, stage: nn.Module) -> None:
         """Hooks on the routers of `stage`'s layers, recording their logits while the stage runs."""
         for layer_id, layer in zip(stage.layer_ids, stage.layers):
-            for router in expert_routers(layer):
+            for j, router in enumerate(expert_routers(layer)):
                 if router.num_experts != self.num_experts or router.top_k != self.top_k:
                     raise ValueError(f"router losses under pipeline parallelism: a router with {router.num_experts} "
                                      f"experts and top-{router.top_k}, others {self.num_experts} and top-{self.top_k}")
-                router.register_forward_hook(self._recorder(stage.index, layer_id))
+                self._recorder.add((stage.index, layer_id, j), router)
         stage.router_losses = self
 
-    def _recorder(self, index: int, layer_id: int):
-        def hook(module, args, output):
-            record = self._recorded.get(index)
-            if record is not None:  # only inside the stage's own forward (not a checkpoint's recomputation)
-                logits = output[0] if isinstance(output, tuple) else output
-                chosen = output[2] if isinstance(output, tuple) and len(output) > 2 else None
-                rows = tuple(args[0].shape[:-1]) if args else (logits.shape[0],)
-                record.append((layer_id, logits, chosen, rows))
-        return hook
+    def _record(self, key: tuple[int, int, int], call: RouterCall) -> None:
+        index, layer_id, _ = key
+        record = self._recorded.get(index)
+        if record is not None:  # only inside the stage's own forward (not a checkpoint's recomputation)
+            record.append((layer_id, call))
 
     @contextlib.contextmanager
-    def recording(self, index: int) -> Iterator[list[tuple]]:
+    def recording(self, index: int) -> Iterator[list[tuple[int, RouterCall]]]:
         """What stage `index`'s routers produce while the block runs."""
         self._recorded[index] = record = []
         try:
@@ -111,17 +110,15 @@ class RouterLossCarry:
         part, counts, z_sum, rows = carried or self._start(device)
         add_part, add_counts = torch.zeros_like(part), torch.zeros_like(counts)
         add_z, add_rows = torch.zeros_like(z_sum), torch.zeros_like(rows)
-        for layer_id, logits, chosen, shape in recorded:
-            logits = logits.float()
-            add_z = add_z + (torch.logsumexp(logits, dim=-1) ** 2).sum().reshape(1)
-            add_rows = add_rows + logits.shape[0]
+        logits = [call.logits for _, call in recorded]
+        if logits:  # (a stage of dense layers only has no router)
+            squares, layer_rows = z_sums(logits)
+            add_z, add_rows = add_z + squares, add_rows + layer_rows.long()
             if self.deepseek is None:  # transformers' Switch loss: softmax, top-k of the probabilities
-                probs = torch.softmax(logits, dim=-1)
-                top = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
-                add_counts = add_counts + torch.bincount(top, minlength=self.num_experts)[:self.num_experts]
-                add_part = add_part + probs.sum(0)
-                continue
-            piece, total = self.deepseek.block_parts(logits, chosen, shape, None)
+                prob_sum, assigned, _ = switch_sums(logits, self.num_experts, self.top_k)
+                add_part, add_counts = add_part + prob_sum, add_counts + assigned.long()
+        for layer_id, call in recorded if self.deepseek is not None else ():  # DeepSeek's per-block pieces
+            piece, total = self.deepseek.block_parts(call.logits.float(), call.chosen, call.rows, None)
             if self.deepseek.per_sequence:
                 add_part = add_part + piece.reshape(1)
             else:  # this block's row: Σ s' [E], and the counts with the block's tokens [E + 1]
@@ -139,11 +136,8 @@ class RouterLossCarry:
         of its rows over the batch's, each in the per-rank form over `batch_group`."""
         totals = torch.cat([counts.detach().reshape(-1), rows.detach().reshape(-1),
                             torch.tensor([sequences], dtype=torch.long, device=counts.device)])
-        size = 1
-        if dist.is_initialized() and dist.get_world_size(self.batch_group) > 1:
-            size = dist.get_world_size(self.batch_group)
-            with collective("pp.router_loss_counts"):
-                dist.all_reduce(totals, group=self.batch_group)
+        with collective("pp.router_loss_counts"):
+            totals, size = group_totals(totals, self.batch_group)
         counts, rows_g, sequences_g = totals[:-2].view_as(counts), totals[-2].float(), totals[-1].float()
         out = part.new_zeros(())
         if self.deepseek is not None:

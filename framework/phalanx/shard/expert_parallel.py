@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.models.routers import RouterRecorder, group_totals, named_expert_routers, switch_sums, z_sums
 from phalanx.shard.loss import _SumOverShards  # (same package)
 
 
@@ -238,39 +239,32 @@ class ExpertParallelPlan:
         self.adapters = adapters or {}  # LoRA on the experts (peft target_parameters): name -> its rows
         self._expert_params = {id(p) for m in experts.values() for p in m.parameters()}
         self._expert_params |= {id(p) for p in adapter_params}
-        self.router_logits: dict[str, torch.Tensor] = {}  # the last forward's, by expert block
         # the ranks whose batches make up the global batch (None: the world); HybridParallelPlugin
         # sets its data × sequence-parallel group (tensor-parallel peers see the same tokens)
         self.batch_group = None
         # under Ulysses/ring sequence parallelism, the ranks holding shards of the same rows (a
         # subgroup of batch_group): the router losses' values are summed over them (None: no sp)
         self.sequence_group = None
-        for name, router in routers.items():
-            router.register_forward_hook(self._recorder(name))
+        self._recorder = RouterRecorder(routers)  # the last forward's router logits, by expert block
 
-    def _recorder(self, name: str):
-        def hook(module, args, output):
-            self.router_logits[name] = output[0] if isinstance(output, tuple) else output
-        return hook
+    @property
+    def router_logits(self) -> dict[str, torch.Tensor]:
+        """{expert block: its router's logits in the last forward}."""
+        return self._recorder.logits()
 
     def load_balancing_loss(self, attention_mask=None, group=None) -> torch.Tensor:
         """The global-batch auxiliary loss (`load_balancing_loss`) of the last forward's routers;
         add `model.config.router_aux_loss_coef` times it to the cross-entropy (HF's loss with
         output_router_logits=True, over every rank's batch). No need for output_router_logits."""
-        if len(self.router_logits) != len(self.routers) or not self.routers:
-            raise RuntimeError("load_balancing_loss(): run a forward first (the routers record their logits)")
-        logits = [self.router_logits[name] for name in self.routers]
-        router = next(iter(self.routers.values()))
-        return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group or self.batch_group,
-                                   self.sequence_group)
+        logits = self._recorder.last_logits("load_balancing_loss(): run a forward first (the routers record "
+                                            "their logits)")
+        return _switch_loss(self.routers, logits, attention_mask, group or self.batch_group, self.sequence_group)
 
     def router_z_loss(self, attention_mask=None, group=None) -> torch.Tensor:
         """ST-MoE's router z-loss (`router_z_loss`) of the last forward's routers, over every rank's
         batch; add a coefficient (ST-MoE: 1e-3) times it to the loss."""
-        if len(self.router_logits) != len(self.routers) or not self.routers:
-            raise RuntimeError("router_z_loss(): run a forward first (the routers record their logits)")
-        return router_z_loss([self.router_logits[name] for name in self.routers], attention_mask,
-                             group or self.batch_group, self.sequence_group)
+        logits = self._recorder.last_logits("router_z_loss(): run a forward first (the routers record their logits)")
+        return router_z_loss(logits, attention_mask, group or self.batch_group, self.sequence_group)
 
     def is_expert(self, param: torch.Tensor) -> bool:
         return id(param) in self._expert_params
@@ -488,14 +482,6 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, groups: ExpertGroups |
                               adapter_params)
 
 
-def named_expert_routers(module: nn.Module) -> dict[str, nn.Module]:
-    """{name: router} of the expert blocks under `module` (each block's `gate`: transformers' own
-    router module, with top_k and num_experts), in module order."""
-    return {f"{name}.gate" if name else "gate": m.gate for name, m in module.named_modules()
-            if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")
-            and hasattr(m.gate, "num_experts")}
-
-
 class RouterLogits:
     """Hooks on every router (`mlp.gate` of an expert block: transformers' own module, with top_k and
     num_experts) of a model without expert parallelism: the logits each produced in the last forward,
@@ -509,31 +495,32 @@ class RouterLogits:
         if not routers:
             raise ValueError("RouterLogits: no expert block with a router (mlp.gate with top_k and num_experts)")
         self.routers, self.batch_group, self.sequence_group = routers, batch_group, sequence_group
-        self.logits: dict[str, torch.Tensor] = {}
-        for name, router in routers.items():
-            router.register_forward_hook(self._recorder(name))
+        self._recorder = RouterRecorder(routers)
 
     @classmethod
     def attach(cls, model: nn.Module, batch_group=None, sequence_group=None) -> "RouterLogits":
         return cls(named_expert_routers(model), batch_group, sequence_group)
 
-    def _recorder(self, name: str):
-        def hook(module, args, output):
-            self.logits[name] = output[0] if isinstance(output, tuple) else output
-        return hook
+    @property
+    def logits(self) -> dict[str, torch.Tensor]:
+        """{router: its logits in the last forward}."""
+        return self._recorder.logits()
 
     def _recorded(self) -> list[torch.Tensor]:
-        if len(self.logits) != len(self.routers):
-            raise RuntimeError("RouterLogits: run a forward through every router first")
-        return [self.logits[name] for name in self.routers]
+        return self._recorder.last_logits("RouterLogits: run a forward through every router first")
 
     def load_balancing_loss(self, attention_mask=None) -> torch.Tensor:
-        router = next(iter(self.routers.values()))
-        return load_balancing_loss(self._recorded(), router.num_experts, router.top_k, attention_mask,
-                                   self.batch_group, self.sequence_group)
+        return _switch_loss(self.routers, self._recorded(), attention_mask, self.batch_group, self.sequence_group)
 
     def router_z_loss(self, attention_mask=None) -> torch.Tensor:
         return router_z_loss(self._recorded(), attention_mask, self.batch_group, self.sequence_group)
+
+
+def _switch_loss(routers: dict[str, nn.Module], logits: list[torch.Tensor], attention_mask, group,
+                 sequence_group) -> torch.Tensor:
+    """`load_balancing_loss` of `routers`' recorded logits (their expert count and top-k)."""
+    router = next(iter(routers.values()))
+    return load_balancing_loss(logits, router.num_experts, router.top_k, attention_mask, group, sequence_group)
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None,
@@ -543,24 +530,11 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
     world · E · Σ_e f_e · P_e,local, with f_e (the global share of assignments, no gradient) and
     P_e (routing probability summed over rows) divided by the global row count: its mean over
     ranks is the global loss and its averaged gradient the global gradient. `sequence_group`: the
-    ranks of `group` that hold sequence shards of the same rows (`over_sequence_shards`)."""
-    logits = torch.cat([layer.float() for layer in router_logits]) if isinstance(router_logits, (tuple, list)) \
-        else router_logits.float()
-    layers = len(router_logits) if isinstance(router_logits, (tuple, list)) else 1
-    probs = torch.softmax(logits, dim=-1)
-    chosen = torch.topk(probs, top_k, dim=-1).indices
-    mask = torch.ones(logits.shape[0], device=logits.device) if attention_mask is None else \
-        attention_mask.reshape(-1).to(logits.device, torch.float32).repeat(layers)
-    counts = torch.zeros(num_experts, device=logits.device).scatter_add_(
-        0, chosen.reshape(-1), mask.repeat_interleave(top_k))
-    rows = mask.sum().reshape(1)
-    size = 1
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        size = dist.get_world_size(group)
-        totals = torch.cat([counts, rows])
-        dist.all_reduce(totals, group=group)
-        counts, rows = totals[:-1], totals[-1:]
-    prob_sum = (probs * mask[:, None]).sum(0)
+    ranks of `group` that hold sequence shards of the same rows (`over_sequence_shards`). The sums
+    are `phalanx.models.routers.switch_sums`."""
+    prob_sum, counts, rows = switch_sums(router_logits, num_experts, top_k, attention_mask)
+    totals, size = group_totals(torch.cat([counts, rows]), group)
+    counts, rows = totals[:-1], totals[-1:]
     return over_sequence_shards(size * num_experts * torch.sum((counts / rows) * (prob_sum / rows)), sequence_group)
 
 
@@ -568,16 +542,10 @@ def router_z_loss(router_logits, attention_mask=None, group=None, sequence_group
     """The router z-loss of ST-MoE (Zoph et al. 2022): the mean over every (layer, token) row of
     logsumexp(logits)², padding rows left out, over the batch of every rank in `group` (None: the
     world). Returned per rank as world · Σ_local / N_global: the mean over ranks is the global value
-    (`sequence_group`: see `over_sequence_shards`)."""
-    layers = router_logits if isinstance(router_logits, (tuple, list)) else [router_logits]
-    logits = torch.cat([layer.float() for layer in layers])
-    mask = torch.ones(logits.shape[0], device=logits.device) if attention_mask is None else \
-        attention_mask.reshape(-1).to(logits.device, torch.float32).repeat(len(layers))
-    rows, size = mask.sum().reshape(1), 1
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        size = dist.get_world_size(group)
-        dist.all_reduce(rows, group=group)
-    return over_sequence_shards(size * (torch.logsumexp(logits, dim=-1) ** 2 * mask).sum() / rows[0], sequence_group)
+    (`sequence_group`: see `over_sequence_shards`). The sums are `phalanx.models.routers.z_sums`."""
+    squares, rows = z_sums(router_logits, attention_mask)
+    rows, size = group_totals(rows, group)
+    return over_sequence_shards(size * squares[0] / rows[0], sequence_group)
 
 
 def over_sequence_shards(loss: torch.Tensor, sequence_group=None) -> torch.Tensor:
