@@ -17,6 +17,9 @@ compiled (`compile=True`: the model step through torch.compile, see
 phalanx/inference/compiled.py). The compiled engine's compilation happens in its warm-up and is
 reported on its own line, not in its throughput; a second process reuses inductor's on-disk cache
 (~/.cache/phalanx/inductor) and compiles faster. `--no-eager` / `--no-compiled` drop a side.
+`--ngram N` adds our eager engine with n-gram speculation (`prompt_lookup_max=N`, no draft model):
+its gain depends on how often the outputs repeat themselves (SmolLM2's greedy continuations of
+these random-token prompts loop a lot), so it is reported apart, never as the engine's speed.
 
 Single stream: one 128-token prompt, 64 new tokens, batch of one on every side: time to first
 token and inter-token latency ((total - TTFT) / 63; ours from the request's own timestamps).
@@ -190,6 +193,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compiled", action="store_true", help="skip our compiled engine")
     parser.add_argument("--no-hf-ttft", action="store_true", help="skip HF's separately timed batch TTFT run")
     parser.add_argument("--no-single", action="store_true", help="skip the single-stream latencies")
+    parser.add_argument("--ngram", type=int, default=0, metavar="N",
+                        help="also time our eager engine with n-gram speculation (prompt_lookup_max=N, no draft "
+                        "model; greedy tokens are verified by the model, so they are the eager engine's)")
+    parser.add_argument("--ngram-tokens", type=int, default=4, help="tokens proposed per step with --ngram")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
                         help="our engines' decode steps as CUDA graphs (on CUDA; 'off': every step eager)")
     parser.add_argument("--profile", action="store_true", help="after the timings, profile one batched run of each "
@@ -231,6 +238,10 @@ def main(argv=None) -> int:
     if not args.no_eager:
         engines["eager"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False,
                                cuda_graphs=graphs)
+    if args.ngram:
+        engines["ngram"] = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=False,
+                               cuda_graphs=graphs, prompt_lookup_max=args.ngram,
+                               num_speculative_tokens=args.ngram_tokens)
     if not args.no_compiled:
         fast = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.prompts, 1), compile=True, cuda_graphs=graphs)
         if fast.runner.compiled is None:
@@ -286,7 +297,8 @@ def main(argv=None) -> int:
     hf_ttft = min(hf_ttfts) if hf_ttfts else float("nan")
     hf_tps = n_tokens / hf_wall
     hf_tpot = (hf_wall - hf_ttft) / max(1, args.new_tokens - 1)
-    labels = {"eager": "phalanx.inference eager", "compiled": "phalanx.inference compiled"}
+    labels = {"eager": "phalanx.inference eager", "compiled": "phalanx.inference compiled",
+              "ngram": "phalanx.inference eager + n-gram spec."}
     rows = [("Hugging Face generate (padded batch)", hf_tps, n_tokens / hf_cpu, hf_ttft, hf_tpot, hf_wall)]
     result = {"bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "prompts": args.prompts, "new_tokens": args.new_tokens, "cuda_graphs": args.cuda_graphs,
@@ -311,6 +323,16 @@ def main(argv=None) -> int:
         same = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"], strict=True))
         ratios.append(f"compiled == eager greedy sequences: {same}/{args.prompts}")
         result["compiled_identical_to_eager"] = same
+    if "ngram" in engines:
+        spec = engines["ngram"].speculator
+        line = f"n-gram speculation: {spec.num_accepted} of {spec.num_proposed} proposals accepted " \
+               f"({spec.acceptance_rate:.1%}, all runs)"
+        if "eager" in engines:
+            same = sum(a == b for a, b in zip(tokens["eager"], tokens["ngram"], strict=True))
+            line += f"; ngram == eager greedy sequences: {same}/{args.prompts}"
+            result["ngram_identical_to_eager"] = same
+        ratios.append(line)
+        result["ngram_acceptance_rate"] = round(spec.acceptance_rate, 3)
     if compile_s is not None:
         result.update({"compile_s": round(compile_s, 2), "compile_warmup_wall_s": round(compile_wall, 2)})
 

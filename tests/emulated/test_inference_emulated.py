@@ -37,6 +37,8 @@ NODE_IDS = [
     "tests/framework/test_inference_structured.py::test_json_object_and_streaming_over_http",
     # speculative decoding for constrained requests: drafted positions masked on the device, rollback
     "tests/framework/test_inference_structured.py::test_constrained_requests_speculate_with_their_greedy_tokens[small]",
+    # n-gram speculation: proposals from the sequence verified on the device
+    "tests/framework/test_inference_ngram.py::test_ngram_speculation_keeps_greedy_tokens_in_fewer_steps",
     # LoRA: base and two adapters in one batch, the batched low-rank deltas on the device
     "tests/framework/test_inference_lora.py::test_a_mixed_batch_equals_each_adapters_merged_model",
     "tests/framework/test_inference_lora.py::test_the_fused_low_rank_stack_adds_each_tokens_own_adapter",

@@ -161,3 +161,36 @@ def make_adapter(directory, seed: int, base_overrides: dict | None = None, **fie
                 param.normal_(0, 0.3)
     model.save_pretrained(str(directory))
     return model.merge_and_unload().eval()
+
+
+class FixedLogits:
+    """A stand-in model runner whose every position predicts the distribution `probs` (a list)."""
+
+    def __init__(self, probs):
+        self.logits = torch.log(torch.tensor(probs))
+
+    def execute(self, chunks):
+        return self.logits.repeat(sum(c.num_logits for c in chunks), 1)
+
+
+def speculative_draws(spec, tokens: list[int], params, draws: int = 4000, seed: int = 0):
+    """The first and (when the first was accepted) second tokens of `draws` speculative steps of
+    `spec` on a sequence of `tokens` sampled with `params`, one thread (thousands of tiny ops:
+    thread wake-ups would dominate on a busy machine)."""
+    from phalanx.inference.sampler import RowContext
+    from phalanx.inference.sequence import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    firsts, seconds = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(draws):
+            seq = Sequence("s", list(tokens), params, generator=g)
+            out = spec.step([seq], lambda s, extra, history: RowContext(s.params, s.generator))[0]
+            firsts.append(out[0].token_id)
+            if len(out) > 1:
+                seconds.append(out[1].token_id)
+    finally:
+        torch.set_num_threads(threads)
+    return firsts, seconds

@@ -193,7 +193,7 @@ def test_a_draft_model_speculates_for_adapter_requests_with_their_greedy_tokens(
     params = [SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, lora_name=n) for n in names]
     want = lora_engine(base_dir, dirs).generate(prompts, params)
     engine = lora_engine(base_dir, dirs, draft_model=str(base_dir), num_speculative_tokens=3)
-    spec, propose, per_name = engine.speculator, engine.speculator._propose, {}
+    spec, propose, per_name = engine.speculator, engine.speculator.proposer.propose, {}
 
     def spy_propose(seqs, *args):
         drafts, probs = propose(seqs, *args)
@@ -201,7 +201,7 @@ def test_a_draft_model_speculates_for_adapter_requests_with_their_greedy_tokens(
             per_name[seq.params.lora_name] = per_name.get(seq.params.lora_name, 0) + len(d)
         return drafts, probs
 
-    spec._propose = spy_propose
+    spec.proposer.propose = spy_propose
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     for prompt, name, out in zip(prompts, names, outs, strict=True):

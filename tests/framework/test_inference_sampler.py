@@ -4,9 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx_kernels.accelerator import current_device, emulated
-
-from phalanx_kernels.accelerator import new_generator
+import inference_models as im
+from phalanx_kernels.accelerator import current_device, emulated, new_generator
 from phalanx.inference.sampler import RowContext, Sampler, apply_penalties, draw, sampling_logits, sampling_probs
 from phalanx.inference.sampling_params import SamplingParams
 
@@ -77,37 +76,13 @@ def test_banned_tokens_and_logprobs():
     assert list(out.top_logprobs[0]) == [0, 1]
 
 
-class _FixedLogits:
-    """A stand-in model runner whose every position predicts the same distribution."""
-
-    def __init__(self, probs):
-        self.logits = torch.log(torch.tensor(probs))
-
-    def execute(self, chunks):
-        return self.logits.repeat(sum(c.num_logits for c in chunks), 1)
-
-
 def test_speculative_rejection_sampling_keeps_the_target_distribution():
     """Whatever the draft proposes, each emitted token follows the target's distribution."""
-    from phalanx.inference.sequence import Sequence
-    from phalanx.inference.speculative import SpeculativeDecoder
+    from phalanx.inference.speculative import DraftModelProposer, SpeculativeDecoder
 
     target_p, draft_q = [0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]
-    spec = SpeculativeDecoder(_FixedLogits(target_p), _FixedLogits(draft_q), num_tokens=2)
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=8)
-    firsts, seconds = [], []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # thousands of tiny ops: thread wake-ups would dominate on a busy machine
-    try:
-        for _ in range(4000):
-            seq = Sequence("s", [1, 2, 3], params, generator=g)
-            out = spec.step([seq], lambda s, extra, history: RowContext(s.params, s.generator))[0]
-            firsts.append(out[0].token_id)
-            if len(out) > 1:
-                seconds.append(out[1].token_id)
-    finally:
-        torch.set_num_threads(threads)
+    spec = SpeculativeDecoder(im.FixedLogits(target_p), DraftModelProposer(im.FixedLogits(draft_q)), num_tokens=2)
+    firsts, seconds = im.speculative_draws(spec, [1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=8))
     for draws in (firsts, seconds):
         freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
         assert torch.allclose(freq, torch.tensor(target_p), atol=0.03), freq
@@ -154,7 +129,7 @@ def test_speculative_acceptance_of_a_whole_batch_at_once(monkeypatch):
     assert reads == [], f"values read back to the host while verifying: {reads}"
     monkeypatch.undo()
     assert n_acc.tolist() == [1, 1, 0, 2, 1] and last.tolist() == [3, 3, 4, 2, 0]
-    out = spec._accept(seqs, drafts, draft_probs, rows, target_probs.clamp_min(1e-9).log(), target_probs)
+    out = spec._emit(drafts, rows, target_probs.clamp_min(1e-9).log(), n_acc.tolist(), last.tolist())
     assert [[e.token_id for e in o] for o in out] == [[2, 3], [1, 3], [4], [0, 1, 2], [3, 0]]
     assert (spec.num_proposed, spec.num_accepted) == (8, 5)
 

@@ -366,6 +366,7 @@ def test_metrics_in_prometheus_format(setup):
     assert m["phalanx_queue_length"] == 0 and m["phalanx_queue_capacity"] == 64 + 256
     assert m["phalanx_generation_tokens_per_second"] > 0
     assert m['phalanx_requests_finished_total{finish_reason="length"}'] >= 1
+    assert "phalanx_spec_decode_draft_tokens_total" not in m  # no speculation here (test_inference_ngram)
     buckets = [(k, v) for k, v in m.items() if k.startswith("phalanx_time_to_first_token_seconds_bucket")]
     counts = [v for _, v in buckets]
     assert counts == sorted(counts) and buckets[-1][0].endswith('le="+Inf"}')  # cumulative, +Inf last

@@ -64,12 +64,15 @@ class BatchedGroup:
     context_lens: torch.Tensor  # [B]
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, block_size: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, block_size: int, window: int | None, dtype: torch.dtype, tiles: int = 1) -> torch.Tensor:
         """[B, 1, q, S] additive mask (0 or -inf): key j is visible to query i of row b when it is not
         in the future (j <= ctx_b - q + i) and, with a sliding window W, not too far back
         (j > ctx_b - q + i - W). Built once per step and window, shared by all layers; additive
-        rather than boolean because SDPA would convert a boolean mask in every call."""
-        key = (window, dtype)
+        rather than boolean because SDPA would convert a boolean mask in every call. `tiles`:
+        the q rows repeated that many times ([B, 1, tiles * q, S], for stacked query heads)."""
+        key = (window, dtype, tiles)
+        if tiles > 1 and key not in self._masks:
+            self._masks[key] = self.mask(block_size, window, dtype).repeat(1, 1, tiles, 1)
         if key not in self._masks:
             keys = torch.arange(self.block_tables.shape[1] * block_size, device=self.context_lens.device)
             pos = (self.context_lens.unsqueeze(-1) - self.q_len
@@ -166,17 +169,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[rows] = paged_decode_attention(q[rows].contiguous(), k_cache, v_cache, g.block_tables, g.context_lens)
             continue
         keys, values = _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables)
-        mask = g.mask(batch.block_size, sliding_window, q.dtype)
         if g.q_len == 1:
+            mask = g.mask(batch.block_size, sliding_window, q.dtype)
             # The query heads sharing a KV head become that head's rows: [B, Hkv, Hq / Hkv, D].
             # One pass over each gathered key serves all of them (measured ~20% faster than
             # enable_gqa in fp32, the same in bf16); every row has the same mask, so it broadcasts.
             qb = q[rows].view(g.num_seqs, keys.shape[1], -1, q.shape[-1])
             out[rows] = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask).view(-1, *q.shape[1:])
             continue
-        qb = q[rows].view(g.num_seqs, g.q_len, *q.shape[1:]).transpose(1, 2)  # [B, Hq, q, D]
-        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=gqa)
-        out[rows] = ob.transpose(1, 2).reshape(g.num_seqs * g.q_len, *q.shape[1:])
+        # Short chunks (verification of proposals): the same, with each KV head's query heads
+        # stacked as G blocks of q rows [B, Hkv, G * q, D] and the mask tiled G times (SDPA
+        # reads each key once per KV head, not once per query head: measured 1.8x faster than
+        # enable_gqa at 32 x 4 queries, bf16, 1 thread)
+        b, hkv, d = g.num_seqs, keys.shape[1], q.shape[-1]
+        heads = q.shape[1] // hkv
+        qb = q[rows].view(b, g.q_len, hkv, heads, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, heads * g.q_len, d)
+        ob = F.scaled_dot_product_attention(qb, keys, values, attn_mask=g.mask(batch.block_size, sliding_window,
+                                                                               q.dtype, tiles=heads))
+        out[rows] = ob.view(b, hkv, heads, g.q_len, d).permute(0, 3, 1, 2, 4).reshape(b * g.q_len, *q.shape[1:])
     for seg in batch.prefills:
         qs = q[seg.start:seg.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if seg.fresh:

@@ -27,7 +27,10 @@ class EngineConfig:
         beats fp32 (AMX), float32 elsewhere, whatever the checkpoint's dtype; the rule of
         `precision: auto`), "float32", "bfloat16" or "float16".
     enable_prefix_caching: reuse the KV blocks of identical prompt prefixes.
-    num_speculative_tokens: tokens the draft model proposes per step (with a draft model).
+    num_speculative_tokens: tokens proposed per sequence and step (with a draft model or n-gram lookup).
+    prompt_lookup_max / prompt_lookup_min: n-gram speculation without a draft model (0: off): the
+        sequence's last n tokens, n from max down to min, are looked up among its earlier tokens
+        and what followed them is proposed (`phalanx.inference.ngram`). Exclusive with a draft model.
     seed: seeds requests that bring no seed of their own (request i gets seed + i).
     compile: run the model step through torch.compile ("auto": on CUDA when a working compiler is
         found and the model is not tiny — on CPU "auto" stays eager, where compiling measured no
@@ -48,6 +51,8 @@ class EngineConfig:
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 1
     seed: int = 0
     compile: bool | str = "auto"
     cuda_graphs: bool | str = "auto"
@@ -57,6 +62,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        if self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"EngineConfig.prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                             f"{self.prompt_lookup_max}: n-gram speculation needs 1 <= min <= max (max 0: off)")
+        if self.prompt_lookup_max < 0:
+            raise ValueError(f"EngineConfig.prompt_lookup_max={self.prompt_lookup_max} must be 0 (off) or positive")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size={self.block_size} must be a power of two (8, 16, 32, …)")
         if self.max_model_len is not None and self.max_model_len < 2:

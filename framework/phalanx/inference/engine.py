@@ -23,7 +23,7 @@ verified positions with the state of each, and rolls the grammar back before ret
 
 LoRA adapters with a draft model: the target verifies each sequence with its own adapter; the
 draft model runs without adapters (it proposes the base draft's tokens, which only changes how
-many are accepted).
+many are accepted). N-gram lookup needs no model: it serves adapter requests as any other.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ from phalanx.inference.sampler import RowContext, Sampler
 from phalanx.inference.sampling_params import SamplingParams
 from phalanx.inference.scheduler import Scheduler
 from phalanx.inference.sequence import Sequence
-from phalanx.inference.speculative import SpeculativeDecoder
+from phalanx.inference.ngram import NgramProposer
+from phalanx.inference.speculative import DraftModelProposer, SpeculativeDecoder
 from phalanx.inference.structured import GrammarCompiler
 from phalanx.inference.stopping import StopChecker
 from phalanx.inference.tp import TPGroup
@@ -113,7 +114,8 @@ def _check_lora_served(spec) -> None:
 class LLM:
     """A decoder-only model (see `phalanx.models.SUPPORTED`) served with a paged KV cache and continuous
     batching. Keyword arguments are `EngineConfig` fields; `draft_model` (a directory or a live
-    module) enables speculative decoding; `enable_lora=True` (with `max_loras`, `max_lora_rank`)
+    module) enables speculative decoding, as does `prompt_lookup_max=n` without a draft model
+    (n-gram lookup, `phalanx.inference.ngram`); `enable_lora=True` (with `max_loras`, `max_lora_rank`)
     serves LoRA adapters (`load_lora_adapter`, `SamplingParams.lora_name`; `phalanx.inference.lora`)."""
 
     def __init__(self, model: str | Path, *, tokenizer=None, draft_model: str | Path | torch.nn.Module | None = None,
@@ -170,9 +172,19 @@ class LLM:
         self.lora = self._setup_lora(**lora_options) if enable_lora else None
         self.draft_runner = None
         self.speculator = None
-        if draft_model is not None and self.tp.is_driver:
-            self.draft_runner = self._build_draft(draft_model)
-            self.speculator = SpeculativeDecoder(self.runner, self.draft_runner, self.config.num_speculative_tokens)
+        if draft_model is not None and self.config.prompt_lookup_max:
+            raise ValueError("speculative decoding takes a draft model or n-gram lookup (prompt_lookup_max), "
+                             "not both: drop one")
+        if self.tp.is_driver:
+            proposer = None
+            if draft_model is not None:
+                self.draft_runner = self._build_draft(draft_model)
+                proposer = DraftModelProposer(self.draft_runner)
+            elif self.config.prompt_lookup_max:
+                proposer = NgramProposer(self.spec.vocab_size, self.device, self.config.prompt_lookup_min,
+                                         self.config.prompt_lookup_max)
+            if proposer is not None:
+                self.speculator = SpeculativeDecoder(self.runner, proposer, self.config.num_speculative_tokens)
 
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)

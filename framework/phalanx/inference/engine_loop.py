@@ -186,7 +186,8 @@ class EngineLoop:
         return {"pending": len(self._inbox), "running": len(engine.scheduler.running),
                 "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_used": engine.num_blocks - engine.block_manager.num_free_blocks,
-                "kv_blocks_total": engine.num_blocks, "in_flight": self._in_flight, "capacity": self.capacity}
+                "kv_blocks_total": engine.num_blocks, "in_flight": self._in_flight, "capacity": self.capacity,
+                "speculator": engine.speculator}
 
     def start(self) -> "EngineLoop":
         self._thread.start()

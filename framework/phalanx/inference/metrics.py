@@ -131,6 +131,12 @@ class ServerMetrics:
         metric("phalanx_requests_waiting", "gauge", "Requests in the engine's waiting queue.", [(None, gauges["waiting"])])
         metric("phalanx_kv_blocks_used", "gauge", "KV-cache blocks held by requests.", [(None, gauges["kv_blocks_used"])])
         metric("phalanx_kv_blocks_total", "gauge", "KV-cache blocks in all.", [(None, gauges["kv_blocks_total"])])
+        speculator = gauges.get("speculator")
+        if speculator is not None:  # (the engine thread's ints: read whole under the GIL)
+            metric("phalanx_spec_decode_draft_tokens_total", "counter",
+                   "Tokens proposed for verification (draft model or n-gram lookup).", [(None, speculator.num_proposed)])
+            metric("phalanx_spec_decode_accepted_tokens_total", "counter",
+                   "Proposed tokens the target model accepted.", [(None, speculator.num_accepted)])
         rate = self.tokens_per_second()
         with self._lock:
             metric("phalanx_generation_tokens_per_second", "gauge",

@@ -24,7 +24,7 @@ from phalanx.inference.llama import LlamaModel, ModelSpec, kv_bytes_per_block, r
 from phalanx.inference.tp import TPGroup
 
 _CMD_STOP, _CMD_STEP, _CMD_KEEPALIVE = 0, 1, 2
-_HEADER = 9
+_HEADER = 8
 _MAX_BATCHED_Q = 16  # equal-length chunks up to this length run as batched (gathered) groups
 _GROUP_COST_BLOCKS = 32  # one more decode group costs about as much as gathering this many blocks
 
@@ -199,11 +199,15 @@ class ModelRunner:
         prefill segments and their block tables, and the rows that need logits."""
         bs = self.block_size
         lens = [len(c.token_ids) for c in chunks]
-        uniform = len(set(lens)) == 1 and lens[0] <= _MAX_BATCHED_Q and all(c.start > 0 for c in chunks)
-        batched = [i for i, c in enumerate(chunks) if uniform or lens[i] == 1]
-        q_len = lens[batched[0]] if batched else 1
-        groups = split_by_length(batched, [-(-(chunks[i].start + lens[i]) // bs) for i in batched])
-        in_batched = set(batched)
+        # decodes and short chunks over a cache (verification of k proposals) run as batched
+        # groups, one set per chunk length; prompts (and longer chunks) as prefill segments
+        by_length: dict[int, list[int]] = {}
+        for i, c in enumerate(chunks):
+            if lens[i] == 1 or (c.start > 0 and lens[i] <= _MAX_BATCHED_Q):
+                by_length.setdefault(lens[i], []).append(i)
+        groups = [g for same in by_length.values()
+                  for g in split_by_length(same, [-(-(chunks[i].start + lens[i]) // bs) for i in same])]
+        in_batched = {i for same in by_length.values() for i in same}
         prefill = [i for i in range(len(chunks)) if i not in in_batched]
         ids: list[int] = []
         positions: list[int] = []
@@ -225,7 +229,7 @@ class ModelRunner:
         for g in groups:
             needed = [-(-(chunks[i].start + lens[i]) // bs) for i in g]
             nb = max(needed)
-            group_info += [len(g), nb]
+            group_info += [len(g), nb, lens[g[0]]]
             for i, n in zip(g, needed):
                 tables.extend(chunks[i].block_table[:n] + [0] * (nb - n))
                 ctx_lens.append(chunks[i].start + lens[i])
@@ -240,23 +244,23 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             end = row_start[i] + lens[i]
             logits_rows.extend(range(end - c.num_logits, end))
-        header = [_CMD_STEP, len(ids), len(groups), q_len, len(tables), len(ctx_lens), len(prefill),
+        header = [_CMD_STEP, len(ids), len(groups), len(tables), len(ctx_lens), len(prefill),
                   len(prefill_tables), len(logits_rows)]
         return torch.tensor(header + ids + positions + slots + group_info + tables + ctx_lens + segments
                             + prefill_tables + logits_rows + (lora_slots if self.lora is not None else []),
                             dtype=torch.long)
 
     def _payload_size(self, header: list[int]) -> int:
-        _, n, g, _, t, s, p, pt, nl = header
-        return 3 * n + 2 * g + t + s + 4 * p + pt + nl + (n if self.lora is not None else 0)
+        _, n, g, t, s, p, pt, nl = header
+        return 3 * n + 3 * g + t + s + 4 * p + pt + nl + (n if self.lora is not None else 0)
 
     def _unpack(self, packed: torch.Tensor):
-        _, n, g, q_len, t, num_seqs, p, pt, nl = packed[:_HEADER].tolist()
+        _, n, g, t, num_seqs, p, pt, nl = packed[:_HEADER].tolist()
         body = packed[_HEADER:]
-        info = body[3 * n:3 * n + 2 * g].view(g, 2).tolist()
-        at = 3 * n + 2 * g + t + num_seqs  # the prefill segments, read here on the host (not back from the device)
+        info = body[3 * n:3 * n + 3 * g].view(g, 3).tolist()
+        at = 3 * n + 3 * g + t + num_seqs  # the prefill segments, read here on the host (not back from the device)
         segment_list = body[at:at + 4 * p].view(p, 4).tolist()
-        sizes = [n, n, n, 2 * g, t, num_seqs, 4 * p, pt, nl]
+        sizes = [n, n, n, 3 * g, t, num_seqs, 4 * p, pt, nl]
         if self.lora is not None:  # every token's adapter slot, last (read on the host, on every TP rank)
             self.lora.set_step(body[sum(sizes):sum(sizes) + n])
             body = body[:sum(sizes)]
@@ -264,7 +268,7 @@ class ModelRunner:
         ids, positions, slots, _, tables, ctx_lens, _, prefill_tables, logits_rows = parts
         batch = AttentionBatch(slot_mapping=slots, block_size=self.block_size)
         row = table_at = seq_at = 0
-        for b, nb in info:
+        for b, nb, q_len in info:
             batch.groups.append(BatchedGroup(row, b, q_len, tables[table_at:table_at + b * nb].view(b, nb),
                                              ctx_lens[seq_at:seq_at + b]))
             row += b * q_len

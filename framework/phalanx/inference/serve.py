@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(AMX), float32 elsewhere, whatever the checkpoint's dtype")
     p.add_argument("--draft-model", default=None, help="a small HF model directory (or checkpoint, output_dir) "
                    "for speculative decoding")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step (draft model "
+                   "or n-gram lookup)")
+    p.add_argument("--prompt-lookup-max", type=int, default=0, help="n-gram speculation without a draft model: "
+                   "propose what followed the latest earlier occurrence of the last n <= this many tokens (0: off)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="the shortest n-gram looked up")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     lora = p.add_argument_group("LoRA adapters (docs/serving.md: requests choose one by its name as `model`)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules "
@@ -145,6 +149,7 @@ def _serve(args, model: Path, draft: Path | None, served_name: str, adapters: di
                  max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib,
                  gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
                  draft_model=draft, num_speculative_tokens=args.num_speculative_tokens,
+                 prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min,
                  enable_prefix_caching=not args.no_prefix_caching,
                  **({"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
                     if adapters or args.enable_lora else {}))

@@ -1,5 +1,7 @@
 """Speculative decoding: a small draft model proposes k tokens, the target model checks them all
-in one step, and every accepted token is a decode step saved.
+in one step, and every accepted token is a decode step saved. Without a draft model, n-gram
+lookup proposes tokens copied from the sequence itself (`phalanx.inference.ngram`); steps 2-4
+below are the same for both proposers.
 
 Per sequence of n tokens (the newest, t[n-1], not yet in the target's cache):
 1. the draft runs k steps: first on [t[n-2], t[n-1]] (re-running t[n-2] keeps the draft's cache
@@ -51,70 +53,30 @@ class Emitted:
     top_logprobs: dict[int, float] | None
 
 
-class SpeculativeDecoder:
-    def __init__(self, target: ModelRunner, draft: ModelRunner, num_tokens: int) -> None:
-        self.target, self.draft, self.k = target, draft, num_tokens
-        self.num_proposed = 0
-        self.num_accepted = 0
+def unmasked(ctx: RowContext) -> RowContext:
+    """The row without its grammar: the speculator masks drafted positions itself (the grammar
+    object's state is that of the sequence's end, not of the position)."""
+    ctx.grammar = None
+    return ctx
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
 
-    def step(self, seqs: list[Sequence], row: callable, lookahead: list[int] | None = None) -> list[list[Emitted]]:
-        """Tokens to append to each sequence. `row(seq, extra_tokens, history)` builds the
-        sampler's RowContext for the position `extra_tokens` past the sequence's end.
-        `lookahead[b]` (at most k; default k for all) is how many tokens sequence b may draft:
-        the scheduler bounds it by the context and the free blocks; 0 makes its verification a
-        plain decode (the draft still catches up on its last two tokens). Grammars come back in
-        the state they had (see the module's docstring)."""
-        ks = [self.k] * len(seqs) if lookahead is None else list(lookahead)
-        masks: list[list[torch.Tensor | None]] = [[] for _ in seqs]  # constrained: one per position
-        consumed = [0] * len(seqs)  # proposals each grammar advanced over (rolled back below)
-        try:
-            drafts, draft_probs = self._propose(seqs, row, ks, masks, consumed)
-            chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, len(d) + 1, s.lora_slot)
-                      for s, d in zip(seqs, drafts)]
-            logits = self.target.execute(chunks).float()  # [sum(k_b + 1), V]
-            self._last_masks(seqs, masks, logits)
-            rows = [self._unmasked(row(s, i, s.token_ids + d[:i])) for s, d in zip(seqs, drafts)
-                    for i in range(len(d) + 1)]
-            allowed = [masks[b][i] if seqs[b].grammar is not None else None
-                       for b, d in enumerate(drafts) for i in range(len(d) + 1)]
-            raw = logits
-            target_probs = sampling_probs(apply_allowed(apply_penalties(logits.clone(), rows), allowed), rows)
-            return self._accept(seqs, drafts, draft_probs, rows, raw, target_probs)
-        finally:
-            for s, n in zip(seqs, consumed):
-                if n:
-                    s.grammar.rollback(n)
+def grammar_masks(seqs: list[Sequence], which: list[int], vocab: int, device) -> dict[int, torch.Tensor]:
+    """{b: allowed tokens [V]} of the grammars of seqs[b] for b in `which`, in their present state
+    (one batched mask computation)."""
+    if not which:
+        return {}
+    allowed = allowed_tokens([seqs[b].grammar for b in which], vocab, device)
+    return {b: allowed[i] for i, b in enumerate(which)}
 
-    @staticmethod
-    def _unmasked(ctx: RowContext) -> RowContext:
-        """The row without its grammar: the speculator masks drafted positions itself (the
-        grammar object's state is that of the sequence's end, not of the position)."""
-        ctx.grammar = None
-        return ctx
 
-    @staticmethod
-    def _masks_now(seqs: list[Sequence], which: list[int], vocab: int, device) -> dict[int, torch.Tensor]:
-        """{b: allowed tokens [V]} of the grammars of seqs[b] for b in `which`, in their present
-        state (one batched mask computation)."""
-        if not which:
-            return {}
-        allowed = allowed_tokens([seqs[b].grammar for b in which], vocab, device)
-        return {b: allowed[i] for i, b in enumerate(which)}
+class DraftModelProposer:
+    """Proposals of a small draft model: a second ModelRunner with its own cache over the same
+    block tables (module docstring, step 1)."""
 
-    def _last_masks(self, seqs: list[Sequence], masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:
-        """The mask after each constrained sequence's last proposal (the row of its correction or
-        bonus token); none after a grammar that has finished (that row is never appended)."""
-        live = [b for b, s in enumerate(seqs) if s.grammar is not None and not s.grammar.finished]
-        now = self._masks_now(seqs, live, logits.shape[-1], logits.device)
-        for b, s in enumerate(seqs):
-            if s.grammar is not None:
-                masks[b].append(now.get(b))
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
 
-    def _propose(self, seqs: list[Sequence], row: callable, ks: list[int],
+    def propose(self, seqs: list[Sequence], row: callable, ks: list[int],
                  masks: list[list[torch.Tensor | None]], consumed: list[int]):
         """The draft's proposals: up to ks[b] tokens per sequence, with the distributions they
         were drawn from. A constrained sequence's proposals are drawn under its grammar's mask;
@@ -131,10 +93,10 @@ class SpeculativeDecoder:
                           for b, s in enumerate(seqs)]
             else:
                 chunks = [Chunk([drafts[b][-1]], seqs[b].num_tokens - 1 + j, seqs[b].block_table) for b in active]
-            logits = self.draft.execute(chunks).float()
-            rows = [self._unmasked(row(seqs[b], j, seqs[b].token_ids + drafts[b])) for b in active]
-            now = self._masks_now(seqs, [b for b in active if seqs[b].grammar is not None], logits.shape[-1],
-                                  logits.device)
+            logits = self.runner.execute(chunks).float()
+            rows = [unmasked(row(seqs[b], j, seqs[b].token_ids + drafts[b])) for b in active]
+            now = grammar_masks(seqs, [b for b in active if seqs[b].grammar is not None], logits.shape[-1],
+                                logits.device)
             for b, mask in now.items():
                 masks[b].append(mask)
             allowed = [now.get(b) for b in active]
@@ -159,18 +121,88 @@ class SpeculativeDecoder:
                 draft_probs[b].append(probs[i])
         return drafts, draft_probs
 
-    def _accept(self, seqs, drafts, draft_probs, rows, raw, target_probs) -> list[list[Emitted]]:
-        """Accept each sequence's proposals left to right, then its correction or bonus token:
-        every position of every sequence at once on the device (each sampled sequence draws its k
-        uniforms and its last token with its own generator), read back in one transfer."""
-        n_acc, last = self._verify(seqs, drafts, draft_probs, rows, target_probs)
-        host = torch.cat((n_acc, last)).tolist()
+
+class SpeculativeDecoder:
+    """Verifies the proposals of `proposer` (a `DraftModelProposer`, or n-gram lookup's
+    `phalanx.inference.ngram.NgramProposer`) with the target model, k = `num_tokens` at most."""
+
+    def __init__(self, target: ModelRunner, proposer, num_tokens: int) -> None:
+        self.target, self.proposer, self.k = target, proposer, num_tokens
+        self.num_proposed = 0
+        self.num_accepted = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    def step(self, seqs: list[Sequence], row: callable, lookahead: list[int] | None = None) -> list[list[Emitted]]:
+        """Tokens to append to each sequence. `row(seq, extra_tokens, history)` builds the
+        sampler's RowContext for the position `extra_tokens` past the sequence's end.
+        `lookahead[b]` (at most k; default k for all) is how many tokens sequence b may draft:
+        the scheduler bounds it by the context and the free blocks; 0 makes its verification a
+        plain decode (the draft still catches up on its last two tokens). Grammars come back in
+        the state they had (see the module's docstring)."""
+        ks = [self.k] * len(seqs) if lookahead is None else list(lookahead)
+        masks: list[list[torch.Tensor | None]] = [[] for _ in seqs]  # constrained: one per position
+        consumed = [0] * len(seqs)  # proposals each grammar advanced over (rolled back below)
+        try:
+            drafts, draft_probs = self.proposer.propose(seqs, row, ks, masks, consumed)
+            chunks = [Chunk([s.token_ids[-1]] + d, s.num_tokens - 1, s.block_table, len(d) + 1, s.lora_slot)
+                      for s, d in zip(seqs, drafts)]
+            logits = self.target.execute(chunks)  # [sum(k_b + 1), V], the model's dtype
+            self._last_masks(seqs, masks, logits)
+            rows = [unmasked(row(s, i, s.token_ids + d[:i])) for s, d in zip(seqs, drafts)
+                    for i in range(len(d) + 1)]
+            allowed = [masks[b][i] if seqs[b].grammar is not None else None
+                       for b, d in enumerate(drafts) for i in range(len(d) + 1)]
+            if all(r.params.greedy and not r.changes_logits for r in rows) and all(a is None for a in allowed):
+                # plain greedy rows: the argmax of the raw logits is all verification needs (no
+                # copy, no softmax: the Sampler's fast path); max(dim) gives the first maximal
+                # index, as argmax, in any float dtype
+                counts, last = self._greedy_verdicts(drafts, logits.max(dim=-1).indices.tolist())
+            else:
+                raw = logits.float()
+                target_probs = sampling_probs(apply_allowed(apply_penalties(raw.clone(), rows), allowed), rows)
+                n_acc, last_t = self._verify(seqs, drafts, draft_probs, rows, target_probs)
+                host = torch.cat((n_acc, last_t)).tolist()  # one transfer for every sequence
+                counts, last = host[:len(seqs)], host[len(seqs):]
+            return self._emit(drafts, rows, logits, counts, last)
+        finally:
+            for s, n in zip(seqs, consumed):
+                if n:
+                    s.grammar.rollback(n)
+
+    def _last_masks(self, seqs: list[Sequence], masks: list[list[torch.Tensor | None]], logits: torch.Tensor) -> None:
+        """The mask after each constrained sequence's last proposal (the row of its correction or
+        bonus token); none after a grammar that has finished (that row is never appended)."""
+        live = [b for b, s in enumerate(seqs) if s.grammar is not None and not s.grammar.finished]
+        now = grammar_masks(seqs, live, logits.shape[-1], logits.device)
+        for b, s in enumerate(seqs):
+            if s.grammar is not None:
+                masks[b].append(now.get(b))
+
+    @staticmethod
+    def _greedy_verdicts(drafts: list[list[int]], best: list[int]) -> tuple[list[int], list[int]]:
+        """(accepted proposals, the token after them) per sequence from each verified row's argmax
+        `best`: proposals are accepted while each equals the argmax of the row before it."""
+        counts, last, base = [], [], 0
+        for d in drafts:
+            accepted = 0
+            while accepted < len(d) and d[accepted] == best[base + accepted]:
+                accepted += 1
+            counts.append(accepted)
+            last.append(best[base + accepted])
+            base += len(d) + 1
+        return counts, last
+
+    def _emit(self, drafts, rows, raw, counts: list[int], last: list[int]) -> list[list[Emitted]]:
+        """Each sequence's accepted proposals and its correction or bonus token, with the raw
+        log-probabilities of the rows that asked for them (computed only then)."""
         emitted: list[list[int]] = []
         emitted_rows: list[int] = []
         base = 0
-        for b, d in enumerate(drafts):
-            accepted = host[b]
-            out = d[:accepted] + [host[len(seqs) + b]]
+        for d, accepted, token in zip(drafts, counts, last):
+            out = d[:accepted] + [token]
             self.num_proposed += len(d)
             self.num_accepted += accepted
             emitted.append(out)
@@ -178,8 +210,10 @@ class SpeculativeDecoder:
             base += len(d) + 1
 
         flat_rows = [rows[r] for r in emitted_rows]
-        tokens = torch.tensor([t for out in emitted for t in out], device=raw.device)
-        chosen, tops = raw_logprobs(raw[emitted_rows], tokens, flat_rows)
+        chosen = tops = [None] * len(flat_rows)
+        if any(r.wants_logprob for r in flat_rows):
+            tokens = torch.tensor([t for out in emitted for t in out], device=raw.device)
+            chosen, tops = raw_logprobs(raw[emitted_rows], tokens, flat_rows)
         result: list[list[Emitted]] = []
         at = 0
         for out in emitted:
@@ -193,7 +227,8 @@ class SpeculativeDecoder:
         accept d_i while it is the target's argmax and end with the argmax; sampled ones accept
         while u_i · q(d_i) < p(d_i) (u_i < p/q without dividing by a zero q) and end with a draw
         from the residual max(p - q, 0) at the first rejection (p where the residual is all zero),
-        or from p after the last proposal."""
+        or from p after the last proposal. `draft_probs` None: each proposal was certain (q one-hot,
+        n-gram lookup)."""
         device = target_probs.device
         ks = [len(d) for d in drafts]
         num, width = len(seqs), max(ks, default=0)
@@ -212,7 +247,8 @@ class SpeculativeDecoder:
             p = target_probs[target_rows]  # [D, V]: each proposal's target distribution
             ok = p.argmax(dim=-1) == tokens
             if not all(greedy):
-                q = torch.stack([x for probs in draft_probs for x in probs])  # [D, V]
+                q = torch.stack([x for probs in draft_probs for x in probs]) if draft_probs is not None else \
+                    torch.nn.functional.one_hot(tokens, p.shape[-1]).to(p.dtype)  # [D, V] (n-gram: drawn surely)
                 u = torch.cat([torch.rand(ks[b], generator=rows[bases[b]].generator, device=device)
                                if not greedy[b] else torch.zeros(ks[b], device=device) for b in range(num)])
                 at = torch.arange(len(tokens), device=device)
