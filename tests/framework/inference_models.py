@@ -194,3 +194,24 @@ def speculative_draws(spec, tokens: list[int], params, draws: int = 4000, seed: 
     finally:
         torch.set_num_threads(threads)
     return firsts, seconds
+
+
+def save_looping_model(directory: Path, cycle: int = 6, seed: int = 1):
+    """A tiny llama whose greedy output runs around cycles of `cycle` tokens, as small models'
+    greedy output often loops (a random model's never repeats): attention and MLP outputs zeroed,
+    so the last hidden state is the token's embedding, and the LM head's row of succ(x) is x's
+    embedding. Saved with the tokenizer; returns (path, model, succ)."""
+    model = make_model("llama")
+    order = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))
+    cycles = order.view(-1, cycle)
+    succ = torch.empty(VOCAB, dtype=torch.long)
+    succ[cycles] = cycles.roll(-1, dims=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight[succ] = model.model.embed_tokens.weight.clone()
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+    return directory, model, succ

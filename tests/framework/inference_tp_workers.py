@@ -12,10 +12,11 @@ def tp_generate(cases: list[dict]) -> list[dict]:
     results = []
     for case in cases:
         eng = LLM(case["path"], tp_size=case.get("tp", 2), num_blocks=64, block_size=8, dtype="float32", draft_model=case.get("draft"),
-                  num_speculative_tokens=3)
+                  num_speculative_tokens=3, prompt_lookup_max=case.get("ngram", 0))
         params = SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1)
         outs = eng.generate(case["prompts"], params)
         result = {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
+                  "accepted": eng.speculator.num_accepted if eng.speculator else None,
                   "shard": tuple(eng.runner.model.layers[0].qkv_weight.shape),
                   "kv_cache": tuple(eng.runner.kv_caches[0][0].shape)}
         if case.get("reload"):

@@ -21,23 +21,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def looping(tmp_path_factory):
-    """A tiny llama whose greedy output runs around cycles of 6 tokens, as small models' greedy
-    output often loops (a random model's never repeats): attention and MLP outputs zeroed, so the
-    last hidden state is the token's embedding, and the LM head's row of succ(x) is x's embedding."""
-    model = im.make_model("llama")
-    order = torch.randperm(im.VOCAB, generator=torch.Generator().manual_seed(1))
-    cycles = order.view(-1, 6)
-    succ = torch.empty(im.VOCAB, dtype=torch.long)
-    succ[cycles] = cycles.roll(-1, dims=1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.lm_head.weight[succ] = model.model.embed_tokens.weight.clone()
-    directory = tmp_path_factory.mktemp("ngram") / "looping"
-    model.save_pretrained(directory)
-    im.make_tokenizer().save_pretrained(directory)
-    return directory, model, succ
+    return im.save_looping_model(tmp_path_factory.mktemp("ngram") / "looping")
 
 
 def engine(path, **kw):

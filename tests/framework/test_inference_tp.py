@@ -26,6 +26,7 @@ def test_tp2_matches_tp1(tmp_path):
     llama, llama_model = im.save_model(tmp_path / "llama", "llama", tokenizer=tok)
     qwen, qwen_model = im.save_model(tmp_path / "qwen2", "qwen2", tokenizer=tok, vocab_size=im.VOCAB + 1)
     draft, _ = im.save_model(tmp_path / "draft", "llama", num_hidden_layers=1, tokenizer=tok)
+    looping, looping_model, _ = im.save_looping_model(tmp_path / "looping")
     other = im.make_model("llama", seed=21)
     torch.save(other.state_dict(), tmp_path / "other.pt")
     prompts = im.mixed_prompts(4, seed=12, low=3, high=40)
@@ -33,17 +34,24 @@ def test_tp2_matches_tp1(tmp_path):
         {"path": str(llama), "prompts": prompts, "new_tokens": 16, "reload": str(tmp_path / "other.pt")},
         {"path": str(qwen), "prompts": prompts, "new_tokens": 16},
         {"path": str(llama), "prompts": prompts[:2], "new_tokens": 12, "draft": str(draft)},
+        # n-gram proposals of mixed lengths: the driver's verification steps, batched by length
+        {"path": str(looping), "prompts": prompts, "new_tokens": 16, "ngram": 2},
     ]
-    scales = {str(llama): _logit_scale(llama_model, prompts), str(qwen): _logit_scale(qwen_model, prompts)}
+    scales = {str(llama): _logit_scale(llama_model, prompts), str(qwen): _logit_scale(qwen_model, prompts),
+              str(looping): _logit_scale(looping_model, prompts)}
     ranks = spawn(tp_generate, 2, cases, timeout=300)
+    accepted = [result.pop("accepted") for result in ranks[0]]  # (the driver's speculator counts them)
+    assert all(result.pop("accepted") is None for result in ranks[1])
     assert ranks[0] == ranks[1], "TP ranks returned different outputs"
     got = ranks[0]
     params = SamplingParams(max_new_tokens=16, temperature=0, logprobs=1)
-    for case, result in zip(cases, got, strict=True):
+    for case, result, proposals_accepted in zip(cases, got, accepted, strict=True):
         one = LLM(case["path"], num_blocks=64, block_size=8, dtype="float32")
         want = one.generate(case["prompts"], SamplingParams(max_new_tokens=case["new_tokens"], temperature=0, logprobs=1))
         assert result["tokens"] == [o.token_ids for o in want]
         what = f"{case['path'].rsplit('/', 1)[-1]}{' with a draft' if case.get('draft') else ''}"
+        if case.get("ngram"):
+            assert proposals_accepted >= 20, proposals_accepted  # proposals verified by both ranks
         for i, (a, b) in enumerate(zip(result["logprobs"], [o.logprobs for o in want], strict=True)):
             worst = max(abs(x - y) for x, y in zip(a, b, strict=True))
             check(Diff(worst / scales[case["path"]], f"prompt {i}"), LOGPROB_RTOL,
@@ -67,6 +75,8 @@ def test_tp2_matches_tp1_for_qwen3_gpt2_and_opt(tmp_path):
     prompts = im.mixed_prompts(3, seed=13, low=3, high=40)
     cases = [{"path": str(path), "prompts": prompts, "new_tokens": 12} for path, _ in made.values()]
     ranks = spawn(tp_generate, 2, cases, timeout=300)
+    accepted = [result.pop("accepted") for result in ranks[0]]  # (the driver's speculator counts them)
+    assert all(result.pop("accepted") is None for result in ranks[1])
     assert ranks[0] == ranks[1], "TP ranks returned different outputs"
     for (family, (path, model)), result in zip(made.items(), ranks[0], strict=True):
         want = LLM(str(path), num_blocks=64, block_size=8, dtype="float32").generate(
