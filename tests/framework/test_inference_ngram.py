@@ -151,6 +151,35 @@ def test_verification_chunks_of_mixed_lengths_run_batched_with_the_models_logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def test_serve_reads_vllms_speculative_config(capsys):
+    """`phalanx serve --speculative-config JSON` (vLLM's flag) sets n-gram lookup or a draft model;
+    what it cannot honour is refused by name before anything loads."""
+    import re
+
+    from phalanx.inference.serve import apply_speculative_config, build_parser, serve_main
+
+    def read(*flags):
+        args = build_parser().parse_args(["MODEL", *flags])
+        apply_speculative_config(args)
+        return args.prompt_lookup_max, args.prompt_lookup_min, args.num_speculative_tokens, args.draft_model
+
+    assert read("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}') \
+        == (2, 1, 3, None)
+    assert read("--speculative-config", '{"method": "ngram"}') == (3, 1, 4, None)
+    assert read("--speculative-config", '{"model": "DRAFT", "num_speculative_tokens": 5}') == (0, 1, 5, "DRAFT")
+    assert read() == (0, 1, 4, None)
+    for config, words in [('{"method": "eagle", "model": "x"}', "method 'eagle'"),
+                          ('{"method": "ngram", "typo": 1}', "['typo'] not supported"),
+                          ('{"method": "ngram", "model": "x"}', "method 'ngram' with keys"),
+                          ("[1]", "a JSON object"), ("{", "is not JSON")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            read("--speculative-config", config)
+    with pytest.raises(ValueError, match="give speculative decoding once"):
+        read("--prompt-lookup-max", "2", "--speculative-config", '{"method": "ngram"}')
+    assert serve_main(["MODEL", "--speculative-config", '{"method": "medusa"}']) == 2
+    assert "method 'medusa'" in capsys.readouterr().err
+
+
 def test_ngram_proposals_keep_the_target_distribution_when_sampling():
     """A proposal is certain (q one-hot): accepted with probability p(d), else the token is drawn
     from p without d. Both emitted positions follow the target's distribution, whatever was proposed."""

@@ -25,6 +25,7 @@ other ranks ignore it and wait for rank 0, which stops serving and then tells th
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-max", type=int, default=0, help="n-gram speculation without a draft model: "
                    "propose what followed the latest earlier occurrence of the last n <= this many tokens (0: off)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="the shortest n-gram looked up")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help="vLLM's form of the above: "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' or "
+                   "'{\"model\": \"DRAFT_DIR\", \"num_speculative_tokens\": 4}'")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of equal prefixes")
     lora = p.add_argument_group("LoRA adapters (docs/serving.md: requests choose one by its name as `model`)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-modules "
@@ -99,6 +103,38 @@ def lora_modules(args) -> dict[str, str]:
     return modules
 
 
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def apply_speculative_config(args) -> None:
+    """Read `--speculative-config` (vLLM's JSON) into the flags it stands for: method "ngram"
+    (prompt_lookup_max, default 3, and prompt_lookup_min) or a draft "model"; ValueError naming
+    what is wrong. Not combined with the flags themselves."""
+    if args.speculative_config is None:
+        return
+    try:
+        config = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config takes a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: {unknown} not supported (supported: {', '.join(SPECULATIVE_KEYS)})")
+    if args.draft_model or args.prompt_lookup_max:
+        raise ValueError("give speculative decoding once: --speculative-config or --draft-model/--prompt-lookup-max")
+    method = config.get("method", "draft_model" if "model" in config else None)
+    if method == "ngram" and "model" not in config:
+        args.prompt_lookup_max = config.get("prompt_lookup_max", 3)
+        args.prompt_lookup_min = config.get("prompt_lookup_min", 1)
+    elif method in ("draft_model", "draft") and "model" in config and not {"prompt_lookup_max", "prompt_lookup_min"} & set(config):
+        args.draft_model = config["model"]
+    else:
+        raise ValueError(f"--speculative-config: method {method!r} with keys {sorted(config)} is not supported; "
+                         "use method 'ngram' (with prompt_lookup_max/min) or a draft 'model'")
+    args.num_speculative_tokens = config.get("num_speculative_tokens", args.num_speculative_tokens)
+
+
 _STOP = threading.Event()
 
 
@@ -118,6 +154,7 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         adapters = lora_modules(args)
+        apply_speculative_config(args)
     except ValueError as exc:
         print(f"phalanx serve: {exc}", file=sys.stderr)
         return 2
