@@ -20,6 +20,8 @@ reported on its own line, not in its throughput; a second process reuses inducto
 `--ngram N` adds our eager engine with n-gram speculation (`prompt_lookup_max=N`, no draft model):
 its gain depends on how often the outputs repeat themselves (SmolLM2's greedy continuations of
 these random-token prompts loop a lot), so it is reported apart, never as the engine's speed.
+`--workload quote` replaces the random prompts by 32 chat requests to copy a Wikipedia paragraph
+(the shipped corpus, through the model's chat template): a workload where outputs quote the prompt.
 
 Single stream: one 128-token prompt, 64 new tokens, batch of one on every side: time to first
 token and inter-token latency ((total - TTFT) / 63; ours from the request's own timestamps).
@@ -85,6 +87,25 @@ def make_prompts(n: int, vocab: int, low: int, high: int, seed: int = 0) -> list
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for length in lengths]
+
+
+def quote_prompts(model_dir: Path, n: int, seed: int = 0) -> list[list[int]]:
+    """`--workload quote`: chat requests asking the model to copy a Wikipedia lead paragraph (the
+    shipped apps/llama/data corpus; 250-700 characters each, drawn with a fixed seed), through the
+    model's chat template: outputs that quote their prompt, where n-gram speculation applies."""
+    import gzip
+    import random
+
+    from transformers import AutoTokenizer
+
+    corpus = Path(__file__).resolve().parents[1] / "apps" / "llama" / "data" / "en_wikipedia_leads.jsonl.gz"
+    with gzip.open(corpus, "rt", encoding="utf-8") as f:
+        leads = [row["text"] for row in map(json.loads, f) if 250 <= len(row["text"]) <= 700]
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    chosen = random.Random(seed).sample(leads, n)
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": f"Copy this paragraph exactly:\n\n{text}"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False))
+            for text in chosen]
 
 
 def run_hf(model, prompts, new_tokens: int):
@@ -197,6 +218,9 @@ def main(argv=None) -> int:
                         help="also time our eager engine with n-gram speculation (prompt_lookup_max=N, no draft "
                         "model; greedy tokens are verified by the model, so they are the eager engine's)")
     parser.add_argument("--ngram-tokens", type=int, default=4, help="tokens proposed per step with --ngram")
+    parser.add_argument("--workload", default="random", choices=["random", "quote"],
+                        help="random: the issue's random-token prompts (--min-len..--max-len); quote: chat requests "
+                        "to copy a Wikipedia paragraph (needs the model's tokenizer and chat template)")
     parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
                         help="our engines' decode steps as CUDA graphs (on CUDA; 'off': every step eager)")
     parser.add_argument("--profile", action="store_true", help="after the timings, profile one batched run of each "
@@ -248,7 +272,8 @@ def main(argv=None) -> int:
             print(f"compiled engine unavailable: {fast.runner.compile_reason}")
         else:
             engines["compiled"] = fast
-    prompts = make_prompts(args.prompts, hf.config.vocab_size, args.min_len, args.max_len)
+    prompts = quote_prompts(path, args.prompts) if args.workload == "quote" else \
+        make_prompts(args.prompts, hf.config.vocab_size, args.min_len, args.max_len)
     single = make_prompts(1, hf.config.vocab_size, 128, 128, seed=1)[0]
     n_tokens = args.prompts * args.new_tokens
     machine = cpu_report()
@@ -300,7 +325,8 @@ def main(argv=None) -> int:
     labels = {"eager": "phalanx.inference eager", "compiled": "phalanx.inference compiled",
               "ngram": "phalanx.inference eager + n-gram spec."}
     rows = [("Hugging Face generate (padded batch)", hf_tps, n_tokens / hf_cpu, hf_ttft, hf_tpot, hf_wall)]
-    result = {"bench": "inference", "model": label, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"bench": "inference", "model": label, "workload": args.workload, "dtype": args.dtype,
+              "threads": torch.get_num_threads(),
               "prompts": args.prompts, "new_tokens": args.new_tokens, "cuda_graphs": args.cuda_graphs,
               "prompt_tokens": sum(map(len, prompts)),
               "hf_tokens_per_s": round(hf_tps, 2), "hf_ttft_s": round(hf_ttft, 3) if hf_ttfts else None,
