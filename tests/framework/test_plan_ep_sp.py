@@ -3,7 +3,8 @@ mixture of experts with ep_size dividing dp × sp under Ulysses (each sequence s
 tokens; tests/framework/test_expert_parallel_sp.py), and the planner lists those layouts, counts
 them (experts over ep and sharded over dp × sp / ep, activations and all-to-alls per sequence
 shard, Ulysses' exchanges) and only lists what the plugin builds; the estimate of ep2 × sp2 against
-the measured peak of a tiny Mixtral on 4 gloo ranks."""
+the measured peak of a tiny Mixtral on 4 gloo ranks. The ring-attention rows (ep × ring sp too) are
+test_plan_ring.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from phalanx.plan.layout import candidate_layouts, structural_problem
 from phalanx.plan.memory import estimate_memory, layer_activation_bytes_per_token, local_model, zero_shard
 from phalanx.plan.timing import estimate_time
 from phalanx.plan.workload import Hardware, Workload
+from plan_measured import build_every_layout, measure
 from spawn_batch import spawn_suites
 
 torch.set_num_threads(1)
@@ -31,7 +33,8 @@ FAST = Hardware(device_memory=2**40, peak_flops=1e30, efficiency=1.0, bandwidth=
 
 
 def _ep_sp(layouts):
-    return [l for l in layouts if l.ep > 1 and l.sp > 1]
+    """The ep × Ulysses sp rows (ep × ring: test_plan_ring.py)."""
+    return [l for l in layouts if l.ep > 1 and l.sp > 1 and l.sp_mode == "ulysses"]
 
 
 # ---------------------------------------------------------------------------- the candidates
@@ -166,58 +169,12 @@ def _listed_layouts(model: dict) -> list[tuple[str, dict, str | None]]:
             for l in _ep_sp(candidate_layouts(4, spec, seq=BUILD_SEQ))]
 
 
-def build_every_layout(models: dict[str, tuple[dict, list]]) -> dict[str, dict[str, tuple[str, object]]]:
-    """Rank body: for each model and each of its layouts, boost the model under the layout's
-    `plugin_options()` (make_plugin, fp32) and train two AdamW steps on the same tokens:
-    ("trained", (losses, the plugin's describe())), or ("refused", the plugin's message)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from phalanx.booster import Booster
-    from phalanx.booster.plugins import make_plugin
-    from phalanx.device import to_device
-
-    out = {}
-    for label, (fields, layouts) in models.items():
-        config = AutoConfig.for_model("mixtral", attn_implementation="sdpa",
-                                      **{k: v for k, v in fields.items() if k != "model_type"})
-        out[label] = {}
-        for name, options, _ in layouts:
-            options = dict(options)
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            try:
-                booster = Booster(plugin=make_plugin(options.pop("name"), precision="fp32", **options))
-                model, opt, *_ = booster.boost(model, opt)
-            except ValueError as exc:  # LayoutError is a ValueError
-                out[label][name] = ("refused", str(exc))
-                continue
-            ids = to_device(torch.randint(0, config.vocab_size, (2, BUILD_SEQ),
-                                          generator=torch.Generator().manual_seed(1)))  # the run's device
-            losses = []
-            for _ in range(2):
-                loss = model(input_ids=ids, labels=ids).loss
-                booster.backward(loss, opt)
-                opt.step()
-                opt.zero_grad()
-                losses.append(float(loss.detach()))
-            out[label][name] = ("trained", (losses, booster.plugin.describe()))
-            del model, opt, booster
-    return out
-
-
-def measure(cases):
-    from phalanx.plan.measure import measure_many
-
-    return measure_many(cases)
-
-
 @pytest.fixture(scope="module")
 def four_ranks(request):
     cases = [(dict(kw, precision="fp32"), MEASURED_MOE, seq, mb) for kw, seq, mb in MEASURED_CASES.values()]
     suites = {"test_ep2_sp2_estimate_within_15_percent_of_measured_peak": (measure, (cases,), {}),
               "test_every_listed_ep_sp_layout_builds_and_trains": (
-                  build_every_layout, ({k: (m, _listed_layouts(m)) for k, m in BUILD_MODELS.items()},), {})}
+                  build_every_layout, ({k: (m, BUILD_SEQ, _listed_layouts(m)) for k, m in BUILD_MODELS.items()},), {})}
     return spawn_suites(request, 4, suites, timeout=600)
 
 

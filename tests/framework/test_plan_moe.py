@@ -70,8 +70,8 @@ def test_ep_layouts_enumerated_and_refused_as_the_plugin_does():
     layouts = list(candidate_layouts(8, spec, seq=8))
     eps = {(l.tp, l.pp, l.ep) for l in layouts if l.ep > 1}
     assert (1, 1, 2) in eps and (1, 1, 4) in eps and (2, 1, 4) in eps and (2, 2, 2) in eps
-    # with Ulysses too (ep divides dp × sp: test_plan_ep_sp.py), never with split-gather
-    assert all((l.dp * l.sp) % l.ep == 0 and 4 % l.ep == 0 and l.sp_mode in (None, "ulysses")
+    # with Ulysses or ring too (ep divides dp × sp: test_plan_ep_sp.py, test_plan_ring.py), never with split-gather
+    assert all((l.dp * l.sp) % l.ep == 0 and 4 % l.ep == 0 and l.sp_mode in (None, "ulysses", "ring")
                for l in layouts if l.ep > 1)
     assert not any(l.ep > 1 for l in candidate_layouts(8, load_spec(LLAMA_HAND), seq=8))  # dense: no EP rows
     problem = lambda layout, **kw: structural_problem(layout, spec, 8, **kw)  # noqa: E731

@@ -64,7 +64,22 @@ def structural_problem(layout: _BaseLayout, spec: ModelSpec, seq: int) -> str | 
         if seq % s:
             return f"sequence {seq} does not divide by sp={s}"
         if (spec.num_heads // t) % s:
-            return f"Ulysses needs the {spec.num_heads // t} heads per tp rank divisible by sp={s}"
+            return (f"Ulysses needs the {spec.num_heads // t} heads per tp rank divisible by sp={s}: "
+                    f"use ring attention (it splits the sequence only) or another sp")
+    if layout.sp_mode == "ring":
+        if seq % (2 * s):
+            return (f"sequence {seq} does not divide into 2 × sp = {2 * s} chunks (ring attention's zigzag "
+                    f"layout, two chunks per rank): use a sequence that is a multiple of {2 * s}")
+        dropout = float(getattr(getattr(spec, "config", None), "attention_dropout", 0.0) or 0.0)
+        if dropout > 0:
+            return (f"ring attention has no attention dropout (the config's attention_dropout is {dropout}): "
+                    f"set it to 0, or use Ulysses")
+    if layout.sp_mode in ("ulysses", "ring"):
+        window = min((w for w in getattr(spec, "sliding_windows", ()) if w is not None), default=None)
+        if window is not None and seq > window:
+            return (f"sequence {seq} exceeds the sliding window {window}: {layout.sp_mode} attention computes full "
+                    f"causal attention (HybridParallelPlugin refuses it); use sequences of at most {window} or no "
+                    f"sequence parallelism")
     if layout.sp_mode == "split_gather" and seq % t:
         return f"sequence {seq} does not divide by tp={t} (split-gather)"
     if layout.plugin == "hybrid" and (s > 1 or layout.sp_mode) and _deepseek_balance(spec):
@@ -115,10 +130,12 @@ def _expert_sizes(world: int, spec: ModelSpec) -> list[int]:
 
 def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8) -> Iterator[Layout]:
     """Every layout worth estimating for `world` ranks: the plain plugins, and hybrid with each
-    tp (≤ max_tp, dividing the heads) × pp × Ulysses sp, with and without activation checkpointing;
-    for a mixture of experts also hybrid with each ep dividing the experts and dp × sp (the ranks
-    that route different tokens: with Ulysses each sequence shard routes its own), with tp, with pp
-    (no sp) or with Ulysses sp (no pp): what HybridParallelPlugin builds (never split-gather)."""
+    tp (≤ max_tp, dividing the heads) × pp × sp (Ulysses or ring attention, each with every sp > 1
+    and no pp; `structural_problem` says which the model and sequence allow), with and without
+    activation checkpointing; for a mixture of experts also hybrid with each ep dividing the experts
+    and dp × sp (the ranks that route different tokens: under Ulysses or ring each sequence shard
+    routes its own), with tp, with pp (no sp) or with sp (no pp): what HybridParallelPlugin builds
+    (never split-gather)."""
     eps = _expert_sizes(world, spec)
     for ckpt in (False, True):
         yield Layout("ddp", world, checkpointing=ckpt)
@@ -137,7 +154,7 @@ def candidate_layouts(world: int, spec: ModelSpec, seq: int, *, max_tp: int = 8)
                         continue  # Ulysses/ring do not compose with pp
                     dp = world // (t * p * s)
                     ep_choices = [1] + [e for e in eps if (dp * s) % e == 0]
-                    modes = ["ulysses"] if s > 1 else ([None, "split_gather"] if t > 1 else [None])
+                    modes = ["ulysses", "ring"] if s > 1 else ([None, "split_gather"] if t > 1 else [None])
                     for ep in ep_choices:
                         if t == p == s == ep == 1:
                             continue  # plain data parallel: the zero/ddp rows above

@@ -170,6 +170,12 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
         norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole
     attention = (_mla_bytes_per_token(spec, t, p) if getattr(spec, "mla", False)
                  else p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t)
+    if layout.sp_mode == "ring" and not getattr(spec, "mla", False) and (
+            lora is None or "o_proj" in lora.target_modules):
+        # ring attention returns [B, heads, L, D]: transformers' transpose(1, 2).contiguous() is a
+        # copy, which o_proj saves for its weight's gradient (SDPA's output is already in [B, L, H, D]
+        # order, a view); latent attention's copy is counted in _mla_bytes_per_token already
+        attention += p * q
     mlp = 4 * p * f / t
     if spec.is_moe:  # the average over layers of dense and expert-block MLPs (whole under tp; on
         # 1/tp of the tokens under split-gather sequence parallelism)
@@ -179,6 +185,34 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
         mlp = (mlp * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
     change = _lora_activation_change(spec, layout, p, lora) if lora is not None else 0.0
     return 2 * norm + attention + mlp + change
+
+
+def ring_kv_width(spec: ModelSpec, t: int) -> float:
+    """Elements per token of the key and value blocks ring attention passes around, on one tp rank:
+    2 · key/value heads · head_dim (heads split over tp, or one per rank where replicated);
+    latent attention (DeepSeek) hands attention every head's key (qk width) and value (v width)."""
+    if getattr(spec, "mla", False):
+        return spec.num_heads / t * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim)
+    return 2 * kv_weight_heads(spec.heads, t) * spec.head_dim
+
+
+def ring_buffer_bytes_per_token(spec: ModelSpec, layout: Layout, p: int) -> float:
+    """What ring attention (`phalanx.sequence.ring`) holds beyond its saved tensors while one layer's
+    attention runs backward, per token of the rank's sequence shard: the fp32 accumulators of the
+    queries' gradient (4·q) and of the visiting block's key/value gradients (4·kv), twice for the
+    latter while they travel on to the next rank (the block sent and the one received), and the
+    key/value blocks in flight, min(2, sp − 1) of them (the one in use and the next one received
+    while it is used; with sp = 2 only the one received). Forward holds less (the next block and the
+    fp32 output and log-sum-exp accumulators, 4·q + 4·heads, with the layers' activations not yet
+    all saved), so backward's is what the peak sees. q = q_dim / tp; kv = `ring_kv_width`.
+    (On a CPU the blocks run torch's reference, which also materialises each block's fp32 scores,
+    batch × heads × (seq / 2sp)² several times: not counted: on a GPU the flash kernel keeps none.)"""
+    if layout.sp_mode != "ring" or layout.sp < 2:
+        return 0.0
+    mla = getattr(spec, "mla", False)
+    q = (spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim) if mla else spec.q_dim) / layout.tp
+    kv = ring_kv_width(spec, layout.tp)
+    return FP32 * q + 2 * FP32 * kv + min(2, layout.sp - 1) * p * kv
 
 
 def _mla_bytes_per_token(spec: ModelSpec, t: int, p: int) -> float:
@@ -573,6 +607,9 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatche
         parts.device["parameters"] += work.p * local.params
     if layout.tp > 1 or layout.pp > 1:  # all-reduce / send-recv buffers of one activation (the rank's tokens)
         parts.backward_extra += 2 * work.p * work.micro_batch * work.seq / sequence_shards(layout) * spec.hidden_size
+    if layout.sp_mode == "ring":  # ring attention's gradient accumulators and blocks in flight (one layer)
+        parts.backward_extra += (work.micro_batch * work.seq / sequence_shards(layout)
+                                 * ring_buffer_bytes_per_token(spec, layout, work.p))
     if _ep(layout) > 1:  # one all-to-all's send and receive buffers: the k assignments of the rank's
         # tokens (its sequence shard under Ulysses/ring)
         tokens = work.micro_batch * work.seq / sequence_shards(layout)

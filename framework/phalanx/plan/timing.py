@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from phalanx.plan.layout import Layout
-from phalanx.plan.memory import local_model, sequence_shards
+from phalanx.plan.memory import FP32, local_model, ring_kv_width, sequence_shards
 from phalanx.models import ModelSpec
 from phalanx.plan.workload import Hardware, Workload
 
@@ -37,7 +37,7 @@ class StepTime:
     compute: float       # seconds of matmul work per rank at peak × efficiency
     bubble: float        # pipeline idle time
     dp_comm: float       # data-parallel communication not hidden behind backward
-    tp_comm: float       # tensor/sequence-parallel collectives (on the critical path)
+    tp_comm: float       # tensor/sequence-parallel collectives (on the critical path; ring's hops beyond its overlap)
     pp_comm: float       # activations between stages
     offload: float       # device↔host copies
     tokens: int          # tokens per optimizer step, all ranks
@@ -71,6 +71,34 @@ def all_to_all_seconds(spec: ModelSpec, layout: Layout, work: Workload, hw: Hard
     tokens = work.micro_batch * work.seq / sequence_shards(layout)
     per_exchange = tokens * spec.experts_per_token * spec.hidden_size * work.p * _ring(ep)
     return microbatches * layers * exchanges * per_exchange / hw.bandwidth
+
+
+def ring_seconds(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware, microbatches: int) -> float:
+    """Ring attention's exchanges per step on one rank, where they are not hidden
+    (`phalanx.sequence.ring`). Per layer and microbatch, with T the rank's tokens (micro batch ×
+    seq / sp) and kv its key/value width (`ring_kv_width`):
+      forward: sp − 1 hops of the rank's key and value block, T · kv · p bytes each, every one
+        started before the current block's attention and waited for after it (overlapped): only
+        what exceeds one step's attention compute (1/sp of the pass's: the zigzag evens the steps)
+        counts (again in the recomputed forward with activation checkpointing);
+      backward: the same sp − 1 key/value hops, overlapped with backward's attention (twice the
+        forward's FLOPs), and sp hops of the block's fp32 key/value gradients (T · kv · 4 each),
+        each waited for as soon as it starts: serial, counted in full.
+    Attention compute per pass: 2 · seq · width / tp FLOPs per token forward (causal QKᵀ and AV,
+    `training_flops_per_token`'s attention term) at peak × efficiency."""
+    s = layout.sp
+    if layout.sp_mode != "ring" or s < 2:
+        return 0.0
+    tokens = work.micro_batch * work.seq / s
+    kv = ring_kv_width(spec, layout.tp)
+    width = (spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim) / 2
+             if getattr(spec, "mla", False) else spec.q_dim)
+    # one of the sp steps of a pass: its share of the attention (the zigzag evens the steps out)
+    step = 2 * work.seq * width / layout.tp * tokens / (hw.peak_flops * hw.efficiency) / s
+    hop = tokens * kv * work.p / hw.bandwidth
+    forward = (s - 1) * max(0.0, hop - step) * (2 if layout.checkpointing else 1)
+    backward = (s - 1) * max(0.0, hop - 2 * step) + s * tokens * kv * FP32 / hw.bandwidth
+    return microbatches * local_model(spec, layout).layers * (forward + backward)
 
 
 def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware, microbatches: int) -> StepTime:
@@ -122,6 +150,7 @@ def estimate_time(spec: ModelSpec, layout: Layout, work: Workload, hw: Hardware,
         per_layer = (2 * spec.q_dim + 2 * spec.kv_dim) / layout.tp * work.micro_batch * work.seq / layout.sp * p
         tp_bytes += m * local.layers * (3 if layout.checkpointing else 2) * _ring(layout.sp) * per_layer
     pp_bytes = 2 * m * activation if layout.pp > 1 else 0.0
-    return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_bytes / hw.bandwidth,
+    tp_time = tp_bytes / hw.bandwidth + ring_seconds(spec, layout, work, hw, m)  # ring: seconds (its overlap)
+    return StepTime(compute=compute, bubble=bubble, dp_comm=dp_comm, tp_comm=tp_time,
                     pp_comm=pp_bytes / hw.bandwidth, offload=offload_bytes / hw.host_bandwidth, tokens=tokens,
                     ep_comm=all_to_all_seconds(spec, layout, work, hw, m))
