@@ -15,6 +15,10 @@ for key, value in {
     # Two threads per test process, or one under pytest-xdist (`make test` runs two workers on the
     # two cores, so each keeps to one).
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"),
+    # phalanx.launch sets torch's thread count (cpu_count // ranks) for the rest of the process:
+    # a test that launches in the pytest process would leave every later test of its worker on 2
+    # threads beside the other worker (measured: one SFT test 14 s alone, 163 s after such a test)
+    **({"PHALANX_THREADS": "1"} if "PYTEST_XDIST_WORKER" in os.environ else {}),
 }.items():
     os.environ.setdefault(key, value)
 
@@ -32,3 +36,22 @@ if "TRITON_INTERPRET" not in os.environ:
             os.environ["TRITON_INTERPRET"] = "1"
     except ImportError:
         pass
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread(monkeypatch):
+    """One intra-op thread for a test that runs a recipe in the pytest process, restored afterwards:
+    `phalanx.launch` gives a rank cpu_count // ranks threads (2 on CI's 2 cores) unless
+    PHALANX_THREADS says otherwise, and keeps them after the run; beside the other pytest worker
+    those 2 threads wait on each other (docs/testing.md, "Suite time"). Under xdist the env above
+    already pins PHALANX_THREADS; this also covers a plain `pytest FILE`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("PHALANX_THREADS", "1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

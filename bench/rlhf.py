@@ -7,6 +7,7 @@
     python bench/rlhf.py --profile-update                # CPU time of one policy update, packed vs unshared
     python bench/rlhf.py --lora                          # peak memory of LoRA GRPO against full GRPO
     python bench/rlhf.py --rollout ray --max-staleness 1 # time per step: colocated vs Ray staleness 0 vs 1
+    python bench/rlhf.py --smoke                         # the test suite's run: a tiny random SmolLM2, 1 x 2, 2 steps
 
 Prints step time and its split (generate / score / train / weight sync), rollout tokens/s, the
 ratio of step throughputs, and one JSON line. The first step of each (warm-up) is not counted.
@@ -253,6 +254,22 @@ def run_trl(model_dir: str, records: list[dict], args, out: Path) -> dict:
             "rollout_tokens_per_s": mean_len * args.prompts * args.n / gen, "total_s": total}
 
 
+def smoke_model_dir(base: str, out: Path) -> str:
+    """`base`'s config (family, vocabulary, tied embeddings, special tokens) and tokenizer, shrunk to
+    hidden 64 and 2 layers with random weights: the smoke run goes through every code path of the
+    real one (both frameworks' rollout, scoring, update and weight sync) in a fraction of its time."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(base)
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="", help="HF model directory (default: SmolLM2-135M-Instruct)")
@@ -274,13 +291,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="ray: time per step colocated vs rollout.mode=ray at staleness 0 and --max-staleness")
     parser.add_argument("--max-staleness", type=int, default=1, help="with --rollout ray: the overlapped run's k")
     parser.add_argument("--ray-cpus", type=int, default=0, help="with --rollout ray: the local Ray instance's CPUs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the test suite's run: --model's config and tokenizer at hidden 64, 2 layers (random "
+                             "weights), 1 prompt x 2 samples, 4 new tokens, 2 steps")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_new_tokens, args.steps = 1, 2, 4, 2
     sys.modules.setdefault("rlhf", sys.modules[__name__])
 
     import torch
     from apps.chat_rlhf.models import resolve_model_dir
     from apps.chat_rlhf.tasks import arithmetic_records
     model_dir = str(resolve_model_dir(args.model or None))
+    if args.smoke:
+        smoke_dir = tempfile.TemporaryDirectory(prefix="rlhf-smoke-")  # removed at exit
+        model_dir = smoke_model_dir(model_dir, Path(smoke_dir.name) / "model")
     records = arithmetic_records(args.prompts * args.steps, seed=7)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
     print(f"model {model_dir}; {args.prompts} prompts x {args.n} samples, {args.max_new_tokens} new tokens, "

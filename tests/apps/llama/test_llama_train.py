@@ -20,6 +20,9 @@ TRAIN_OVERRIDES = [
 TINY = Path(__file__).resolve().parents[3] / "apps" / "llama" / "configs" / "tiny.yaml"
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # (root conftest.py; docs/testing.md, "Suite time")
+
+
 def _train_ranks(overrides: list[str]) -> dict:
     """Runs on each of 2 ranks: 6 steps, then the same command with max_steps=9 (a resume), then 3 SFT steps."""
     import torch.distributed as dist
@@ -149,7 +152,8 @@ def test_sft_learns_held_out_answers_and_its_own(make_tiny_config, tiny_bpe_dir,
     one process, 250 steps. The recipe's tiny architecture with the session's 1,200-token English
     BPE as the tokenizer (the 37k-token one makes each step ~20x dearer, and memorising needs
     ~250 steps):
-    - the held-out assistant-token loss falls: the recipe's evaluation (every 50 steps) goes from
+    - the held-out loss counts the assistant's tokens only (the prepared rows mask the prompts),
+      and it falls: the recipe's evaluation (every 50 steps) goes from
       7.1 (= ln 1200, the untrained model) to 4.5-4.8 at step 50; with 13 conversations it then
       rises as the model memorises them, which is the second check;
     - greedy generation from the chat prompt (the tokenizer's template with the generation prompt,
@@ -184,11 +188,12 @@ def test_sft_learns_held_out_answers_and_its_own(make_tiny_config, tiny_bpe_dir,
     assert (stats["train/conversations"], stats["heldout/conversations"]) == (13, 3)
 
     tokenizer = load_tokenizer(cfg.sft_data_dir / "tokenizer")
-    trained_examples = []
+    trained_examples, heldout_answer_tokens = [], 0
     for messages in load_chat_records(cfg.sft_data.sources[0]):
-        if is_heldout(json.dumps(messages, ensure_ascii=False), cfg.sft_data.holdout_fraction):
-            continue
         ids, labels = encode_chat(tokenizer, messages, cfg.sft_data.seq_len)
+        if is_heldout(json.dumps(messages, ensure_ascii=False), cfg.sft_data.holdout_fraction):
+            heldout_answer_tokens += sum(label >= 0 for label in labels)
+            continue
         first = next(i for i, label in enumerate(labels) if label >= 0)
         prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -208,9 +213,11 @@ def test_sft_learns_held_out_answers_and_its_own(make_tiny_config, tiny_bpe_dir,
     heldout_eval = causal_lm_eval(TokenRows(cfg.sft_data_dir / "heldout"), batch_size=cfg.eval.batch_size)
     phalanx.launch(seed=0)
     try:
+        assert torch.get_num_threads() == 1  # the one_thread fixture reached launch
         untrained = load_model(cfg.model_init_dir).eval()
         with torch.no_grad():
-            start_loss = heldout_eval(untrained, 0)["loss"]
+            start = heldout_eval(untrained, 0)
+        start_loss = start["loss"]
         result = sft(cfg)
     finally:
         phalanx.shutdown()
@@ -219,6 +226,8 @@ def test_sft_learns_held_out_answers_and_its_own(make_tiny_config, tiny_bpe_dir,
     heldout = {m["step"]: m["eval/loss"] for m in evals if "eval/loss" in m}
     assert sorted(heldout) == list(range(SFT_EVAL_EVERY, SFT_STEPS + 1, SFT_EVAL_EVERY))
     assert abs(start_loss - math.log(len(tokenizer))) < 0.2  # the untrained model knows nothing
+    # the held-out loss is over the assistant's answers alone (the prepared rows mask the prompts)
+    assert start["tokens"] == heldout_answer_tokens > 0, (start["tokens"], heldout_answer_tokens)
     assert min(heldout.values()) < start_loss - 1.5, (start_loss, heldout)  # measured 7.14 -> 4.5-4.8
     assert sum(result.losses[-10:]) / 10 < 1.0 < result.losses[0]  # the training answers are memorised
 

@@ -13,6 +13,10 @@ import torch
 
 from video_tiny import tiny_config
 
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # (root conftest.py; docs/testing.md, "Suite time")
+
+
 STEPS = 60
 WEIGHT_STEPS = 60
 VAE = ["data.shapes_frames=9", "data.clip_frames=9", "data.buckets=[[1,16,16,8],[9,16,16,4],[9,16,28,2]]",
