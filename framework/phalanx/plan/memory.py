@@ -7,7 +7,8 @@ The peak is taken over the two phases of a step, on top of what lives through th
   forward/backward — saved activations and the loss' logits at the start of backward, or the
   gradients built during backward at its end (activations are freed as gradients appear, so
   the larger of the two), plus the buffers the plugin gathers or reduces through (FSDP, whose
-  root keeps its whole gradients to the end of backward, takes the largest of three moments);
+  root keeps its whole gradients to the end of backward, takes the largest of three moments;
+  under Ulysses the last layer's output all-to-all in forward where that is higher);
   optimizer step — the gradients the step consumes plus the optimizer's temporaries.
 """
 from __future__ import annotations
@@ -176,6 +177,7 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
         # copy, which o_proj saves for its weight's gradient (SDPA's output is already in [B, L, H, D]
         # order, a view); latent attention's copy is counted in _mla_bytes_per_token already
         attention += p * q
+    attention += ulysses_saved_extra_bytes_per_token(spec, layout, p, lora)
     mlp = 4 * p * f / t
     if spec.is_moe:  # the average over layers of dense and expert-block MLPs (whole under tp; on
         # 1/tp of the tokens under split-gather sequence parallelism)
@@ -185,6 +187,77 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
         mlp = (mlp * (spec.num_layers - sparse) + block * sparse) / spec.num_layers
     change = _lora_activation_change(spec, layout, p, lora) if lora is not None else 0.0
     return 2 * norm + attention + mlp + change
+
+
+def _ulysses_repeats_kv(spec: ModelSpec, layout: Layout) -> bool:
+    """Whether Ulysses gives every local query head its own key/value head before the all-to-all
+    (`phalanx.sequence.attention.ulysses_attention_forward`: `repeat_interleave` where the key/value
+    heads a tp rank attends with, kv_heads / tp or one, do not divide by sp)."""
+    return max(1, spec.num_kv_heads // layout.tp) % layout.sp != 0
+
+
+def ulysses_saved_extra_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lora=None) -> float:
+    """What a decoder layer saves under Ulysses (`phalanx.sequence.attention.ulysses_attention_forward`)
+    beyond the SDPA layer `layer_activation_bytes_per_token` counts, per token of the rank's shard:
+      o_proj's input, p·q: attention's output comes back from the all-to-all as a fresh
+        [B, heads, L/sp, D] tensor and transformers' transpose(1, 2).contiguous() copies it into
+        [B, L/sp, heads·D], which o_proj saves for its weight's gradient, while the attention kernel
+        keeps its own [B, heads/sp, L, D] output for its backward (plain SDPA's output is already in
+        [B, L, H, D] order, so o_proj's input is a view of it there) — only where o_proj's weight
+        takes a gradient (not under LoRA without an o_proj adapter);
+      where the key/value heads are repeated for the all-to-all (`_ulysses_repeats_kv`), the
+        attention kernel saves the repeated key and value, q wide each: 2p·(q − kv).
+    Equal to the storages autograd keeps in a transformers Llama under Ulysses sp 4 on four gloo
+    ranks, with and without the repeat (tests/framework/test_plan_ulysses.py). Latent attention (DeepSeek): not counted
+    (its o_proj copy is in `_mla_bytes_per_token` already)."""
+    if layout.sp_mode != "ulysses" or layout.sp < 2 or getattr(spec, "mla", False):
+        return 0.0
+    q = spec.q_dim / layout.tp
+    kv = kv_weight_heads(spec.heads, layout.tp) * spec.head_dim
+    extra = p * q if lora is None or "o_proj" in lora.target_modules else 0.0
+    if _ulysses_repeats_kv(spec, layout):
+        extra += 2 * p * (q - kv)
+    return extra
+
+
+# Bytes per byte of the exchanged tensor that one Ulysses all-to-all (`phalanx.sequence.comm`) holds
+# beyond its input while it runs on gloo: the contiguous chunks it sends, the chunks it receives, and
+# gloo's flattened send and receive buffers (torch's gloo all_to_all of tensor lists concatenates
+# both). NCCL sends the chunks as they are: 3 there (the chunks, those received and their
+# concatenation), so the count is conservative by one tensor on a GPU, as FSDP's gloo receive
+# buffer is.
+ULYSSES_ALL_TO_ALL_COPIES = 4
+
+
+def ulysses_forward_excess_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lora=None) -> float:
+    """Under Ulysses the peak of forward/backward can be the last layer's attention in forward rather
+    than the start of backward: while its output goes back through the all-to-all, the rank holds the
+    saved activations of the layers before it, and of this layer its first norm, the query, key and
+    value twice (the caller's RoPE'd tensors, which transformers' attention keeps as locals until
+    the attention function returns, p·(q + 2kv) — plus the repeated key and value, 2p·q, where
+    `_ulysses_repeats_kv` — and the all-to-all'd ones the kernel saves), the kernel's output and
+    log-sum-exp, and the exchange's ULYSSES_ALL_TO_ALL_COPIES · p·q. Against the activations at the
+    start of backward, which hold that layer whole (its second norm, its MLP and o_proj's copy,
+    none made yet) and the final norm, this moment holds, per token of the rank's shard,
+      p·(q + 2kv) [+ 2p·q] + (COPIES − 1)·p·q − norm − mlp − final norm
+    (mlp: the last layer's MLP or expert block). The estimate takes the larger of this moment and
+    the start of backward (which adds the loss' working set instead): on attention-heavy models with
+    a small vocabulary this one is the peak (measured: tests/framework/test_plan_ulysses.py,
+    docs/plan.md). Returns 0 where it is no peak candidate: not Ulysses, latent attention, LoRA
+    (whose saved set differs: not measured). With activation checkpointing the same moment comes in
+    the last layer's recomputation (not measured)."""
+    if layout.sp_mode != "ulysses" or layout.sp < 2 or getattr(spec, "mla", False) or lora is not None:
+        return 0.0
+    t = layout.tp
+    h, q = spec.hidden_size, spec.q_dim / t
+    kv = kv_weight_heads(spec.heads, t) * spec.head_dim
+    held = p * (q + 2 * kv) + (2 * p * q if _ulysses_repeats_kv(spec, layout) else 0)
+    norm = FP32 * h + FP32 + 2 * p * h  # as in layer_activation_bytes_per_token (no split-gather here)
+    if spec.is_moe and spec.sparse_layers[-1]:
+        mlp = _moe_mlp_bytes_per_token(spec, p) + (_ep_extra_saved_bytes_per_token(spec, p) if _ep(layout) > 1 else 0)
+    else:
+        mlp = 4 * p * spec.intermediate_size / t
+    return held + (ULYSSES_ALL_TO_ALL_COPIES - 1) * p * q - norm - mlp - norm
 
 
 def ring_kv_width(spec: ModelSpec, t: int) -> float:
@@ -621,6 +694,13 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload, microbatche
     else:
         floor = parts.backward_floor
     backward = floor[1] + parts.early + parts.backward_extra
+    # Ulysses: the last layer's attention output in its all-to-all, in forward (no loss, no
+    # backward buffers yet), where that is higher than the start of backward
+    ulysses = (work.micro_batch * work.seq / sequence_shards(layout)
+               * ulysses_forward_excess_bytes_per_token(spec, layout, work.p, work.lora))
+    if act["activations"] + ulysses + parts.early > backward:
+        floor, backward = ("activations", act["activations"]), act["activations"] + ulysses + parts.early
+        parts.backward_extra = ulysses  # reported as buffers: the exchange and the layer's held tensors
     step = parts.built + parts.early + parts.step_extra
     device = dict(parts.device, activations=0.0, temporaries=0.0)
     device["gradients"] += parts.early
