@@ -13,7 +13,7 @@ import torch
 from phalanx.plan import Layout, load_spec
 from phalanx.plan.memory import (ULYSSES_ALL_TO_ALL_COPIES, estimate_memory, layer_activation_bytes_per_token,
                                  loss_bytes_per_token, ulysses_forward_excess_bytes_per_token,
-                                 ulysses_saved_extra_bytes_per_token)
+                                 sp_saved_extra_bytes_per_token)
 from phalanx.plan.workload import Workload
 from spawn_batch import spawn_suites
 
@@ -45,10 +45,11 @@ def test_ulysses_saved_extra_by_hand():
     assert layer_activation_bytes_per_token(spec, _uly(), 4) - plain == 4 * 64 == 256
     ring = Layout("hybrid", 4, sp=2, sp_mode="ring")
     assert layer_activation_bytes_per_token(spec, ring, 4) == layer_activation_bytes_per_token(spec, _uly(), 4)
-    assert ulysses_saved_extra_bytes_per_token(spec, _uly(sp=4), 4) == 256 + 2 * 4 * (64 - 32)
+    assert sp_saved_extra_bytes_per_token(spec, _uly(sp=4), 4) == 256 + 2 * 4 * (64 - 32)
     tp2 = layer_activation_bytes_per_token(spec, Layout("hybrid", 8, tp=2), 4)
     assert layer_activation_bytes_per_token(spec, _uly(world=8, tp=2), 4) - tp2 == 4 * 32 + 2 * 4 * (32 - 16)
-    assert ulysses_saved_extra_bytes_per_token(spec, ring, 4) == 0.0
+    assert sp_saved_extra_bytes_per_token(spec, ring, 4) == 256  # the copy, no repeat
+    assert sp_saved_extra_bytes_per_token(spec, dataclasses.replace(ring, world=8, sp=4), 4) == 256
 
     @dataclasses.dataclass(frozen=True)
     class Lora:
@@ -56,8 +57,8 @@ def test_ulysses_saved_extra_by_hand():
         target_modules: tuple = ("q_proj", "v_proj")
         target_parameters: tuple = ()
 
-    assert ulysses_saved_extra_bytes_per_token(spec, _uly(), 4, Lora()) == 0.0
-    assert ulysses_saved_extra_bytes_per_token(spec, _uly(), 4, Lora(target_modules=("o_proj",))) == 256
+    assert sp_saved_extra_bytes_per_token(spec, _uly(), 4, Lora()) == 0.0
+    assert sp_saved_extra_bytes_per_token(spec, _uly(), 4, Lora(target_modules=("o_proj",))) == 256
 
 
 def test_ulysses_forward_moment_by_hand():
@@ -147,21 +148,17 @@ def four_ranks(request):
 
 
 def _errors(ranks) -> dict:
-    from phalanx.booster.plugins import make_plugin
-    from phalanx.plan import estimate_for_run
+    """{case: estimate / measured - 1} of MEASURED_CASES (each with its own model), through the
+    planner tests' shared `estimate_errors`; the layout must be the one measured."""
+    from plan_measured import estimate_errors
 
-    errors, mib = {}, {}
+    def ulysses_sp2(name, est):
+        assert est.layout.sp_mode == "ulysses" and est.layout.sp == 2, name
+
+    errors = {}
     for i, (name, (kwargs, model, seq, mb)) in enumerate(MEASURED_CASES.items()):
-        kwargs = dict(kwargs)
-        plugin = make_plugin(kwargs.pop("name"), precision="fp32", **kwargs)
-        est = estimate_for_run(dict(model), plugin, seq, mb, 4, loss="hf")
-        assert est.layout.sp_mode == "ulysses" and est.layout.sp == 2
-        measured = max(r["measured"][i]["anon"] for r in ranks)
-        errors[name] = round(est.memory.device_total / measured - 1, 4)
-        mib[name] = (round(est.memory.device_total / 2**20, 1), round(measured / 2**20, 1))
-        losses = ranks[0]["measured"][i]["losses"]
-        assert len(losses) == 3 and losses[-1] < losses[0], (name, losses)
-    print("\n  estimate / measured - 1:", errors, "\n  MiB (estimate, measured):", mib)
+        errors.update(estimate_errors(model, {name: (kwargs, seq, mb)}, [[r["measured"][i]] for r in ranks], 4,
+                                      ulysses_sp2))
     return errors
 
 
@@ -192,7 +189,7 @@ def test_ulysses_saved_tensors_and_measured_peak(four_ranks, monkeypatch):
     assert abs(head64) <= 0.06 and abs(head128) <= 0.15, errors
     import phalanx.plan.memory as memory
 
-    monkeypatch.setattr(memory, "ulysses_saved_extra_bytes_per_token", lambda *a, **k: 0.0)
+    monkeypatch.setattr(memory, "sp_saved_extra_bytes_per_token", lambda *a, **k: 0.0)
     no_copy = _errors(ranks)
     print("  without o_proj's copy:", no_copy)
     assert abs(list(no_copy.values())[0]) > 0.06, no_copy

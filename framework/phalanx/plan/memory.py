@@ -171,13 +171,7 @@ def layer_activation_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lo
         norm = (FP32 * h + FP32 + p * h) / t + p * h  # the gathered norm output is whole
     attention = (_mla_bytes_per_token(spec, t, p) if getattr(spec, "mla", False)
                  else p * (2 * q + 2 * kv) + FP32 * spec.num_heads / t)
-    if layout.sp_mode == "ring" and not getattr(spec, "mla", False) and (
-            lora is None or "o_proj" in lora.target_modules):
-        # ring attention returns [B, heads, L, D]: transformers' transpose(1, 2).contiguous() is a
-        # copy, which o_proj saves for its weight's gradient (SDPA's output is already in [B, L, H, D]
-        # order, a view); latent attention's copy is counted in _mla_bytes_per_token already
-        attention += p * q
-    attention += ulysses_saved_extra_bytes_per_token(spec, layout, p, lora)
+    attention += sp_saved_extra_bytes_per_token(spec, layout, p, lora)
     mlp = 4 * p * f / t
     if spec.is_moe:  # the average over layers of dense and expert-block MLPs (whole under tp; on
         # 1/tp of the tokens under split-gather sequence parallelism)
@@ -196,26 +190,26 @@ def _ulysses_repeats_kv(spec: ModelSpec, layout: Layout) -> bool:
     return max(1, spec.num_kv_heads // layout.tp) % layout.sp != 0
 
 
-def ulysses_saved_extra_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lora=None) -> float:
-    """What a decoder layer saves under Ulysses (`phalanx.sequence.attention.ulysses_attention_forward`)
-    beyond the SDPA layer `layer_activation_bytes_per_token` counts, per token of the rank's shard:
-      o_proj's input, p·q: attention's output comes back from the all-to-all as a fresh
-        [B, heads, L/sp, D] tensor and transformers' transpose(1, 2).contiguous() copies it into
-        [B, L/sp, heads·D], which o_proj saves for its weight's gradient, while the attention kernel
-        keeps its own [B, heads/sp, L, D] output for its backward (plain SDPA's output is already in
-        [B, L, H, D] order, so o_proj's input is a view of it there) — only where o_proj's weight
-        takes a gradient (not under LoRA without an o_proj adapter);
-      where the key/value heads are repeated for the all-to-all (`_ulysses_repeats_kv`), the
-        attention kernel saves the repeated key and value, q wide each: 2p·(q − kv).
+def sp_saved_extra_bytes_per_token(spec: ModelSpec, layout: Layout, p: int, lora=None) -> float:
+    """What a decoder layer saves under Ulysses or ring attention (`phalanx.sequence`) beyond the
+    SDPA layer `layer_activation_bytes_per_token` counts, per token of the rank's shard:
+      o_proj's input, p·q: both return attention's output as [B, heads, L, D] (Ulysses: fresh from
+        the all-to-all, [B, heads, L/sp, D]), and transformers' transpose(1, 2).contiguous() copies
+        it into [B, L, heads·D], which o_proj saves for its weight's gradient, while the attention
+        keeps its own output for its backward (plain SDPA's output is already in [B, L, H, D]
+        order, so o_proj's input is a view of it there) — only where o_proj's weight takes a
+        gradient (not under LoRA without an o_proj adapter);
+      Ulysses, where the key/value heads are repeated for the all-to-all (`_ulysses_repeats_kv`):
+        the attention kernel saves the repeated key and value, q wide each: 2p·(q − kv).
     Equal to the storages autograd keeps in a transformers Llama under Ulysses sp 4 on four gloo
-    ranks, with and without the repeat (tests/framework/test_plan_ulysses.py). Latent attention (DeepSeek): not counted
-    (its o_proj copy is in `_mla_bytes_per_token` already)."""
-    if layout.sp_mode != "ulysses" or layout.sp < 2 or getattr(spec, "mla", False):
+    ranks, with and without the repeat (tests/framework/test_plan_ulysses.py). Latent attention
+    (DeepSeek): not counted (its o_proj copy is in `_mla_bytes_per_token` already)."""
+    if layout.sp_mode not in ("ulysses", "ring") or layout.sp < 2 or getattr(spec, "mla", False):
         return 0.0
     q = spec.q_dim / layout.tp
     kv = kv_weight_heads(spec.heads, layout.tp) * spec.head_dim
     extra = p * q if lora is None or "o_proj" in lora.target_modules else 0.0
-    if _ulysses_repeats_kv(spec, layout):
+    if layout.sp_mode == "ulysses" and _ulysses_repeats_kv(spec, layout):
         extra += 2 * p * (q - kv)
     return extra
 

@@ -170,7 +170,7 @@ class TrainingRun:
         for key in ("lr", "warmup_steps", "min_lr_ratio"):
             if key in saved and saved[key] != getattr(cfg, key):
                 changed.append(f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}")
-        was = saved.get("decay_steps") or saved.get("max_steps")
+        was = saved["decay_steps"] if saved.get("decay_steps") is not None else saved.get("max_steps")  # lr_decay_steps
         if was is not None and was != cfg.lr_decay_steps:
             changed.append(f"the cosine ends at step {was} -> {cfg.lr_decay_steps} (decay_steps, else max_steps)")
         if changed:
